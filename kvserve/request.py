@@ -1,0 +1,216 @@
+"""Request state shared by the scheduler, the KV cache manager and the engine.
+
+A :class:`Request` is the scheduler's view of one generation. Its one rule, borrowed
+from vLLM V1: every request has ``num_computed_tokens`` and tries to catch up with
+``num_tokens`` (prompt + generated). Chunked prefill, prefix hits and decode all fall
+out of that rule.
+
+    all_token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... ]
+                      ^ prompt           ^ outputs appended by update_from_output
+    num_computed_tokens: how many of all_token_ids already have KV in the cache
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop; validated on construction.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k (vLLM uses -1;
+    both are accepted). ``seed`` makes sampling reproducible for this request
+    whatever else is in the batch. ``logprobs=N`` returns the sampled token's
+    logprob and the top N. Raises ``ValueError`` with the fix in the message.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, value: object, rule: str) -> ValueError:
+            return ValueError(f"sampling parameter {name}={value!r} is invalid: {rule}")
+
+        if self.n != 1:
+            raise bad("n", self.n, "only n=1 is supported; send several requests instead")
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", self.temperature, "use a number >= 0 (0 = greedy)")
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", self.top_p, "use a number in (0, 1], e.g. 0.9")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "use -1 or 0 to disable, or a positive integer")
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "use a number in [0, 1], e.g. 0.05")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise bad("max_tokens", self.max_tokens, "use a positive integer, e.g. 16")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "use an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", self.logprobs, "use an integer from 0 to 20")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite(v) or not -2 <= v <= 2:
+                raise bad(name, v, "use a number in [-2, 2]")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "use a number > 0 (1 = off)")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "use an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", self.stop, "use non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "use non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class Request:
+    """One generation request as the scheduler and KV cache manager see it.
+
+    Callers must keep these rules:
+    - ``prompt_token_ids`` is non-empty and never changes.
+    - Only the scheduler changes ``num_computed_tokens``, ``status`` and appends to
+      the outputs (through :meth:`append_output_token_ids`).
+    - ``block_hashes`` is owned by the KV cache manager: it holds the chained hashes
+      of the request's full blocks computed so far, and survives preemption.
+    """
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+        prompt: str | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {req_id!r} has an empty prompt: send at least one token")
+        self.req_id = req_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.adapter_id = adapter_id
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prefix-cache hit length at first admission; -1 until admitted.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.stop_reason: int | str | None = None
+        # Timing, seconds since the epoch (None until it happens).
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        mt = self.sampling_params.max_tokens
+        return mt if mt is not None else 1 << 30
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASON.get(self.status)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id!r}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+            f"status={self.status.value})"
+        )

@@ -1,0 +1,115 @@
+"""The plain-data contract between the scheduler and the model runner.
+
+Nothing here holds tensors. The scheduler produces a :class:`SchedulerOutput` each
+step; the model runner consumes it and returns a :class:`ModelRunnerOutput`, which the
+scheduler consumes in ``update_from_output``.
+
+Diffs, as in vLLM V1: a request's first scheduled step (or its first step after a
+preemption) appears in ``scheduled_new_reqs`` with its tokens and all its block ids;
+later steps appear in ``scheduled_cached_reqs`` with only the blocks added since.
+``finished_req_ids`` lists requests that finished or were aborted/preempted since the
+previous step so the runner drops their state.
+
+For every scheduled request ``r``:
+    token range computed this step = [cached_seq_len[r], cached_seq_len[r] + num_scheduled_tokens[r])
+    cached_seq_len[r] == num_computed_tokens before the step
+    num_scheduled_tokens_padded[r] >= num_scheduled_tokens[r]  (separated policy pads prefill chunks)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvserve.request import SamplingParams
+
+Phase = Literal["prefill", "decode", "mixed", "idle"]
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption).
+
+    ``prompt_token_ids`` is the original prompt; ``output_token_ids`` holds tokens
+    already generated before a preemption (empty on first admission). The runner's
+    token history is ``prompt_token_ids + output_token_ids``.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already knows, in parallel lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What to compute in one step.
+
+    ``scheduled_token_ids[r]`` are the token ids of ``r`` computed this step
+    (length ``num_scheduled_tokens[r]``), so the runner never guesses inputs.
+    ``decode_batch_size_padded`` is set for separated-policy decode steps: the
+    runner pads the batch with dummy rows up to it (they write no KV).
+    """
+
+    phase: Phase
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    num_scheduled_tokens_padded: dict[str, int]
+    scheduled_token_ids: dict[str, list[int]]
+    cached_seq_len: dict[str, int]
+    kv_segment_size: int
+    finished_req_ids: set[str] = field(default_factory=set)
+    decode_batch_size_padded: int | None = None
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def total_num_scheduled_tokens_padded(self) -> int:
+        return sum(self.num_scheduled_tokens_padded.values())
+
+    @property
+    def scheduled_req_ids(self) -> list[str]:
+        """Scheduled requests in batch order: new requests first, then cached ones."""
+        return [r.req_id for r in self.scheduled_new_reqs] + list(self.scheduled_cached_reqs.req_ids)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass
+class Logprobs:
+    """Logprob of the sampled token and the top-N alternatives (ids, logprobs)."""
+
+    sampled_logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request: the sampled token ids (empty while mid-prefill)."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})
