@@ -113,3 +113,19 @@ class ModelRunnerOutput:
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})
+
+
+@dataclass
+class EngineCoreOutput:
+    """What ``update_from_output`` reports per request that advanced this step.
+
+    ``new_token_ids`` are the tokens appended this step (empty for a request that
+    only finished, e.g. aborted). ``finish_reason`` is set on the step it finishes.
+    """
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Logprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
