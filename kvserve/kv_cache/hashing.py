@@ -1,0 +1,142 @@
+"""Block hash chain for prefix caching.
+
+The hash of a full block depends on its parent block's hash, its token ids, and the
+request's extra keys::
+
+    root ──▶ H0 = h(ROOT, tokens[0:B],  extra_keys) ──▶ H1 = h(H0, tokens[B:2B]) ──▶ ...
+
+Extra keys (model fingerprint, adapter, cache salt) go into the FIRST block only and
+reach every later block through the chain, so two requests that differ in any key
+share no block. Extra keys are tagged tuples such as ``("cache_salt", "tenant-a")``:
+the tag names the kind of key, so a salt can never collide with an adapter id of the
+same spelling.
+
+The default algorithm, ``"sha256"``, hashes a canonical byte encoding (explicit
+lengths, explicit little-endian integers, type tags) so the same block gets the same
+hash in every process and on every machine; future prefill/decode workers must agree.
+``"builtin"`` uses Python's ``hash`` of a tuple: faster, but strings and bytes are
+hashed with a per-process random seed, so its values are not stable across processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+
+HASH_ALGOS = ("sha256", "builtin")
+
+# Parent of the first block: a fixed 32-byte value, never the hash of a real block.
+_ROOT = hashlib.sha256(b"kvserve.block-hash-chain.root.v1").digest()
+
+
+def _encode(value: object, out: bytearray) -> None:
+    """Append an injective, type-tagged encoding of ``value`` to ``out``.
+
+    Supported: None, bool, int, float, str, bytes, and tuples/lists/dicts of these
+    (dicts are encoded with keys sorted by their encoding). Anything else raises
+    ValueError, because ``repr`` of arbitrary objects is not stable across processes.
+    """
+    if value is None:
+        out += b"N"
+    elif isinstance(value, bool):
+        out += b"T" if value else b"F"
+    elif isinstance(value, int):
+        raw = str(value).encode("ascii")
+        out += b"i" + struct.pack("<I", len(raw)) + raw
+    elif isinstance(value, float):
+        raw = value.hex().encode("ascii")
+        out += b"f" + struct.pack("<I", len(raw)) + raw
+    elif isinstance(value, str):
+        raw = value.encode("utf-8")
+        out += b"s" + struct.pack("<I", len(raw)) + raw
+    elif isinstance(value, bytes | bytearray):
+        out += b"b" + struct.pack("<I", len(value)) + bytes(value)
+    elif isinstance(value, tuple | list):
+        out += b"t" + struct.pack("<I", len(value))
+        for item in value:
+            _encode(item, out)
+    elif isinstance(value, dict):
+        items = []
+        for k, v in value.items():
+            kb, vb = bytearray(), bytearray()
+            _encode(k, kb)
+            _encode(v, vb)
+            items.append((bytes(kb), bytes(vb)))
+        items.sort()
+        out += b"d" + struct.pack("<I", len(items))
+        for key_bytes, value_bytes in items:
+            out += key_bytes + value_bytes
+    else:
+        raise ValueError(
+            f"cannot hash a value of type {type(value).__name__} ({value!r}) stably: "
+            "use str, int, float, bool, None, bytes, or tuples/lists/dicts of these, "
+            "e.g. model_fingerprint('sha256:ab12...', 'float32', 10000.0)"
+        )
+
+
+def canonical_bytes(value: object) -> bytes:
+    """The canonical, process-independent byte encoding used by the sha256 hashes."""
+    out = bytearray()
+    _encode(value, out)
+    return bytes(out)
+
+
+def model_fingerprint(*parts: object) -> str:
+    """A stable hex string identifying everything that changes a block's KV contents.
+
+    Pass the weights digest, dtype, RoPE settings (theta, scaling), KV dtype, and any
+    other engine setting that changes K/V values, e.g.
+    ``model_fingerprint("weights:3f2a...", "bfloat16", {"rope_theta": 10000.0})``.
+    Equal parts give equal fingerprints in every process; the order of parts matters.
+    """
+    return hashlib.sha256(b"kvserve.model-fingerprint.v1" + canonical_bytes(parts)).hexdigest()
+
+
+def request_extra_keys(
+    model_fingerprint: str, adapter_id: str | None, cache_salt: str | None
+) -> tuple[tuple[str, str], ...]:
+    """The tagged extra keys of a request, in a fixed order.
+
+    ``("model", fp)`` when the fingerprint is non-empty, ``("adapter", id)`` when an
+    adapter is set, ``("cache_salt", salt)`` when a salt is set (None means no salt;
+    an empty string is a salt of its own). Keys that are absent are left out.
+    """
+    keys: list[tuple[str, str]] = []
+    if model_fingerprint:
+        keys.append(("model", model_fingerprint))
+    if adapter_id is not None:
+        keys.append(("adapter", adapter_id))
+    if cache_salt is not None:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys)
+
+
+def hash_block_tokens(
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: tuple = (),
+    algo: str = "sha256",
+) -> BlockHash:
+    """Hash one full block given its parent's hash (None for the first block).
+
+    Callers must keep these rules: ``token_ids`` are exactly one full block; pass the
+    request's extra keys for the first block only (later blocks get them through
+    ``parent``); token ids are integers in [-2**63, 2**63).
+
+    ``algo="sha256"`` (default) is stable across processes; ``algo="builtin"`` is not.
+    """
+    if algo == "sha256":
+        h = hashlib.sha256(_ROOT if parent is None else parent)
+        h.update(canonical_bytes(extra_keys))
+        h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+        return BlockHash(h.digest())
+    if algo == "builtin":
+        value = hash((parent, tuple(token_ids), extra_keys))
+        return BlockHash(value.to_bytes(8, "little", signed=True))
+    raise ValueError(
+        f"unknown hash_algo={algo!r}: must be one of {HASH_ALGOS} (for example: hash_algo='sha256')"
+    )

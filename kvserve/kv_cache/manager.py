@@ -1,0 +1,358 @@
+"""KVCacheManager: the scheduler's only KV API.
+
+A request's blocks cover its token positions in order; block ``i`` holds positions
+``[i*B, (i+1)*B)`` (B = block_size). One scheduling step for a request looks like::
+
+    all_token_ids:  [ cached prefix (hit) | computed | new this step | not yet ]
+                      ^ get_computed_blocks  ^ num_computed_tokens
+    blocks needed:  cdiv(num_computed + num_new_computed + num_new_tokens, B)
+
+Scheduler protocol (what a caller must keep):
+
+1. Admitting a waiting request: ``blocks, n = get_computed_blocks(req)`` then, right
+   away and with no other allocation in between, ``allocate_slots(req, num_new_tokens,
+   blocks, n)``. ``None`` means "does not fit": nothing changed, try later. On success
+   the scheduler sets ``req.num_computed_tokens += n``.
+2. A running request: ``allocate_slots(req, num_new_tokens)`` each step.
+3. After the step's tokens have KV: ``cache_blocks(req, req.num_computed_tokens)``.
+4. Finished, aborted or preempted: ``free(req)`` (preemption also resets
+   ``num_computed_tokens`` to 0; the request is then admitted again from step 1).
+
+Prefix-cache stats count a request once per admission (the first successful
+``allocate_slots`` since it held no blocks): a refused and retried lookup is not
+counted twice, but a preempted request that is admitted again is counted again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from kvserve.kv_cache.block_pool import BlockPool, KVCacheBlock
+from kvserve.kv_cache.hashing import (
+    HASH_ALGOS,
+    BlockHash,
+    hash_block_tokens,
+    request_extra_keys,
+)
+from kvserve.request import Request
+
+STATS_WINDOW = 1000  # admissions in the recent hit-rate window
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_positive(name: str, value: object, example: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"invalid {name}={value!r}: must be a positive integer (for example: {example})"
+        )
+
+
+class KVCacheManager:
+    """Paged KV cache with block-level prefix caching.
+
+    ``num_blocks`` counts the null block 0, so ``num_blocks - 1`` blocks are usable.
+    ``model_fingerprint`` (see :func:`kvserve.kv_cache.hashing.model_fingerprint`) goes
+    into every request's first block hash, so two models never share blocks.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        model_fingerprint: str = "",
+    ) -> None:
+        _check_positive("num_blocks", num_blocks, "num_blocks=1024")
+        _check_positive("block_size", block_size, "block_size=16")
+        _check_positive("max_model_len", max_model_len, "max_model_len=8192")
+        if hash_algo not in HASH_ALGOS:
+            raise ValueError(
+                f"invalid hash_algo={hash_algo!r}: must be one of {HASH_ALGOS} (for example: hash_algo='sha256')"
+            )
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_req = cdiv(max_model_len, block_size)
+        self.enable_caching = enable_caching
+        self.hash_algo = hash_algo
+        self.model_fingerprint = model_fingerprint
+        # req_id -> blocks held, in position order. A key exists iff the request is admitted.
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # req_id -> how many leading blocks cache_blocks has already processed.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._window: deque[tuple[int, int]] = deque()
+        self._window_queries = 0
+        self._window_hits = 0
+
+    # -- sizes and counts ---------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def num_active_blocks(self) -> int:
+        return self.block_pool.num_active_blocks
+
+    @property
+    def num_reclaimable_blocks(self) -> int:
+        return self.block_pool.num_reclaimable_blocks
+
+    @property
+    def num_empty_blocks(self) -> int:
+        return self.block_pool.num_empty_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Reclaimable + empty (each block counted once)."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks that are active, in [0, 1]."""
+        return self.block_pool.num_active_blocks / self.block_pool.num_usable_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / queried tokens over the last ``STATS_WINDOW`` admissions; 0.0 when empty."""
+        return self._window_hits / self._window_queries if self._window_queries else 0.0
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` new blocks fit now (evicting cached blocks if needed)."""
+        return num_blocks <= self.block_pool.num_free_blocks
+
+    def max_concurrent_requests(self, max_model_len: int | None = None) -> int:
+        """How many requests fit at once if each grows to ``max_model_len`` tokens."""
+        length = self.max_model_len if max_model_len is None else max_model_len
+        _check_positive("max_model_len", length, "max_model_len=8192")
+        return self.block_pool.num_usable_blocks // cdiv(length, self.block_size)
+
+    # -- hashing ------------------------------------------------------------------
+    def _update_block_hashes(self, request: Request) -> list[bytes]:
+        """Extend ``request.block_hashes`` to cover every full block of its tokens."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        num_full = len(tokens) // bs
+        i = len(hashes)
+        if i >= num_full:
+            return hashes
+        parent: BlockHash | None = BlockHash(hashes[-1]) if hashes else None
+        algo = self.hash_algo
+        while i < num_full:
+            extra = (
+                request_extra_keys(self.model_fingerprint, request.adapter_id, request.cache_salt)
+                if i == 0
+                else ()
+            )
+            parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra, algo)
+            hashes.append(parent)
+            i += 1
+        return hashes
+
+    # -- the scheduler API ----------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks from the start of ``request.all_token_ids``.
+
+        Stops at the first miss; a hit is confirmed by the block's token ids. At
+        least one token is always left to compute (for the logits): the hit covers at
+        most ``num_tokens - 1`` tokens, rounded down to a whole block. Returns the
+        blocks and the number of hit tokens (``len(blocks) * block_size``); ``([], 0)``
+        when caching is off. Changes no ref counts and no stats; extends
+        ``request.block_hashes``.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = self._update_block_hashes(request)
+        bs = self.block_size
+        tokens = request.all_token_ids
+        max_hit_blocks = min((request.num_tokens - 1) // bs, len(hashes))
+        pool = self.block_pool
+        hits: list[KVCacheBlock] = []
+        for i in range(max_hit_blocks):
+            block = pool.get_cached_block(
+                BlockHash(hashes[i]), tuple(tokens[i * bs : (i + 1) * bs])
+            )
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        Claims the prefix-hit blocks (ref up; out of the free queue if free) and
+        allocates ``cdiv(num_computed + num_new_computed + num_new_tokens, B)`` minus
+        the blocks held, only what is needed now. Returns the newly allocated blocks
+        (possibly empty; never the hit blocks). Returns None and changes NOTHING (ref
+        counts, free queue, stats) when they do not fit; free cached blocks count as
+        available, the hit blocks themselves do not. Check the result with ``is None``.
+
+        Raises ValueError when the call breaks the protocol: negative counts, hit
+        blocks that don't match ``num_new_computed_tokens``, hit blocks passed for a
+        request that already holds blocks, stale hit blocks (evicted since the lookup),
+        or more than ``max_model_len`` tokens.
+        """
+        hits = list(new_computed_blocks or ())
+        bs = self.block_size
+        if num_new_tokens < 0 or num_new_computed_tokens < 0:
+            raise ValueError(
+                f"allocate_slots for {request.req_id!r}: num_new_tokens={num_new_tokens} and "
+                f"num_new_computed_tokens={num_new_computed_tokens} must be >= 0"
+            )
+        if num_new_computed_tokens != len(hits) * bs:
+            raise ValueError(
+                f"allocate_slots for {request.req_id!r}: num_new_computed_tokens="
+                f"{num_new_computed_tokens} must equal len(new_computed_blocks) * block_size = "
+                f"{len(hits) * bs}; pass both values returned by get_computed_blocks"
+            )
+        held = self.req_to_blocks.get(request.req_id)
+        if hits:
+            if held or request.num_computed_tokens:
+                raise ValueError(
+                    f"allocate_slots for {request.req_id!r}: prefix-hit blocks can only be "
+                    "claimed on admission (no blocks held, num_computed_tokens == 0)"
+                )
+            hashes = request.block_hashes
+            for i, block in enumerate(hits):
+                if i >= len(hashes) or block.block_hash != hashes[i]:
+                    raise ValueError(
+                        f"allocate_slots for {request.req_id!r}: hit block {block.block_id} "
+                        "was evicted since get_computed_blocks; call get_computed_blocks "
+                        "right before allocate_slots"
+                    )
+        num_held = len(held) if held else 0
+        total_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if total_tokens > self.max_model_len:
+            raise ValueError(
+                f"allocate_slots for {request.req_id!r}: {total_tokens} tokens exceed "
+                f"max_model_len={self.max_model_len}; schedule at most "
+                f"{max(0, self.max_model_len - request.num_computed_tokens - num_new_computed_tokens)} new tokens"
+            )
+        num_new_blocks = max(0, cdiv(total_tokens, bs) - num_held - len(hits))
+        pool = self.block_pool
+        num_hits_in_free_queue = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_new_blocks > pool.num_free_blocks - num_hits_in_free_queue:
+            return None
+
+        # Everything fits: from here on, mutate.
+        if held is None:
+            held = self.req_to_blocks[request.req_id] = []
+            self.num_cached_blocks[request.req_id] = len(hits)
+            if self.enable_caching:
+                self._record_admission(request.num_tokens, num_new_computed_tokens)
+        if hits:
+            pool.touch(hits)
+            held.extend(hits)
+        new_blocks = pool.get_new_blocks(num_new_blocks)
+        held.extend(new_blocks)
+        return new_blocks
+
+    def _record_admission(self, queries: int, hits: int) -> None:
+        self.prefix_cache_queries += queries
+        self.prefix_cache_hits += hits
+        self._window.append((queries, hits))
+        self._window_queries += queries
+        self._window_hits += hits
+        if len(self._window) > STATS_WINDOW:
+            q, h = self._window.popleft()
+            self._window_queries -= q
+            self._window_hits -= h
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Hash and cache every block of ``request`` that is full within the first
+        ``num_computed_tokens`` tokens and not cached yet. Partial blocks are never
+        cached. When another block already holds the same content (two requests
+        computed it at once), the existing cached block is kept and this one stays
+        uncached (it is reused first once freed). No-op when caching is off.
+        """
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks.get(request.req_id)
+        if blocks is None:
+            return
+        if num_computed_tokens > request.num_tokens:
+            raise ValueError(
+                f"cache_blocks for {request.req_id!r}: num_computed_tokens={num_computed_tokens} "
+                f"exceeds the request's {request.num_tokens} tokens"
+            )
+        bs = self.block_size
+        start = self.num_cached_blocks[request.req_id]
+        end = min(num_computed_tokens // bs, len(blocks))
+        if end <= start:
+            return
+        hashes = self._update_block_hashes(request)
+        tokens = request.all_token_ids
+        pool = self.block_pool
+        for i in range(start, end):
+            pool.cache_block(blocks[i], BlockHash(hashes[i]), tuple(tokens[i * bs : (i + 1) * bs]))
+        self.num_cached_blocks[request.req_id] = end
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first. Cached blocks stay reclaimable
+        (evicted least recently freed first); uncached ones are reused first.
+        A request that holds nothing is ignored."""
+        blocks = self.req_to_blocks.pop(request.req_id, None)
+        self.num_cached_blocks.pop(request.req_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        """Block ids held by the request, in position order ([] if none)."""
+        return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
+
+    def get_block_table_row(self, req_id: str) -> list[int]:
+        """Fixed-width row of ``max_blocks_per_req`` ids: held ids first, 0 (null block) after."""
+        ids = self.get_block_ids(req_id)
+        return ids + [0] * (self.max_blocks_per_req - len(ids))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks. Returns False and changes nothing while any
+        block is active; True once reset."""
+        return self.block_pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError describing the first broken invariant, if any."""
+        pool = self.block_pool
+        pool.check_invariants()
+        total = self.num_active_blocks + self.num_reclaimable_blocks + self.num_empty_blocks
+        if total != self.num_blocks - 1:
+            raise RuntimeError(
+                f"active + reclaimable + empty = {total} != num_blocks - 1 = {self.num_blocks - 1}"
+            )
+        holders: dict[int, list[str]] = {}
+        for req_id, blocks in self.req_to_blocks.items():
+            if len(blocks) > self.max_blocks_per_req:
+                raise RuntimeError(
+                    f"request {req_id!r} holds {len(blocks)} > max_blocks_per_req blocks"
+                )
+            if self.num_cached_blocks.get(req_id, -1) > len(blocks):
+                raise RuntimeError(f"request {req_id!r} has more cached blocks than blocks")
+            for block in blocks:
+                holders.setdefault(block.block_id, []).append(req_id)
+        if set(self.num_cached_blocks) != set(self.req_to_blocks):
+            raise RuntimeError("num_cached_blocks and req_to_blocks track different requests")
+        for block in pool.blocks:
+            owners = holders.get(block.block_id, [])
+            if block.ref_cnt != len(owners):
+                raise RuntimeError(
+                    f"{block} has ref_cnt {block.ref_cnt} but {len(owners)} holders {owners}"
+                )
+            if len(set(owners)) != len(owners):
+                raise RuntimeError(f"{block} is held twice by request {owners}")
+            if len(owners) > 1 and block.block_hash is None:
+                raise RuntimeError(f"{block} is shared by {owners} but is not a cached block")
