@@ -35,7 +35,7 @@ class RequestStatus(enum.Enum):
         )
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
@@ -104,8 +104,12 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "use an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad(
+                "min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}"
+            )
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+        ):
             raise bad("logprobs", self.logprobs, "use an integer from 0 to 20")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)

@@ -12,7 +12,10 @@ import sys
 # subcommand -> (module, help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvserve.entrypoints.serve_cmd", "serve a model over an OpenAI-compatible HTTP API"),
-    "generate": ("kvserve.entrypoints.generate_cmd", "generate a completion and stream it to stdout"),
+    "generate": (
+        "kvserve.entrypoints.generate_cmd",
+        "generate a completion and stream it to stdout",
+    ),
     "simulate": ("kvserve.sim.cli", "run the real schedulers on a workload file without a model"),
     "bench": ("kvserve.bench.cli", "benchmarks: forward, serve, compare"),
 }

@@ -88,7 +88,9 @@ class SchedulerOutput:
     @property
     def scheduled_req_ids(self) -> list[str]:
         """Scheduled requests in batch order: new requests first, then cached ones."""
-        return [r.req_id for r in self.scheduled_new_reqs] + list(self.scheduled_cached_reqs.req_ids)
+        return [r.req_id for r in self.scheduled_new_reqs] + list(
+            self.scheduled_cached_reqs.req_ids
+        )
 
     @property
     def is_empty(self) -> bool:

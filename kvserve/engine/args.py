@@ -1,0 +1,163 @@
+"""Engine options: one flat set of names shared by ``LLM(...)``, ``kvserve generate``,
+``kvserve serve`` and ``kvserve bench compare``, mapped onto the frozen configs.
+
+Every option is validated up front: :func:`build_engine_config` raises ValueError
+naming the option, the rule and a valid example, and never half-builds an engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class _Option:
+    name: str
+    section: str  # "model" | "cache" | "scheduler" | "shared"
+    type: type
+    help: str
+
+
+def _parse_int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of integers such as 128,256,512, got {text!r}"
+        ) from e
+
+
+OPTIONS: tuple[_Option, ...] = (
+    _Option(
+        "model", "model", str, "HF folder, .gguf file or named default (smollm2-135m-instruct)"
+    ),
+    _Option("dtype", "model", str, "float32 (default) or bfloat16/float16"),
+    _Option("device", "model", str, "torch device, default cpu"),
+    _Option("max_model_len", "shared", int, "longest prompt + output a request may have"),
+    _Option("block_size", "shared", int, "tokens per KV block (power of two)"),
+    _Option("enable_prefix_caching", "shared", bool, "reuse KV of shared prompt prefixes"),
+    _Option("num_kv_blocks", "cache", int, "KV blocks to allocate (overrides kv_cache_memory_gib)"),
+    _Option("kv_cache_memory_gib", "cache", float, "GiB of memory for the KV cache"),
+    _Option("hash_algo", "cache", str, "prefix-cache block hash: sha256 (default) or builtin"),
+    _Option("max_num_seqs", "scheduler", int, "most requests running at once"),
+    _Option("max_num_batched_tokens", "scheduler", int, "token budget per step"),
+    _Option("scheduler_policy", "scheduler", str, "mixed (default) or separated"),
+    _Option(
+        "long_prefill_token_threshold",
+        "scheduler",
+        int,
+        "cap on one prompt's chunk when several compete (0 = off)",
+    ),
+    _Option(
+        "num_batched_tokens_buckets",
+        "scheduler",
+        tuple,
+        "separated policy: prefill chunk buckets, e.g. 128,256,512",
+    ),
+    _Option(
+        "num_seqs_buckets",
+        "scheduler",
+        tuple,
+        "separated policy: decode batch buckets, e.g. 1,2,4,8",
+    ),
+    _Option(
+        "kv_segment_size",
+        "scheduler",
+        int,
+        "segment of cached KV read per attention pass: 0, 512, 1024, 2048, 4096",
+    ),
+)
+OPTION_NAMES = tuple(o.name for o in OPTIONS)
+
+
+def build_engine_config(**kwargs: Any) -> EngineConfig:
+    """Map flat engine options onto an :class:`EngineConfig` and validate it.
+
+    Unknown names raise TypeError listing the valid ones. ``None`` values mean
+    "default". ``max_model_len`` left unset stays None in ModelConfig and is
+    resolved against the model's own context length by the engine.
+    """
+    unknown = sorted(set(kwargs) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(
+            f"unknown engine option(s) {', '.join(unknown)}; valid options are: {', '.join(OPTION_NAMES)}"
+        )
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    for key in ("num_batched_tokens_buckets", "num_seqs_buckets"):
+        if key in given and not isinstance(given[key], tuple):
+            value = given[key]
+            if isinstance(value, str):
+                value = _parse_int_list(value)
+            given[key] = tuple(value)
+    sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+    for opt in OPTIONS:
+        if opt.name not in given:
+            continue
+        value = given[opt.name]
+        if opt.section == "shared":
+            if opt.name == "max_model_len":
+                sections["model"]["max_model_len"] = value
+                sections["scheduler"]["max_model_len"] = value
+            else:
+                sections["cache"][opt.name] = value
+                sections["scheduler"][opt.name] = value
+        else:
+            sections[opt.section][opt.name] = value
+    config = EngineConfig(
+        model=ModelConfig(**sections["model"]),
+        cache=CacheConfig(**sections["cache"]),
+        scheduler=SchedulerConfig(**sections["scheduler"]),
+    )
+    config.cache.validate()
+    return config
+
+
+def with_max_model_len(config: EngineConfig, model_max_len: int) -> EngineConfig:
+    """Resolve max_model_len against the model's context length; validate the scheduler.
+
+    An explicit max_model_len larger than the model allows is refused.
+    """
+    requested = config.model.max_model_len
+    if requested is None:
+        max_len = min(model_max_len, 8192)
+    elif requested > model_max_len:
+        raise ValueError(
+            f"invalid max_model_len={requested}: the model supports at most {model_max_len} tokens "
+            f"(for example: max_model_len={min(model_max_len, 8192)})"
+        )
+    else:
+        max_len = requested
+    sched = dataclasses.replace(config.scheduler, max_model_len=max_len)
+    sched = sched.resolved() if hasattr(sched, "resolved") else sched
+    if hasattr(sched, "validate"):
+        sched.validate()
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, max_model_len=max_len), scheduler=sched
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--model``, ``--max-num-batched-tokens`` ... (one flag per engine option)."""
+    group = parser.add_argument_group("engine options")
+    for opt in OPTIONS:
+        flag = "--" + opt.name.replace("_", "-")
+        if opt.type is bool:
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=opt.help
+            )
+        elif opt.type is tuple:
+            group.add_argument(flag, type=_parse_int_list, default=None, help=opt.help)
+        else:
+            group.add_argument(flag, type=opt.type, default=None, help=opt.help)
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options set on the command line (others stay at their defaults)."""
+    return {
+        name: getattr(args, name) for name in OPTION_NAMES if getattr(args, name, None) is not None
+    }

@@ -1,0 +1,170 @@
+"""Offline API, shaped like vLLM's ``LLM``: many prompts in, one ``RequestOutput`` each.
+
+    llm = LLM()                                   # default model
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0.0))
+    llm.generate(prompt_token_ids=[[1, 2, 3]])
+    llm.chat([{"role": "user", "content": "Hi"}])
+
+``generate`` validates every prompt before queueing any, so one bad prompt raises
+ValueError and leaves the engine as it was. Requests are batched continuously by the
+scheduler (chunked prefill, prefix caching) and returned in input order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvserve.engine.args import build_engine_config
+from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.request import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine on one model. ``engine_options`` are those of ``kvserve.engine.args``
+    (``max_num_batched_tokens=256``, ``scheduler_policy="separated"``, ...); unknown names
+    raise TypeError, bad values ValueError."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        config = build_engine_config(model=model, **engine_options)
+        self.engine = EngineCore(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids, not both) and return in order."""
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError(
+                "pass exactly one of prompts (text) or prompt_token_ids (lists of ints)"
+            )
+        texts: list[str | None]
+        if prompts is not None:
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            texts = list(prompts)
+            token_lists = [self._encode(t) for t in prompts]
+        else:
+            assert prompt_token_ids is not None
+            if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+                prompt_token_ids = [prompt_token_ids]  # type: ignore[list-item]
+            token_lists = [list(p) for p in prompt_token_ids]  # type: ignore[arg-type]
+            texts = [None] * len(token_lists)
+        return self._run(texts, token_lists, sampling_params, use_tqdm, cache_salt)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations: list[Sequence[Message]]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        texts: list[str | None] = []
+        token_lists: list[list[int]] = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(
+                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            texts.append(text)
+            token_lists.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._run(texts, token_lists, sampling_params, use_tqdm, None)
+
+    # ------------------------------------------------------------------ internals
+    def _encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(
+                f"prompts must be strings, got {type(text).__name__}; use prompt_token_ids for ids"
+            )
+        return list(self.tokenizer.encode(text))
+
+    def _run(
+        self,
+        texts: list[str | None],
+        token_lists: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        cache_salt: str | None,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(token_lists)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(token_lists)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(token_lists):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(token_lists)} prompts: "
+                    "pass one SamplingParams for all, or exactly one per prompt"
+                )
+        for i, (ids, params) in enumerate(zip(token_lists, params_list, strict=True)):
+            try:
+                self.engine.validate_request(ids, params)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+
+        engine = self.engine
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        try:
+            for text, ids, params in zip(texts, token_lists, params_list, strict=True):
+                req_id = engine.add_request(ids, params, prompt=text, cache_salt=cache_salt)
+                order.append(req_id)
+                results[req_id] = RequestOutput(
+                    request_id=req_id,
+                    prompt=text,
+                    prompt_token_ids=ids,
+                    outputs=[CompletionOutput(index=0, text="", token_ids=[], logprobs=None)],
+                    finished=False,
+                    num_cached_tokens=0,
+                    metrics=RequestMetrics(arrival_time=0.0),
+                )
+            bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+            pending = set(order)
+            while pending:
+                for delta in engine.step():
+                    out = results.get(delta.request_id)
+                    if out is None:
+                        continue
+                    comp = out.outputs[0]
+                    comp.text += delta.new_text
+                    comp.token_ids.extend(delta.new_token_ids)
+                    if delta.new_logprobs:
+                        comp.logprobs = (comp.logprobs or []) + delta.new_logprobs
+                    out.num_cached_tokens = delta.num_cached_tokens
+                    if delta.metrics is not None:
+                        out.metrics = delta.metrics
+                    if delta.finished:
+                        comp.finish_reason = delta.finish_reason
+                        comp.stop_reason = delta.stop_reason
+                        out.finished = True
+                        pending.discard(delta.request_id)
+                        bar.update(1)
+                if pending and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"engine lost requests {sorted(pending)}")
+            bar.close()
+        except BaseException:
+            engine.abort_requests([r for r in order if not results[r].finished])
+            raise
+        return [results[r] for r in order]
