@@ -1,0 +1,395 @@
+"""Turn one row of logits per request into one sampled token (and its logprobs).
+
+The model runner calls :class:`Sampler` once per step with the logits of every
+request that produces a token this step (``[B, V]``, fp32, any device) and one
+:class:`SamplingRequestState` per row. The math is vectorized over the batch; only
+building the small per-row parameter tensors and drawing the per-request random
+numbers loops over rows.
+
+Order of operations (vLLM V1 semantics):
+
+    raw logits ──▶ logprobs = log_softmax(raw logits)        (reported, see below)
+        │
+        ├─ min_tokens: stop tokens (and EOS unless ignore_eos) get -inf while
+        │  len(output) < min_tokens
+        ├─ repetition penalty over prompt + output tokens (HF/vLLM): a seen token's
+        │  logit is divided by the penalty when > 0 and multiplied by it when <= 0
+        ├─ frequency / presence penalty over output tokens:
+        │  logit -= frequency_penalty * count + presence_penalty * (count > 0)
+        │
+        ├─ greedy rows (temperature < 1e-5): argmax ──────────────────────────┐
+        │                                                                      │
+        └─ sampled rows: logits / temperature ─▶ min-p ─▶ top-k ─▶ top-p       │
+             ─▶ probs = softmax ─▶ token = argmax(probs / q), q ~ Exp(1)  ─────┴─▶ token
+
+Logprobs are the model's own distribution: ``log_softmax`` over the *raw* logits,
+before penalties, temperature and truncation. This is vLLM's default
+(``logprobs_mode="raw_logprobs"``), so a token's logprob does not depend on the
+sampling settings of its request.
+
+Seeds: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. per token (the "exponential
+race") samples exactly from ``probs``. For a request with ``params.seed`` set, ``q`` is
+drawn from a private ``torch.Generator`` seeded with a stable 64-bit mix of
+``(seed, len(output_token_ids))``. The draw therefore depends only on the seed, the
+number of tokens generated so far and the request's own logits row: not on the
+other rows of the batch, nor its position in it, nor on whether the request was
+preempted and recomputed. Unseeded rows share one draw from the sampler's
+generator (torch's global generator unless ``Sampler(seed=...)`` is given).
+Seeded results are reproducible on one device type; CPU and CUDA streams differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.request import SamplingParams
+from kvserve.sched.output import Logprobs
+
+# Temperatures below this are treated as greedy (dividing by them would overflow).
+_SAMPLING_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingRequestState:
+    """What the sampler needs to know about one request (one logits row).
+
+    The caller (model runner) keeps ``output_token_ids`` equal to the tokens the
+    request has generated so far, appending each sampled id after the step; the
+    seeded draw uses ``len(output_token_ids)`` as the step number, so it must count
+    every generated token, also those generated before a preemption.
+    ``eos_token_id`` (optional) is suppressed together with ``params.stop_token_ids``
+    while fewer than ``params.min_tokens`` tokens have been generated, unless
+    ``params.ignore_eos``.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None = None
+
+
+@dataclass
+class SamplerOutput:
+    """Per row of the input batch, in the same order.
+
+    ``logprobs[i]`` is None unless ``states[i].params.logprobs`` is set; with
+    ``logprobs=0`` it holds only the sampled token's logprob (empty top lists).
+    """
+
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
+
+
+def seed_for_step(seed: int, step: int) -> int:
+    """Stable 63-bit generator seed for draw number ``step`` of a seeded request.
+
+    A splitmix64 finalizer over ``(seed, step)``: nearby seeds and steps give
+    unrelated streams. Pure Python, so it is the same on every platform.
+    """
+    x = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x & ((1 << 63) - 1)
+
+
+class Sampler:
+    """Sample one token per logits row; see the module docstring for the rules.
+
+    ``seed`` (optional) seeds a private generator used for rows whose request has
+    no seed of its own; without it those rows use torch's global generator.
+    The sampler keeps no per-request state: everything comes from the states.
+    """
+
+    def __init__(self, *, seed: int | None = None) -> None:
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> SamplerOutput:
+        """Sample from ``logits`` (``[B, V]``, one row per state). Does not modify ``logits``."""
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(
+                f"logits of shape {tuple(logits.shape)} do not match {len(states)} states: "
+                "pass a [num_states, vocab_size] tensor, e.g. torch.zeros(len(states), V)"
+            )
+        if not states:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        params = [s.params for s in states]
+        need_logprobs = any(p.logprobs is not None for p in params)
+        need_min_tokens = any(len(s.output_token_ids) < s.params.min_tokens for s in states)
+        need_rep = any(p.repetition_penalty != 1.0 for p in params)
+        need_freq_pres = any(
+            p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
+        )
+        is_greedy = [p.temperature < _SAMPLING_EPS for p in params]
+
+        # Fast path: argmax of the raw logits.
+        if all(is_greedy) and not (need_logprobs or need_min_tokens or need_rep or need_freq_pres):
+            return SamplerOutput(
+                token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(states)
+            )
+
+        logits = logits.float()  # [B, V]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
+        logits = logits.clone()
+        if need_min_tokens:
+            _apply_min_tokens(logits, states)
+        if need_rep:
+            _apply_repetition_penalty(logits, states)
+        if need_freq_pres:
+            _apply_frequency_presence_penalties(logits, states)
+
+        if all(is_greedy):
+            sampled = logits.argmax(dim=-1)  # [B]
+        else:
+            sampled = self._sample(logits, states, is_greedy)
+
+        token_ids: list[int] = sampled.tolist()
+        logprobs: list[Logprobs | None] = [None] * len(states)
+        if raw_logprobs is not None:
+            logprobs = _gather_logprobs(raw_logprobs, sampled, params)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    # -- sampling ---------------------------------------------------------------------
+
+    def _sample(
+        self, logits: torch.Tensor, states: list[SamplingRequestState], is_greedy: list[bool]
+    ) -> torch.Tensor:
+        """Sampled token per row (``[B]``); greedy rows take the argmax of ``logits``."""
+        device = logits.device
+        num_rows, vocab_size = logits.shape
+        params = [s.params for s in states]
+        greedy_mask = torch.tensor(is_greedy, device=device)  # [B]
+        greedy_tokens = logits.argmax(dim=-1)  # [B]
+
+        # Greedy rows get temperature 1 here; their sample is discarded below.
+        temps = torch.tensor(
+            [1.0 if g else p.temperature for g, p in zip(is_greedy, params, strict=True)],
+            device=device,
+            dtype=logits.dtype,
+        )
+        logits = logits / temps.unsqueeze(1)  # [B, V]
+
+        min_ps = [0.0 if g else p.min_p for g, p in zip(is_greedy, params, strict=True)]
+        if any(m > 0.0 for m in min_ps):
+            logits = _apply_min_p(logits, torch.tensor(min_ps, device=device, dtype=logits.dtype))
+
+        top_ks = [
+            p.top_k if (not g and 0 < p.top_k < vocab_size) else vocab_size
+            for g, p in zip(is_greedy, params, strict=True)
+        ]
+        top_ps = [1.0 if g else p.top_p for g, p in zip(is_greedy, params, strict=True)]
+        use_top_k = any(k < vocab_size for k in top_ks)
+        use_top_p = any(p < 1.0 for p in top_ps)
+        if use_top_p:
+            logits = _apply_top_k_top_p(
+                logits,
+                torch.tensor(top_ks, device=device) if use_top_k else None,
+                torch.tensor(top_ps, device=device, dtype=logits.dtype),
+            )
+        elif use_top_k:
+            logits = _apply_top_k(logits, torch.tensor(top_ks, device=device))
+
+        probs = torch.softmax(logits, dim=-1)  # [B, V]
+        q = self._exponential(states, is_greedy, num_rows, vocab_size, device, probs.dtype)
+        random_tokens = (probs / q).argmax(dim=-1)  # [B]
+        return torch.where(greedy_mask, greedy_tokens, random_tokens)
+
+    def _exponential(
+        self,
+        states: list[SamplingRequestState],
+        is_greedy: list[bool],
+        num_rows: int,
+        vocab_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """``[B, V]`` i.i.d. Exp(1) noise; seeded rows from their own per-step generator."""
+        q = torch.ones(num_rows, vocab_size, device=device, dtype=dtype)
+        unseeded = [
+            i
+            for i, (s, g) in enumerate(zip(states, is_greedy, strict=True))
+            if not g and s.params.seed is None
+        ]
+        if unseeded:
+            noise = torch.empty(len(unseeded), vocab_size, device=device, dtype=dtype)
+            noise.exponential_(generator=self._generator(device))
+            q[torch.tensor(unseeded, device=device)] = noise
+        for i, (s, g) in enumerate(zip(states, is_greedy, strict=True)):
+            if g or s.params.seed is None:
+                continue
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed_for_step(s.params.seed, len(s.output_token_ids)))
+            q[i].exponential_(generator=gen)
+        # Exp(1) can return exactly 0; clamp so probs / q never makes inf or nan.
+        return q.clamp_min_(torch.finfo(dtype).tiny)
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self._seed is None:
+            return None  # torch's global generator for this device
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self._seed)
+            self._generators[device] = gen
+        return gen
+
+
+# -- logits processing (all in place on a private copy, or returning a new tensor) -----
+
+
+def _padded_ids(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """``[R, max_len]`` int64 ids, right-padded with ``pad`` (at least one column)."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    out = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out.to(device)
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``[R, V]`` count of each token id per row (ids outside ``[0, V)`` are ignored)."""
+    ids = _padded_ids(rows, vocab_size, device)  # [R, L]; pad = V, an extra column
+    ids = torch.where((ids >= 0) & (ids <= vocab_size), ids, vocab_size)
+    counts = torch.zeros(len(rows), vocab_size + 1, device=device, dtype=torch.float32)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _apply_min_tokens(logits: torch.Tensor, states: list[SamplingRequestState]) -> None:
+    """Forbid stop tokens (and EOS unless ignore_eos) until min_tokens are generated."""
+    vocab_size = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, s in enumerate(states):
+        p = s.params
+        if len(s.output_token_ids) >= p.min_tokens:
+            continue
+        banned = set(p.stop_token_ids)
+        if s.eos_token_id is not None and not p.ignore_eos:
+            banned.add(s.eos_token_id)
+        for t in banned:
+            if 0 <= t < vocab_size:
+                rows.append(i)
+                cols.append(t)
+    if rows:
+        logits[
+            torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)
+        ] = float("-inf")
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, states: list[SamplingRequestState]) -> None:
+    """HF/vLLM repetition penalty over prompt + output tokens, rows with penalty != 1."""
+    idx = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
+    device = logits.device
+    vocab_size = logits.shape[1]
+    seen = (
+        _token_counts(
+            [states[i].prompt_token_ids + states[i].output_token_ids for i in idx],
+            vocab_size,
+            device,
+        )
+        > 0
+    )  # [R, V]
+    penalty = torch.tensor(
+        [states[i].params.repetition_penalty for i in idx], device=device, dtype=logits.dtype
+    ).unsqueeze(1)  # [R, 1]
+    rows = torch.tensor(idx, device=device)
+    sub = logits[rows]  # [R, V]
+    penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+    logits[rows] = torch.where(seen, penalized, sub)
+
+
+def _apply_frequency_presence_penalties(
+    logits: torch.Tensor, states: list[SamplingRequestState]
+) -> None:
+    """``logit -= frequency * count + presence * (count > 0)`` over output tokens."""
+    idx = [
+        i
+        for i, s in enumerate(states)
+        if s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0
+    ]
+    device = logits.device
+    counts = _token_counts([states[i].output_token_ids for i in idx], logits.shape[1], device)
+    freq = torch.tensor(
+        [states[i].params.frequency_penalty for i in idx], device=device, dtype=logits.dtype
+    ).unsqueeze(1)  # [R, 1]
+    pres = torch.tensor(
+        [states[i].params.presence_penalty for i in idx], device=device, dtype=logits.dtype
+    ).unsqueeze(1)  # [R, 1]
+    rows = torch.tensor(idx, device=device)
+    logits[rows] = logits[rows] - freq * counts - pres * (counts > 0).to(logits.dtype)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p * max probability`` (``min_p`` [B])."""
+    probs = torch.softmax(logits, dim=-1)  # [B, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep tokens whose logit is >= the k-th largest of the row (ties kept).
+
+    ``top_k`` [B]: rows with ``k >= V`` are left untouched.
+    """
+    vocab_size = logits.shape[1]
+    enabled = top_k < vocab_size  # [B]
+    max_k = int(top_k[enabled].max())
+    top_values = logits.topk(max_k, dim=-1).values  # [B, max_k]
+    kth = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))  # [B, 1]
+    kth = kth.masked_fill(~enabled.unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k (if given) then top-p on the remaining mass, as vLLM's apply_top_k_top_p.
+
+    Top-p keeps the smallest set of most likely tokens whose probability sum is
+    >= p (always at least one token); rows with ``p == 1`` are left untouched.
+    """
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)  # [B, V] ascending
+    vocab_size = logits.shape[1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))  # [B, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+    drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always survives
+    drop &= (top_p < 1.0).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, sampled: torch.Tensor, params: list[SamplingParams]
+) -> list[Logprobs | None]:
+    """Sampled-token logprob and the top-N (``params.logprobs``) per row that asked."""
+    sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()  # [B]
+    max_n = max((p.logprobs or 0) for p in params)
+    top_ids: list[list[int]] = []
+    top_lps: list[list[float]] = []
+    if max_n > 0:
+        values, indices = raw_logprobs.topk(max_n, dim=-1)  # [B, max_n]
+        top_ids = indices.tolist()
+        top_lps = values.tolist()
+    out: list[Logprobs | None] = []
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            out.append(None)
+            continue
+        n = p.logprobs
+        out.append(
+            Logprobs(
+                sampled_logprob=sampled_lp[i],
+                top_token_ids=top_ids[i][:n] if n else [],
+                top_logprobs=top_lps[i][:n] if n else [],
+            )
+        )
+    return out
