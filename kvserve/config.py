@@ -6,7 +6,7 @@ server all build an :class:`EngineConfig` and call :meth:`EngineConfig.validate`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 SchedulerPolicy = Literal["mixed", "separated"]
@@ -60,7 +60,19 @@ class SchedulerConfig:
     """Scheduling policy and budgets (names follow vLLM and the seed documents).
 
     Bucket lists left as None get their defaults in ``kvserve.sched.buckets``;
-    ``resolved()`` returns a copy with them filled in.
+    ``resolved()`` returns a copy with them filled in (and validates first).
+    ``validate()`` raises ValueError naming the value, the rule and a valid example:
+
+    - ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``: positive integers.
+    - ``block_size``: a power of two. ``long_prefill_token_threshold``: integer >= 0
+      (0 = off).
+    - ``scheduler_policy``: ``"mixed"`` or ``"separated"``.
+    - ``kv_segment_size``: one of 0 (off), 512, 1024, 2048, 4096 and, when not 0, a
+      multiple of ``block_size``. Prefill chunks need NOT equal it.
+    - ``num_batched_tokens_buckets``: strictly ascending positive integers whose last
+      entry equals ``min(max_num_batched_tokens, max_model_len)``.
+    - ``num_seqs_buckets``: strictly ascending positive integers whose last entry
+      equals ``max_num_seqs``.
     """
 
     max_num_seqs: int = 64
@@ -73,6 +85,96 @@ class SchedulerConfig:
     kv_segment_size: int = 512
     block_size: int = 16
     enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        from kvserve.sched.buckets import max_prefill_bucket, validate_buckets
+
+        _positive_int("max_num_seqs", self.max_num_seqs, "max_num_seqs=64")
+        _positive_int(
+            "max_num_batched_tokens", self.max_num_batched_tokens, "max_num_batched_tokens=2048"
+        )
+        _positive_int("max_model_len", self.max_model_len, "max_model_len=8192")
+        _positive_int("block_size", self.block_size, "block_size=16")
+        if self.block_size & (self.block_size - 1):
+            raise config_error(
+                "block_size", self.block_size, "must be a power of two", "16, 32 or 128"
+            )
+        if self.scheduler_policy not in ("mixed", "separated"):
+            raise config_error(
+                "scheduler_policy",
+                self.scheduler_policy,
+                "must be 'mixed' or 'separated'",
+                "scheduler_policy='separated'",
+            )
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise config_error(
+                "long_prefill_token_threshold",
+                t,
+                "must be an integer >= 0 (0 = off)",
+                "long_prefill_token_threshold=256",
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise config_error(
+                "enable_prefix_caching",
+                self.enable_prefix_caching,
+                "must be True or False",
+                "enable_prefix_caching=True",
+            )
+        seg = self.kv_segment_size
+        if isinstance(seg, bool) or seg not in VALID_KV_SEGMENT_SIZES:
+            raise config_error(
+                "kv_segment_size",
+                seg,
+                "must be one of 512, 1024, 2048, 4096 (or 0 = off)",
+                "kv_segment_size=1024",
+            )
+        if seg and seg % self.block_size:
+            raise config_error(
+                "kv_segment_size",
+                seg,
+                f"must be a multiple of block_size={self.block_size}",
+                f"kv_segment_size={max(512, self.block_size)} with block_size={self.block_size}",
+            )
+        if self.num_batched_tokens_buckets is not None:
+            last = max_prefill_bucket(self.max_num_batched_tokens, self.max_model_len)
+            validate_buckets(
+                "num_batched_tokens_buckets",
+                self.num_batched_tokens_buckets,
+                last,
+                f"min(max_num_batched_tokens, max_model_len) = {last}",
+            )
+        if self.num_seqs_buckets is not None:
+            validate_buckets(
+                "num_seqs_buckets",
+                self.num_seqs_buckets,
+                self.max_num_seqs,
+                f"max_num_seqs = {self.max_num_seqs}",
+            )
+
+    def resolved(self) -> SchedulerConfig:
+        """Validate, then return a copy with default bucket lists filled in (as tuples)."""
+        from kvserve.sched.buckets import (
+            default_num_batched_tokens_buckets,
+            default_num_seqs_buckets,
+        )
+
+        self.validate()
+        prefill = self.num_batched_tokens_buckets
+        decode = self.num_seqs_buckets
+        return replace(
+            self,
+            num_batched_tokens_buckets=tuple(
+                prefill
+                if prefill is not None
+                else default_num_batched_tokens_buckets(
+                    self.max_num_batched_tokens, self.max_model_len
+                )
+            ),
+            num_seqs_buckets=tuple(
+                decode if decode is not None else default_num_seqs_buckets(self.max_num_seqs)
+            ),
+        )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,58 @@
+"""Schedulers: who runs each step and how many tokens each computes.
+
+Two policies behind one interface (:class:`Scheduler`), chosen by
+``SchedulerConfig.scheduler_policy``: ``"mixed"`` (:class:`MixedScheduler`, default)
+and ``"separated"`` (:class:`SeparatedScheduler`). Neither imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvserve.config import SchedulerConfig
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.sched.buckets import (
+    default_num_batched_tokens_buckets,
+    default_num_seqs_buckets,
+    get_bucket,
+    validate_buckets,
+)
+from kvserve.sched.interface import KVConnector, Scheduler, SchedulerState, is_decode
+from kvserve.sched.scheduler import MixedScheduler
+from kvserve.sched.separated import SeparatedScheduler
+
+POLICIES: dict[str, type[Scheduler]] = {
+    "mixed": MixedScheduler,
+    "separated": SeparatedScheduler,
+}
+
+
+def make_scheduler(
+    config: SchedulerConfig,
+    kv_cache_manager: KVCacheManager,
+    *,
+    kv_connector: KVConnector | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Scheduler:
+    """Build the scheduler ``config.scheduler_policy`` names. Raises ValueError on a
+    bad config (the message names the value, the rule and a valid example)."""
+    config.validate()
+    cls = POLICIES[config.scheduler_policy]
+    return cls(config, kv_cache_manager, kv_connector=kv_connector, clock=clock)
+
+
+__all__ = [
+    "POLICIES",
+    "KVConnector",
+    "MixedScheduler",
+    "Scheduler",
+    "SchedulerState",
+    "SeparatedScheduler",
+    "default_num_batched_tokens_buckets",
+    "default_num_seqs_buckets",
+    "get_bucket",
+    "is_decode",
+    "make_scheduler",
+    "validate_buckets",
+]

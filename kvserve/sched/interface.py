@@ -1,0 +1,508 @@
+"""What both scheduling policies share: queues, admission, preemption, stop checks,
+``update_from_output``, ``finish_requests`` and the counters metrics read.
+
+A policy subclass only decides, in :meth:`Scheduler.schedule`, who runs this step and
+how many tokens each computes. The rule every request follows (vLLM V1)::
+
+    all_token_ids:  [ prompt ............ | outputs ... ]
+                      [ computed (has KV)  )[ to compute )
+                                           ^ num_computed_tokens   ^ num_tokens
+
+A step schedules ``n`` tokens ``all_token_ids[num_computed : num_computed + n]``.
+``update_from_output`` advances ``num_computed_tokens`` by ``n``; when it reaches
+``num_tokens`` the model's sampled token is appended (so mid-prefill chunks sample
+nothing). A request is *in decode* when its prompt is done and exactly its last
+sampled token is left to compute (``num_computed_tokens == num_tokens - 1``);
+otherwise it is *in prefill* (a fresh prompt, the rest of a chunked prompt, or a
+preempted request recomputing prompt + outputs).
+
+Rules a caller (the engine) must keep:
+
+- Call :meth:`Scheduler.update_from_output` with each non-empty output of
+  :meth:`Scheduler.schedule`, once, before calling ``schedule`` again. A second or
+  stale update raises RuntimeError instead of corrupting the counts.
+- The model runner returns at least one sampled token for every request whose
+  ``num_computed_tokens`` reaches ``num_tokens`` in that step.
+- Finished requests leave :attr:`Scheduler.requests` inside the call that finishes
+  them (``update_from_output`` or ``finish_requests``); keep your own reference.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from kvserve.config import SchedulerConfig
+from kvserve.kv_cache.block_pool import KVCacheBlock
+from kvserve.kv_cache.manager import KVCacheManager, cdiv
+from kvserve.request import Request, RequestStatus
+from kvserve.sched.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    Phase,
+    SchedulerOutput,
+)
+
+
+class SchedulerState(enum.StrEnum):
+    """What the last step did, exposed for metrics.
+
+    The separated policy moves between IDLE, ACTIVE_PREFILL and ACTIVE_DECODE (seed
+    "Scheduler Design"); the mixed policy has no phases and reports IDLE or ACTIVE.
+    """
+
+    IDLE = "IDLE"
+    ACTIVE = "ACTIVE"
+    ACTIVE_PREFILL = "ACTIVE_PREFILL"
+    ACTIVE_DECODE = "ACTIVE_DECODE"
+
+
+class KVConnector(Protocol):
+    """Seam for disaggregated serving (GUIDE "Seams"); no implementation ships yet.
+
+    Scheduler side only. A connector lets an outside source (a prefill worker)
+    supply prompt KV and learns when a request's blocks are about to be freed. The
+    model-runner side (load KV before the forward pass, save a layer's KV after it)
+    belongs to the runner and is not part of this protocol.
+
+    - ``get_num_new_matched_tokens(request, num_computed_tokens)``: how many tokens
+      after the local prefix hit the outside source can supply (>= 0). The scheduler
+      allocates blocks for them without spending token budget and counts them as
+      computed; it never asks for the request's last token.
+    - ``update_state_after_alloc(request, block_ids, num_external_tokens)``: the
+      blocks are allocated; the connector must have their KV loaded before the
+      request's first forward pass.
+    - ``request_finished(request, block_ids)``: called right before the request's
+      blocks are freed (finish, abort or preemption). A connector that still needs
+      the KV must copy it out during this call.
+    """
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int: ...
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None: ...
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> None: ...
+
+
+def is_decode(request: Request) -> bool:
+    """True when the prompt is done and only the last sampled token is left to compute."""
+    n = request.num_computed_tokens
+    return n >= request.num_prompt_tokens and n == request.num_tokens - 1
+
+
+def chunk_size(remaining: int, budget: int, cap: int = 0) -> int:
+    """``min(remaining, budget)``, further capped by ``cap`` when ``cap > 0``."""
+    n = min(remaining, budget)
+    if cap > 0:
+        n = min(n, cap)
+    return n
+
+
+class _StepBuilder:
+    """Collects one step's scheduled requests; turned into a SchedulerOutput at the end."""
+
+    def __init__(self) -> None:
+        self.new_reqs: list[NewRequestData] = []
+        self.cached_reqs = CachedRequestData()
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.scheduled_token_ids: dict[str, list[int]] = {}
+        self.cached_seq_len: dict[str, int] = {}
+        self.prefill_ids: list[str] = []
+        self.decode_ids: list[str] = []
+
+    def _add(self, request: Request, num_tokens: int) -> None:
+        req_id = request.req_id
+        start = request.num_computed_tokens
+        self.num_scheduled_tokens[req_id] = num_tokens
+        self.scheduled_token_ids[req_id] = request.all_token_ids[start : start + num_tokens]
+        self.cached_seq_len[req_id] = start
+        (self.decode_ids if is_decode(request) else self.prefill_ids).append(req_id)
+
+    def add_new(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+        self.new_reqs.append(
+            NewRequestData(
+                req_id=request.req_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                output_token_ids=list(request.output_token_ids),
+                block_ids=block_ids,
+                num_computed_tokens=request.num_computed_tokens,
+                sampling_params=request.sampling_params,
+            )
+        )
+        self._add(request, num_tokens)
+
+    def add_running(
+        self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]
+    ) -> None:
+        self.cached_reqs.req_ids.append(request.req_id)
+        self.cached_reqs.new_block_ids.append([b.block_id for b in new_blocks])
+        self.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+        self._add(request, num_tokens)
+
+    @property
+    def phase(self) -> Phase:
+        if self.prefill_ids and self.decode_ids:
+            return "mixed"
+        if self.prefill_ids:
+            return "prefill"
+        if self.decode_ids:
+            return "decode"
+        return "idle"
+
+
+class Scheduler(abc.ABC):
+    """Base of both policies. Subclasses implement :meth:`schedule`.
+
+    ``config`` is resolved (validated, default buckets filled in) on construction;
+    a bad config, or one whose ``block_size``/``max_model_len`` disagree with the KV
+    cache manager, raises ValueError. ``clock`` returns the time stamped on requests
+    (``first_scheduled_time``, ``first_token_time``, ``finished_time``); the
+    simulator passes the step number. ``kv_connector``: see :class:`KVConnector`.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        *,
+        kv_connector: KVConnector | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        config = config.resolved()
+        if kv_cache_manager.block_size != config.block_size:
+            raise ValueError(
+                f"invalid block_size={config.block_size}: the scheduler and the KV cache manager "
+                f"must use the same block size, and the manager uses {kv_cache_manager.block_size} "
+                f"(for example: block_size={kv_cache_manager.block_size} in both)"
+            )
+        if kv_cache_manager.max_model_len < config.max_model_len:
+            raise ValueError(
+                f"invalid max_model_len={config.max_model_len}: the KV cache manager was built for "
+                f"at most {kv_cache_manager.max_model_len} tokens per request "
+                f"(for example: max_model_len={kv_cache_manager.max_model_len})"
+            )
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.kv_connector = kv_connector
+        self.clock = clock
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.enable_prefix_caching = (
+            config.enable_prefix_caching and kv_cache_manager.enable_caching
+        )
+        # Unfinished requests only; a request leaves when it finishes.
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished, aborted or preempted since the last output: the runner drops them.
+        self._finished_req_ids: set[str] = set()
+        self._state = SchedulerState.IDLE
+        self.num_preemptions = 0
+        self.num_prefill_padding_tokens = 0
+        self.num_decode_padding_tokens = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def total_padding_tokens(self) -> int:
+        """Padded minus actual tokens over all steps: prefill chunk padding plus one
+        token per dummy decode row (0 under the mixed policy)."""
+        return self.num_prefill_padding_tokens + self.num_decode_padding_tokens
+
+    @property
+    def state(self) -> SchedulerState:
+        return self._state
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Queue a fresh request (FCFS). Raises ValueError and changes nothing when
+        :meth:`check_request` refuses it."""
+        self.check_request(request)
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError when the id is taken, the request was already used, the
+        prompt exceeds ``max_model_len``, or the request could never fit in the whole
+        KV cache (it would wait forever). Changes nothing."""
+        req_id = request.req_id
+        if req_id in self.requests:
+            raise ValueError(
+                f"request id {req_id!r} is already queued: use a unique id per request"
+            )
+        if (
+            request.status != RequestStatus.WAITING
+            or request.num_computed_tokens
+            or request.output_token_ids
+        ):
+            raise ValueError(
+                f"request {req_id!r} is not fresh ({request!r}): add a new Request object"
+            )
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {req_id!r} has a {request.num_prompt_tokens}-token prompt but "
+                f"max_model_len={self.max_model_len}: shorten the prompt to at most "
+                f"{self.max_model_len} tokens or raise max_model_len"
+            )
+        # Tokens that ever need KV: everything except the last sampled token.
+        worst = min(request.num_prompt_tokens + request.max_tokens - 1, self.max_model_len)
+        kv = self.kv_cache_manager
+        if kv.max_concurrent_requests(worst) < 1:
+            bs = kv.block_size
+            raise ValueError(
+                f"request {req_id!r} may need KV for {worst} tokens ({cdiv(worst, bs)} blocks of "
+                f"{bs}) but the KV cache has only {kv.num_blocks - 1} usable blocks: lower "
+                f"max_tokens or the prompt length, or give the cache more blocks "
+                f"(for example: num_kv_blocks={cdiv(worst, bs) + 1})"
+            )
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests now (abort, stop string): their blocks are freed at once and
+        their ids go to the next output's ``finished_req_ids``. Unknown or already
+        finished ids are ignored. ``status`` must be a finished status."""
+        if not status.is_finished:
+            raise ValueError(
+                f"finish_requests got status={status}: use a finished status such as "
+                f"{RequestStatus.FINISHED_ABORTED}"
+            )
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_finished(request)
+        if not self.has_unfinished_requests():
+            self._state = SchedulerState.IDLE
+
+    def _free_finished(self, request: Request) -> None:
+        """Release a finished request (already out of both queues)."""
+        self._release_blocks(request)
+        request.finished_time = self.clock()
+        self._finished_req_ids.add(request.req_id)
+        del self.requests[request.req_id]
+
+    def _release_blocks(self, request: Request) -> None:
+        kv = self.kv_cache_manager
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(request, kv.get_block_ids(request.req_id))
+        kv.free(request)
+
+    # ------------------------------------------------------------------ scheduling helpers
+    @abc.abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's requests and token counts; allocate their KV blocks."""
+
+    def _admit(self, request: Request, budget: int, cap: int, step: _StepBuilder) -> int | None:
+        """Try to move ``request`` (the head of ``waiting``) to ``running`` with its
+        first chunk: prefix lookup, then one ``allocate_slots``. Returns the tokens
+        scheduled, or None when the blocks do not fit (nothing changed)."""
+        kv = self.kv_cache_manager
+        if self.enable_prefix_caching:
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+        else:
+            hit_blocks, num_hit = [], 0
+        num_external = 0
+        if self.kv_connector is not None:
+            num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit)
+            num_external = max(0, min(num_external, request.num_tokens - 1 - num_hit))
+        num_new = chunk_size(request.num_tokens - num_hit - num_external, budget, cap)
+        if num_new <= 0:
+            return None
+        if kv.allocate_slots(request, num_external + num_new, hit_blocks, num_hit) is None:
+            return None
+        self.waiting.popleft()
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit + num_external
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit + num_external
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
+        block_ids = kv.get_block_ids(request.req_id)
+        if self.kv_connector is not None:
+            self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
+        step.add_new(request, num_new, block_ids)
+        return num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: free the blocks, reset progress, requeue at the front."""
+        self.running.remove(request)
+        self._release_blocks(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._finished_req_ids.add(request.req_id)
+
+    def _allocate_or_preempt(
+        self, request: Request, num_tokens: int, step: _StepBuilder
+    ) -> list[KVCacheBlock] | None:
+        """``allocate_slots`` for a running request, preempting the youngest running
+        request not yet scheduled this step until it fits. Returns the new blocks, or
+        None when ``request`` itself had to be preempted."""
+        kv = self.kv_cache_manager
+        while True:
+            new_blocks = kv.allocate_slots(request, num_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = next(
+                (
+                    r
+                    for r in reversed(self.running)
+                    if r is not request and r.req_id not in step.num_scheduled_tokens
+                ),
+                request,
+            )
+            self._preempt(victim)
+            if victim is request:
+                return None
+
+    def _build_output(
+        self,
+        step: _StepBuilder,
+        num_scheduled_tokens_padded: dict[str, int] | None = None,
+        decode_batch_size_padded: int | None = None,
+    ) -> SchedulerOutput:
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        self.num_steps += 1
+        return SchedulerOutput(
+            phase=step.phase,
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            num_scheduled_tokens_padded=(
+                dict(step.num_scheduled_tokens)
+                if num_scheduled_tokens_padded is None
+                else num_scheduled_tokens_padded
+            ),
+            scheduled_token_ids=step.scheduled_token_ids,
+            cached_seq_len=step.cached_seq_len,
+            kv_segment_size=self.config.kv_segment_size,
+            finished_req_ids=finished,
+            decode_batch_size_padded=decode_batch_size_padded,
+        )
+
+    # ------------------------------------------------------------------ results
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one executed step; return one output per request that got tokens.
+
+        For each scheduled request still unfinished: advance ``num_computed_tokens``
+        by the actual count, cache its newly full blocks, and, when all its tokens
+        now have KV, append the sampled tokens, run the stop checks and free it if it
+        finished. Requests finished meanwhile (aborted) are skipped. Raises
+        RuntimeError on a stale or repeated output, or when the runner returned no
+        token for a request that needed one.
+        """
+        kv = self.kv_cache_manager
+        now = self.clock()
+        outputs: list[EngineCoreOutput] = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            expected = scheduler_output.cached_seq_len[req_id]
+            if request.num_computed_tokens != expected:
+                raise RuntimeError(
+                    f"update_from_output: request {req_id!r} has num_computed_tokens="
+                    f"{request.num_computed_tokens} but this output was scheduled at {expected}; "
+                    "apply each schedule() output exactly once, in order"
+                )
+            request.num_computed_tokens += num_tokens
+            if self.enable_prefix_caching:
+                kv.cache_blocks(request, request.num_computed_tokens)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # mid-prefill: nothing sampled
+            sampled = model_runner_output.sampled_token_ids.get(req_id)
+            if not sampled:
+                raise RuntimeError(
+                    f"update_from_output: the model runner returned no sampled token for "
+                    f"{req_id!r}, which computed all its {request.num_tokens} tokens this step"
+                )
+            new_token_ids: list[int] = []
+            for token_id in sampled:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+            if request.first_token_time is None:
+                request.first_token_time = now
+            logprobs = model_runner_output.logprobs.get(req_id)
+            finish_reason = request.finish_reason
+            if request.is_finished:
+                self.running.remove(request)
+                self._free_finished(request)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
+                    finish_reason=finish_reason.value if finish_reason else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(0, request.num_cached_tokens),
+                )
+            )
+        if not self.has_unfinished_requests():
+            self._state = SchedulerState.IDLE
+        return outputs
+
+    def _check_stop(self, request: Request) -> bool:
+        """Stop checks after appending one token; sets status and stop_reason.
+
+        Order: EOS (unless ``ignore_eos``) and ``stop_token_ids``, both only once
+        ``min_tokens`` outputs exist, finish as "stop"; then ``max_tokens`` outputs
+        or ``num_tokens >= max_model_len`` finish as "length". (A last token that is
+        both EOS and the max_tokens-th reports "stop".)
+        """
+        params = request.sampling_params
+        token_id = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if (
+                not params.ignore_eos
+                and request.eos_token_id is not None
+                and token_id == request.eos_token_id
+            ):
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,75 @@
+"""Mixed policy: one token budget per step, decode first, chunked prefill
+(vLLM V1 / Sarathi-Serve style).
+
+Each step has ``max_num_batched_tokens`` tokens of budget::
+
+    budget 512, four decodes running, a 2048-token prompt waiting:
+    step 1: [d d d d | 508 prompt tokens]    step 4: [d d d d | 508]
+    step 2: [d d d d | 508]                  step 5: [d d d d | 16] -> first token
+    step 3: [d d d d | 508]
+
+1. Running requests first. Decodes (1 token each) before partially computed prompts,
+   each in running (admission) order. A prompt chunk is
+   ``min(remaining tokens, remaining budget)``, further capped by
+   ``long_prefill_token_threshold`` when more than one request is unfinished.
+2. Then waiting requests, FCFS, while budget and a sequence slot (``max_num_seqs``)
+   remain: prefix-cache lookup (``num_computed_tokens`` starts at the hit length),
+   then the first chunk. A request that does not fit stops admission (no skipping).
+   No admission happens in a step that preempted.
+
+When decodes take the whole budget, prompts get 0 tokens that step: they are
+deferred, never dropped, and continue when budget frees. When blocks run out,
+preempt by recompute: the youngest running request not yet scheduled this step (or
+the requester itself) frees its blocks and goes back to the front of ``waiting``.
+"""
+
+from __future__ import annotations
+
+from kvserve.request import RequestStatus
+from kvserve.sched.interface import (
+    Scheduler,
+    SchedulerState,
+    _StepBuilder,
+    chunk_size,
+    is_decode,
+)
+from kvserve.sched.output import SchedulerOutput
+
+
+class MixedScheduler(Scheduler):
+    """One token budget, no phases; prefill chunks and decodes share steps."""
+
+    def schedule(self) -> SchedulerOutput:
+        step = _StepBuilder()
+        budget = self.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        cap = threshold if self.get_num_unfinished_requests() > 1 else 0
+        preemptions_before = self.num_preemptions
+
+        ordered = [r for r in self.running if is_decode(r)]
+        ordered += [r for r in self.running if not is_decode(r)]
+        for request in ordered:
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted as a victim earlier in this step
+            num_tokens = chunk_size(request.num_tokens - request.num_computed_tokens, budget, cap)
+            if num_tokens <= 0:
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_tokens, step)
+            if new_blocks is None:
+                continue
+            step.add_running(request, num_tokens, new_blocks)
+            budget -= num_tokens
+
+        if self.num_preemptions == preemptions_before:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                admitted = self._admit(self.waiting[0], budget, cap, step)
+                if admitted is None:
+                    break
+                budget -= admitted
+
+        self._state = (
+            SchedulerState.ACTIVE if self.has_unfinished_requests() else SchedulerState.IDLE
+        )
+        return self._build_output(step)

@@ -1,0 +1,146 @@
+"""Separated policy: prefill XOR decode per step, bucket padding, KV admission control
+(the AWS Neuron scheduler of seed 003, "Scheduler Design").
+
+Each step is one of::
+
+    ACTIVE_PREFILL  one request, one chunk of <= max_num_batched_tokens tokens,
+                    padded to the smallest num_batched_tokens_buckets entry >= chunk;
+                    every decode is held back this step
+    ACTIVE_DECODE   every running decode (1 token each, at most max_num_batched_tokens
+                    of them), the batch padded to the smallest num_seqs_buckets
+                    entry >= its size
+    IDLE            nothing unfinished
+
+Holdback queue: waiting requests are admitted one at a time, FIFO, only when
+(1) ``len(running) < max_num_seqs``, (2) no prefill is in progress, (3) no other
+prefill was admitted this step (``max_prefills_per_batch = 1``) and
+(4) ``len(running) <`` the KV cache's concurrency at ``max_model_len``. Rule (4)
+prevents the deadlock where a prefill waits for blocks that only the hidden decodes
+could free: a request that would not fit stays in the holdback queue and decodes run.
+
+A long prompt stays in prefill across chunks; when a prefill finishes, or a decode
+finishes and frees a slot while a prefill waits, the next step is a prefill (prefill
+priority). ``num_scheduled_tokens`` is the actual count (what ``num_computed_tokens``
+advances by); ``num_scheduled_tokens_padded`` the padded one.
+
+Unlike the seed hardware we do not require a chunk to equal ``kv_segment_size``,
+and as a safety net (never needed while rule (4) holds) a decode that cannot get a
+block preempts the youngest running request by recompute instead of hanging.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvserve.config import SchedulerConfig
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.request import Request, RequestStatus
+from kvserve.sched.buckets import get_bucket
+from kvserve.sched.interface import (
+    KVConnector,
+    Scheduler,
+    SchedulerState,
+    _StepBuilder,
+    chunk_size,
+    is_decode,
+)
+from kvserve.sched.output import SchedulerOutput
+
+MAX_PREFILLS_PER_BATCH = 1
+
+
+class SeparatedScheduler(Scheduler):
+    """Prefill and decode never share a step; see the module docstring."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        *,
+        kv_connector: KVConnector | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(config, kv_cache_manager, kv_connector=kv_connector, clock=clock)
+        # resolved() in the base filled both lists in.
+        self.num_batched_tokens_buckets = tuple(self.config.num_batched_tokens_buckets or ())
+        self.num_seqs_buckets = tuple(self.config.num_seqs_buckets or ())
+        self.max_prefills_per_batch = MAX_PREFILLS_PER_BATCH
+        # Requests that fit at once if each grows to max_model_len (rule 4); at least 1
+        # because add_request refuses a request that cannot fit alone.
+        self.max_kv_concurrent = max(
+            1, kv_cache_manager.max_concurrent_requests(self.max_model_len)
+        )
+
+    @property
+    def at_capacity(self) -> bool:
+        return len(self.running) >= self.max_num_seqs
+
+    def _prefill_in_running(self) -> Request | None:
+        return next((r for r in self.running if not is_decode(r)), None)
+
+    def can_schedule(self) -> bool:
+        """Admission rules (1), (2) and (4); rule (3) holds because a step admits at most one."""
+        return (
+            not self.at_capacity
+            and self._prefill_in_running() is None
+            and len(self.running) < self.max_kv_concurrent
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        step = _StepBuilder()
+        budget = self.max_num_batched_tokens
+
+        prefill = self._prefill_in_running()
+        if prefill is None:
+            if self.waiting and self.can_schedule():
+                # Admit the head of the holdback queue; on no fit it stays there.
+                self._admit(self.waiting[0], budget, 0, step)
+        else:
+            num_tokens = chunk_size(prefill.num_tokens - prefill.num_computed_tokens, budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(prefill, num_tokens)
+            if new_blocks is not None:
+                step.add_running(prefill, num_tokens, new_blocks)
+            # else: the prefill keeps its blocks and waits; decodes run this step.
+
+        if not step.num_scheduled_tokens:
+            decodes = [r for r in self.running if is_decode(r)][:budget]
+            for request in decodes:
+                if request.status != RequestStatus.RUNNING:
+                    continue  # preempted as a victim earlier in this loop
+                new_blocks = self._allocate_or_preempt(request, 1, step)
+                if new_blocks is not None:
+                    step.add_running(request, 1, new_blocks)
+
+        output = self._pad(step)
+        if not self.has_unfinished_requests():
+            self._state = SchedulerState.IDLE
+        elif step.prefill_ids:
+            self._state = SchedulerState.ACTIVE_PREFILL
+        elif step.decode_ids:
+            self._state = SchedulerState.ACTIVE_DECODE
+        return output
+
+    def _pad(self, step: _StepBuilder) -> SchedulerOutput:
+        """Pad prefill chunks and the decode batch to their buckets; refuse mixing."""
+        if step.prefill_ids and step.decode_ids:
+            raise RuntimeError(
+                f"separated policy violated: prefill {step.prefill_ids} and decode "
+                f"{step.decode_ids} in the same step"
+            )
+        if len(step.prefill_ids) > self.max_prefills_per_batch:
+            raise RuntimeError(
+                f"separated policy violated: {len(step.prefill_ids)} prefills in one step"
+            )
+        padded: dict[str, int] = {}
+        for req_id in step.prefill_ids:
+            n = step.num_scheduled_tokens[req_id]
+            padded[req_id] = get_bucket(n, self.num_batched_tokens_buckets)
+            self.num_prefill_padding_tokens += padded[req_id] - n
+        decode_batch_size_padded: int | None = None
+        if step.decode_ids:
+            for req_id in step.decode_ids:
+                padded[req_id] = 1
+            decode_batch_size_padded = get_bucket(len(step.decode_ids), self.num_seqs_buckets)
+            self.num_decode_padding_tokens += decode_batch_size_padded - len(step.decode_ids)
+        return self._build_output(step, padded, decode_batch_size_padded)
