@@ -1,0 +1,508 @@
+"""``kvserve bench compare``: one workload, several engine configurations, one table.
+
+Each kvserve configuration (a :class:`Variant`) runs as its own server process,
+``<serve command> --host 127.0.0.1 --port P [--model M] <variant args> <extra args>``,
+started in turn, waited on through ``GET /health``, measured over HTTP with the load
+generator of ``kvserve bench serve``, and stopped (SIGTERM, then kill after a grace
+period). The HF transformers baseline runs in this process (see ``hf_baseline``).
+Every variant writes its own ``results.json`` and plots under ``<output>/<variant>/``;
+the table goes to stdout and ``<output>/compare.json``.
+
+Engine flags used by the presets follow vLLM's spelling (``--enable-prefix-caching``,
+``--no-enable-prefix-caching``, ``--max-num-batched-tokens``, ``--scheduler-policy``),
+the spelling of ``kvserve serve``'s engine options.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from kvserve.bench.loadgen import LoadConfig, run_workload
+from kvserve.bench.metrics import SLO
+from kvserve.bench.report import build_report, write_report
+from kvserve.bench.workloads import (
+    WordVocabulary,
+    Workload,
+    WorkloadSpec,
+    build_workload,
+    render_prompt,
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration: ``backend`` "kvserve" (a server with ``engine_args``) or
+    "hf" (the in-process transformers static-batching baseline)."""
+
+    name: str
+    engine_args: tuple[str, ...] = ()
+    backend: Literal["kvserve", "hf"] = "kvserve"
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A table column: ``key`` is a summary key ("output_throughput") or
+    "<tag>/<key>" for a per-tag figure ("decode/p99_itl_ms")."""
+
+    key: str
+    label: str
+    higher_is_better: bool = False
+
+
+@dataclass(frozen=True)
+class Target:
+    """The preset's claim: figure(variant) / figure(reference) <= bound (``at_most``)
+    or >= bound (not ``at_most``)."""
+
+    figure: str
+    variant: str
+    reference: str
+    bound: float
+    at_most: bool
+
+    def describe(self) -> str:
+        op = "<=" if self.at_most else ">="
+        return f"{self.figure}: {self.variant} / {self.reference} {op} {self.bound}"
+
+    def check(self, values: dict[str, dict[str, float | None]]) -> tuple[float | None, bool | None]:
+        """(ratio, met) from a ``figure_values`` table; (None, None) when unmeasured."""
+        r = ratio(
+            values.get(self.variant, {}).get(self.figure),
+            values.get(self.reference, {}).get(self.figure),
+        )
+        if r is None:
+            return None, None
+        return r, (r <= self.bound if self.at_most else r >= self.bound)
+
+
+@dataclass(frozen=True)
+class ComparePreset:
+    name: str
+    description: str
+    workload: WorkloadSpec
+    variants: tuple[Variant, ...]
+    reference: str
+    figures: tuple[Figure, ...]
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    target: Target | None = None
+    num_warmup: int = 1
+
+
+THROUGHPUT = Figure("output_throughput", "output tok/s", higher_is_better=True)
+REQ_THROUGHPUT = Figure("request_throughput", "req/s", higher_is_better=True)
+MEAN_TTFT = Figure("mean_ttft_ms", "mean TTFT ms")
+P99_TTFT = Figure("p99_ttft_ms", "p99 TTFT ms")
+MEAN_TPOT = Figure("mean_tpot_ms", "mean TPOT ms")
+P99_ITL = Figure("p99_itl_ms", "p99 ITL ms")
+HIT_RATE = Figure("prefix_cache_hit_rate", "prefix hit rate", higher_is_better=True)
+
+PRESETS: dict[str, ComparePreset] = {
+    "prefix": ComparePreset(
+        name="prefix",
+        description="shared-prefix workload (P=1024, U=64, O=64, 32 requests): prefix caching on vs off",
+        workload=WorkloadSpec(
+            kind="shared-prefix",
+            num_requests=32,
+            prefix_len=1024,
+            input_len=64,
+            output_len=64,
+            num_prefixes=2,
+        ),
+        variants=(
+            Variant("caching-off", ("--no-enable-prefix-caching",)),
+            Variant("caching-on", ("--enable-prefix-caching",)),
+        ),
+        reference="caching-off",
+        figures=(MEAN_TTFT, P99_TTFT, THROUGHPUT, HIT_RATE),
+        max_concurrency=8,
+        target=Target("mean_ttft_ms", "caching-on", "caching-off", 0.2, at_most=True),
+    ),
+    "chunking": ComparePreset(
+        name="chunking",
+        description="8 streaming decodes while 2,048-token prompts arrive: chunked prefill (budget 256) vs monolithic",
+        workload=WorkloadSpec(
+            kind="interference",
+            num_decodes=8,
+            input_len=64,
+            output_len=256,
+            num_long_prompts=4,
+            long_prompt_len=2048,
+            long_prompt_start_s=0.5,
+            long_prompt_gap_s=1.5,
+        ),
+        variants=(
+            Variant(
+                "monolithic", ("--scheduler-policy", "mixed", "--max-num-batched-tokens", "4096")
+            ),
+            Variant(
+                "chunked-256", ("--scheduler-policy", "mixed", "--max-num-batched-tokens", "256")
+            ),
+        ),
+        reference="monolithic",
+        figures=(
+            Figure("decode/p99_itl_ms", "decode p99 ITL ms"),
+            Figure("decode/mean_itl_ms", "decode mean ITL ms"),
+            Figure("prefill/mean_ttft_ms", "long-prompt mean TTFT ms"),
+            THROUGHPUT,
+        ),
+        target=Target("decode/p99_itl_ms", "chunked-256", "monolithic", 0.35, at_most=True),
+    ),
+    "policy": ComparePreset(
+        name="policy",
+        description="random workload (512 in / 128 out, 32 requests at 4 req/s): mixed vs separated scheduling",
+        workload=WorkloadSpec(
+            kind="random", num_requests=32, input_len=512, output_len=128, range_ratio=0.25
+        ),
+        variants=(
+            Variant("mixed", ("--scheduler-policy", "mixed")),
+            Variant("separated", ("--scheduler-policy", "separated")),
+        ),
+        reference="mixed",
+        figures=(THROUGHPUT, MEAN_TTFT, P99_TTFT, MEAN_TPOT, P99_ITL),
+        request_rate=4.0,
+        max_concurrency=16,
+    ),
+    "throughput": ComparePreset(
+        name="throughput",
+        description="random 512 in / 128 out, 32 requests, concurrency 16: kvserve vs HF transformers batch 8",
+        workload=WorkloadSpec(kind="random", num_requests=32, input_len=512, output_len=128),
+        variants=(Variant("hf-batch8", backend="hf"), Variant("kvserve")),
+        reference="hf-batch8",
+        figures=(THROUGHPUT, REQ_THROUGHPUT, MEAN_TTFT, MEAN_TPOT),
+        max_concurrency=16,
+        target=Target("output_throughput", "kvserve", "hf-batch8", 2.5, at_most=False),
+    ),
+}
+
+
+def ratio(value: float | None, reference: float | None) -> float | None:
+    """value / reference, or None when either is missing or the reference is 0."""
+    if value is None or reference is None or reference == 0:
+        return None
+    return value / reference
+
+
+def figure_value(report: dict[str, Any], key: str) -> float | None:
+    """The figure ``key`` ("name" or "tag/name") of a results.json ``report``."""
+    if "/" in key:
+        tag, name = key.split("/", 1)
+        value = report.get("by_tag", {}).get(tag, {}).get(name)
+    else:
+        value = report["summary"].get(key)
+    return None if value is None else float(value)
+
+
+def figure_values(
+    reports: dict[str, dict[str, Any]], figures: tuple[Figure, ...]
+) -> dict[str, dict[str, float | None]]:
+    """{variant: {figure key: value}} for every variant's report."""
+    return {
+        name: {f.key: figure_value(rep, f.key) for f in figures} for name, rep in reports.items()
+    }
+
+
+def _cell(value: float | None, ref: float | None, is_reference: bool) -> str:
+    if value is None:
+        return "n/a"
+    text = f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    if is_reference:
+        return f"{text} (ref)"
+    r = ratio(value, ref)
+    return f"{text} ({r:.2f}x)" if r is not None else text
+
+
+def format_table(
+    values: dict[str, dict[str, float | None]], figures: tuple[Figure, ...], reference: str
+) -> str:
+    """A Markdown table: one row per variant, one column per figure, each cell the
+    value and its ratio to the ``reference`` variant's. Raises ValueError when
+    ``reference`` is not a variant."""
+    if reference not in values:
+        raise ValueError(
+            f"invalid reference={reference!r}: must be one of the variants {', '.join(values)} "
+            f"(for example: --reference {next(iter(values), 'NAME')})"
+        )
+    header = ["variant", *[f.label for f in figures]]
+    rows = [header, ["---"] * len(header)]
+    for name, vals in values.items():
+        rows.append(
+            [
+                name,
+                *[
+                    _cell(vals.get(f.key), values[reference].get(f.key), name == reference)
+                    for f in figures
+                ],
+            ]
+        )
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def default_serve_command() -> list[str]:
+    return [sys.executable, "-m", "kvserve.entrypoints.cli", "serve"]
+
+
+class ServerProcess:
+    """A server subprocess, its output in ``log_path``; a context manager that stops it.
+
+    ``wait_healthy`` polls ``GET /health`` until 200, raising RuntimeError (with the
+    log's tail) if the process exits or ``timeout_s`` passes.
+    """
+
+    def __init__(self, command: list[str], log_path: Path, port: int) -> None:
+        self.command = command
+        self.log_path = log_path
+        self.port = port
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = os.environ | {"TOKENIZERS_PARALLELISM": "false"}
+        self.proc = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
+
+    def log_tail(self, num_chars: int = 2000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Seconds until /health answered 200."""
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with code {self.proc.returncode} before becoming healthy; "
+                    f"command: {shlex.join(self.command)}\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(
+                    f"server not healthy after {timeout_s:.0f} s; command: {shlex.join(self.command)}\n{self.log_tail()}"
+                )
+            time.sleep(0.25)
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM, wait up to ``grace_s``, then SIGKILL. Returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class CompareOptions:
+    """How to run a preset. ``serve_command`` is the server's argv prefix (tests and
+    other builds may replace it); ``extra_engine_args`` go to every kvserve variant."""
+
+    model: str | None = None
+    output_dir: Path = Path("bench_results/compare")
+    serve_command: list[str] = field(default_factory=default_serve_command)
+    extra_engine_args: tuple[str, ...] = ()
+    reference: str | None = None
+    startup_timeout_s: float = 600.0
+    hf_batch_size: int = 8
+    skip_hf: bool = False
+    seed: int = 0
+    progress: bool = True
+    plots: bool = True
+
+
+def _run_kvserve_variant(
+    preset: ComparePreset, variant: Variant, workload: Workload, opts: CompareOptions, out_dir: Path
+) -> dict[str, Any]:
+    port = free_port()
+    command = [*opts.serve_command, "--host", "127.0.0.1", "--port", str(port)]
+    if opts.model:
+        command += ["--model", opts.model]
+    command += [*variant.engine_args, *opts.extra_engine_args]
+    with ServerProcess(command, out_dir / "server.log", port) as server:
+        startup_s = server.wait_healthy(opts.startup_timeout_s)
+        config = LoadConfig(
+            base_url=server.base_url,
+            request_rate=preset.request_rate,
+            max_concurrency=preset.max_concurrency,
+            seed=opts.seed,
+            num_warmup=preset.num_warmup,
+            progress=opts.progress,
+        )
+        run = run_workload(workload, config)
+    cfg = run.config_json() | {"variant": variant.name, "command": command, "startup_s": startup_s}
+    report = build_report(
+        run.results, run.duration_s, workload, SLO(), cfg, run.prefix_cache, kind="compare"
+    )
+    write_report(report, run.results, out_dir, plots=opts.plots, title=variant.name)
+    return report
+
+
+def _run_hf_variant(
+    variant: Variant, workload: Workload, opts: CompareOptions, out_dir: Path
+) -> dict[str, Any]:
+    from kvserve.bench.hf_baseline import DEFAULT_MODEL, load_hf_model, run_hf_baseline
+
+    if any(len(s.turns) > 1 for s in workload.sessions):
+        raise ValueError("the HF baseline runs single-turn workloads only (not multi-turn)")
+    model_name = opts.model or DEFAULT_MODEL
+    hf_model, tokenizer = load_hf_model(model_name)
+    prompts = [render_prompt(s, 0, []) for s in workload.sessions]
+    output_lens = [s.turns[0].output_len for s in workload.sessions]
+    results, duration = run_hf_baseline(
+        prompts,
+        output_lens,
+        hf_model,
+        tokenizer,
+        batch_size=opts.hf_batch_size,
+        progress=opts.progress,
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "variant": variant.name,
+        "backend": "hf",
+        "model": model_name,
+        "batch_size": opts.hf_batch_size,
+    }
+    report = build_report(results, duration, workload, SLO(), cfg, None, kind="compare")
+    write_report(report, results, out_dir, plots=opts.plots, title=variant.name)
+    return report
+
+
+def run_compare(
+    preset: ComparePreset, opts: CompareOptions, vocab: WordVocabulary | None = None
+) -> dict[str, Any]:
+    """Run every variant of ``preset`` in turn and return the comparison.
+
+    Returns ``{"preset", "description", "reference", "figures", "values", "table",
+    "target"}`` and writes it to ``<output_dir>/compare.json``. A variant that fails
+    (server exits, not healthy in time) is recorded under "errors" and shows n/a in
+    the table; the others still run.
+    """
+    reference = opts.reference or preset.reference
+    variants = [v for v in preset.variants if not (opts.skip_hf and v.backend == "hf")]
+    names = [v.name for v in variants]
+    if reference not in names:
+        raise ValueError(
+            f"invalid reference={reference!r}: must be one of {', '.join(names)} (for example: --reference {names[0]})"
+        )
+    workload = build_workload(replace(preset.workload, seed=opts.seed), vocab)
+    opts.output_dir.mkdir(parents=True, exist_ok=True)
+    reports: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    for variant in variants:
+        out_dir = opts.output_dir / variant.name
+        out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"[compare {preset.name}] {variant.name} ...", file=sys.stderr, flush=True)
+        try:
+            if variant.backend == "hf":
+                reports[variant.name] = _run_hf_variant(variant, workload, opts, out_dir)
+            else:
+                reports[variant.name] = _run_kvserve_variant(
+                    preset, variant, workload, opts, out_dir
+                )
+        except (RuntimeError, ValueError, OSError) as e:
+            errors[variant.name] = str(e)
+            print(
+                f"[compare {preset.name}] {variant.name} failed: {e}", file=sys.stderr, flush=True
+            )
+    values = figure_values(reports, preset.figures)
+    for name in names:
+        values.setdefault(name, {f.key: None for f in preset.figures})
+    values = {name: values[name] for name in names}
+    target = None
+    if preset.target is not None:
+        r, met = preset.target.check(values)
+        target = {"claim": preset.target.describe(), "ratio": r, "met": met}
+    result = {
+        "preset": preset.name,
+        "description": preset.description,
+        "reference": reference,
+        "figures": [asdict(f) for f in preset.figures],
+        "values": values,
+        "table": format_table(values, preset.figures, reference),
+        "target": target,
+        "errors": errors,
+        "workload": workload.describe(),
+    }
+    (opts.output_dir / "compare.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """The printed form of :func:`run_compare`'s result: title, table, target, errors."""
+    lines = [
+        f"## bench compare {result['preset']}: {result['description']}",
+        "",
+        result["table"],
+        "",
+    ]
+    if result["target"]:
+        t = result["target"]
+        verdict = "not measured" if t["met"] is None else ("MET" if t["met"] else "NOT MET")
+        shown = "n/a" if t["ratio"] is None else f"{t['ratio']:.3f}"
+        lines.append(f"target {t['claim']}: ratio {shown} -> {verdict}")
+    for name, err in result["errors"].items():
+        lines.append(f"error in {name}: {err.splitlines()[0] if err else ''}")
+    return "\n".join(lines)
+
+
+def serve_command_from_string(text: str | None) -> list[str]:
+    """``--serve-command`` as argv; the default runs this interpreter's kvserve."""
+    if not text:
+        return default_serve_command()
+    argv = shlex.split(text)
+    if not argv:
+        raise ValueError(
+            "invalid --serve-command '': give a command (for example: --serve-command 'kvserve serve')"
+        )
+    return argv
+
+
+__all__ = [
+    "PRESETS",
+    "ComparePreset",
+    "CompareOptions",
+    "Figure",
+    "ServerProcess",
+    "Target",
+    "Variant",
+    "figure_value",
+    "figure_values",
+    "format_result",
+    "format_table",
+    "free_port",
+    "ratio",
+    "run_compare",
+    "serve_command_from_string",
+]

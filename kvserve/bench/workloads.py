@@ -1,0 +1,371 @@
+"""Benchmark workloads: deterministic lists of sessions built from a seed.
+
+A workload is a tuple of :class:`Session`. A session is one conversation: a fixed
+``system_text`` (a shared system prompt or document, possibly shared with other
+sessions) followed by one or more user turns. Single-turn workloads have sessions of
+one turn. The load generator sends a session's turns in order, each after the
+previous answer came back, resending the whole history every time:
+
+    turn 0 prompt:  [ system | user0 ]
+    turn 1 prompt:  [ system | user0 | answer0 | user1 ]
+    turn 2 prompt:  [ system | user0 | answer0 | user1 | answer1 | user2 ]
+
+Kinds (``WorkloadSpec.kind``):
+
+- ``random``: each request a random prompt of ``input_len`` tokens (±``range_ratio``)
+  and ``output_len`` output tokens (±``range_ratio``).
+- ``shared-prefix``: ``num_prefixes`` system prompts of ``prefix_len`` tokens; request
+  ``i`` uses prefix ``i % num_prefixes`` plus a unique ``input_len``-token question.
+- ``multi-turn``: ``num_requests // turns`` conversations of ``turns`` turns, each
+  user turn ``input_len`` tokens, each answer ``output_len`` tokens.
+- ``long-doc``: ``num_docs`` documents of ``doc_len`` tokens; request ``i`` asks an
+  ``input_len``-token question about document ``i % num_docs``.
+- ``interference``: ``num_decodes`` short-prompt, long-output streams that start at
+  t=0 (tag ``decode``), then ``num_long_prompts`` prompts of ``long_prompt_len``
+  tokens (tag ``prefill``) arriving at ``long_prompt_start_s + k * long_prompt_gap_s``.
+  This is the chunked-prefill experiment: the decodes' ITL shows the prefill stalls.
+
+Token counts. Text is built from "words", each a single token with its leading space
+(" the", " cat"). With a tokenizer (:class:`WordVocabulary.from_tokenizer`), the words
+are vocabulary entries that decode to ``" <letters>"`` and re-encode to exactly that one
+id, so under byte-level BPE (Llama 3, SmolLM, Qwen2, GPT-2) a text of ``n`` words is
+exactly ``n`` tokens, also when pieces are concatenated (every boundary is a space).
+Without a tokenizer (:meth:`WordVocabulary.default`) a list of common short English
+words is used: nearly all are one token in BPE vocabularies, so counts are
+approximate (typically within a few percent, plus any special tokens the server adds,
+such as BOS or a chat template). ``Workload.exact_lengths`` says which case applies.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+WorkloadKind = Literal["random", "shared-prefix", "multi-turn", "long-doc", "interference"]
+WORKLOAD_KINDS: tuple[str, ...] = (
+    "random",
+    "shared-prefix",
+    "multi-turn",
+    "long-doc",
+    "interference",
+)
+
+# Common short English words; almost all are a single BPE token with a leading space.
+_DEFAULT_WORDS_TEXT = """
+the of and to in is was for on are as with his they at be this from have or by one had
+not but what all were when we there can an your which their said if do will each about
+how up out them then she many some so these would other into has more her two like him
+see time could no make than first been its who now people my made over did down only way
+find use may water long little very after words called just where most know get through
+back much before go good new write our used me man too any day same right look think
+also around another came come work three word must because does part even place well
+such here take why things help put years different away again off went old number great
+tell men say small every found still between name should home big give air line set own
+under read last never us left end along while might next sound below saw something
+thought both few those always looked show large often together asked house world going
+want school important until form food keep children feet land side without boy once
+animals life enough took sometimes four head above kind began almost live page got earth
+need far hand high year mother light parts country father let night following picture
+being study second eyes soon times story boys since white days paper hard near sentence
+better best across during today others however sure means knew try told young miles sun
+ways thing whole hear example heard several change answer room sea against top turned
+learn point city play toward five using himself usually
+"""
+
+_WORD_RE = re.compile(r"^ [a-z]{2,10}$")
+
+
+@dataclass(frozen=True)
+class WordVocabulary:
+    """Single-token words (each with its leading space) used to build prompt text.
+
+    ``exact`` is True when every word was checked against a tokenizer: then a text of
+    ``n`` words is ``n`` tokens (without special tokens) for that tokenizer.
+    """
+
+    words: tuple[str, ...]
+    exact: bool
+
+    @classmethod
+    def default(cls) -> WordVocabulary:
+        """Common English words; ~1 token per word in BPE vocabularies (approximate)."""
+        return cls(tuple(" " + w for w in dict.fromkeys(_DEFAULT_WORDS_TEXT.split())), exact=False)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, max_words: int = 4000) -> WordVocabulary:
+        """Words the tokenizer maps to exactly one id and back.
+
+        ``tokenizer`` needs ``decode(list[int]) -> str``, ``encode(str,
+        add_special_tokens=False) -> list[int]`` and ``len()`` (any Hugging Face
+        tokenizer). Raises ValueError when fewer than 100 such words exist (for
+        example a character-level tokenizer), since exact lengths are then impossible.
+        """
+        words: list[str] = []
+        for token_id in range(len(tokenizer)):
+            text = tokenizer.decode([token_id])
+            if not _WORD_RE.match(text):
+                continue
+            if tokenizer.encode(text, add_special_tokens=False) != [token_id]:
+                continue
+            words.append(text)
+            if len(words) >= max_words:
+                break
+        if len(words) < 100:
+            raise ValueError(
+                f"tokenizer has only {len(words)} single-token words of the form ' word'; "
+                "exact prompt lengths need at least 100 (use a BPE tokenizer such as "
+                "SmolLM2's, or run without --tokenizer for approximate lengths)"
+            )
+        return cls(tuple(words), exact=True)
+
+    def text(self, rng: random.Random, num_tokens: int) -> str:
+        """A text of ``num_tokens`` words drawn with ``rng`` (starts with a space)."""
+        return "".join(rng.choice(self.words) for _ in range(num_tokens))
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One user turn: ``user_text`` (``prompt_len`` tokens) and the answer size."""
+
+    user_text: str
+    prompt_len: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class Session:
+    """A conversation: shared ``system_text`` then ``turns`` sent in order.
+
+    ``arrival_s`` fixes when the session starts (seconds after the benchmark starts);
+    None means "draw from the load generator's arrival process". ``tag`` groups
+    sessions for per-group figures (``decode`` / ``prefill`` in ``interference``).
+    """
+
+    session_id: int
+    system_text: str
+    system_len: int
+    turns: tuple[Turn, ...]
+    prefix_group: int | None = None
+    arrival_s: float | None = None
+    tag: str = "default"
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.turns)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """All workload sizes; which ones matter depends on ``kind`` (module docstring)."""
+
+    kind: str = "random"
+    num_requests: int = 64
+    seed: int = 0
+    input_len: int = 256
+    output_len: int = 64
+    range_ratio: float = 0.0
+    prefix_len: int = 1024
+    num_prefixes: int = 4
+    turns: int = 4
+    num_docs: int = 2
+    doc_len: int = 2048
+    num_decodes: int = 8
+    num_long_prompts: int = 4
+    long_prompt_len: int = 2048
+    long_prompt_start_s: float = 0.5
+    long_prompt_gap_s: float = 1.5
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad value, the rule and a valid example."""
+        if self.kind not in WORKLOAD_KINDS:
+            raise ValueError(
+                f"invalid workload {self.kind!r}: must be one of {', '.join(WORKLOAD_KINDS)} "
+                "(for example: --workload shared-prefix)"
+            )
+        positive = {
+            "num_requests": ("--num-requests 64", self.num_requests),
+            "input_len": ("--input-len 256", self.input_len),
+            "output_len": ("--output-len 64", self.output_len),
+        }
+        if self.kind == "shared-prefix":
+            positive["prefix_len"] = ("--prefix-len 1024", self.prefix_len)
+            positive["num_prefixes"] = ("--num-prefixes 4", self.num_prefixes)
+        if self.kind == "multi-turn":
+            positive["turns"] = ("--turns 4", self.turns)
+        if self.kind == "long-doc":
+            positive["num_docs"] = ("--num-docs 2", self.num_docs)
+            positive["doc_len"] = ("--doc-len 2048", self.doc_len)
+        if self.kind == "interference":
+            positive["num_decodes"] = ("--num-decodes 8", self.num_decodes)
+            positive["long_prompt_len"] = ("--long-prompt-len 2048", self.long_prompt_len)
+        for name, (example, value) in positive.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"invalid {name}={value!r}: must be a positive integer (for example: {example})"
+                )
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise ValueError(
+                f"invalid range_ratio={self.range_ratio!r}: must be in [0, 1) (for example: --range-ratio 0.25)"
+            )
+        if self.kind == "multi-turn" and self.num_requests < self.turns:
+            raise ValueError(
+                f"invalid num_requests={self.num_requests!r}: multi-turn needs at least --turns "
+                f"({self.turns}) requests, one conversation (for example: --num-requests {self.turns * 8})"
+            )
+        if self.kind == "interference" and (
+            self.num_long_prompts < 0 or self.long_prompt_start_s < 0 or self.long_prompt_gap_s < 0
+        ):
+            raise ValueError(
+                "invalid interference timing: num_long_prompts, long_prompt_start_s and "
+                "long_prompt_gap_s must be >= 0 (for example: --num-long-prompts 4)"
+            )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A built workload: the spec it came from and its sessions in arrival order."""
+
+    spec: WorkloadSpec
+    sessions: tuple[Session, ...]
+    exact_lengths: bool
+
+    @property
+    def num_requests(self) -> int:
+        return sum(s.num_requests for s in self.sessions)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready description for results.json."""
+        return {
+            "spec": asdict(self.spec),
+            "num_sessions": len(self.sessions),
+            "num_requests": self.num_requests,
+            "exact_lengths": self.exact_lengths,
+            "total_prompt_tokens_first_turns": sum(
+                s.system_len + s.turns[0].prompt_len for s in self.sessions
+            ),
+        }
+
+
+def _vary(rng: random.Random, center: int, ratio: float) -> int:
+    """A length uniform in [center*(1-ratio), center*(1+ratio)], at least 1."""
+    if ratio == 0.0:
+        return center
+    low = max(1, math.floor(center * (1 - ratio)))
+    high = max(low, math.ceil(center * (1 + ratio)))
+    return rng.randint(low, high)
+
+
+def build_workload(spec: WorkloadSpec, vocab: WordVocabulary | None = None) -> Workload:
+    """Build the sessions of ``spec``; the same spec and vocabulary give the same workload.
+
+    Raises ValueError from :meth:`WorkloadSpec.validate` for bad sizes.
+    """
+    spec.validate()
+    vocab = vocab or WordVocabulary.default()
+    rng = random.Random(spec.seed)
+    sessions: list[Session] = []
+    if spec.kind == "random":
+        for i in range(spec.num_requests):
+            n_in = _vary(rng, spec.input_len, spec.range_ratio)
+            n_out = _vary(rng, spec.output_len, spec.range_ratio)
+            sessions.append(Session(i, "", 0, (Turn(vocab.text(rng, n_in), n_in, n_out),)))
+    elif spec.kind == "shared-prefix":
+        prefixes = [vocab.text(rng, spec.prefix_len) for _ in range(spec.num_prefixes)]
+        for i in range(spec.num_requests):
+            group = i % spec.num_prefixes
+            turn = Turn(vocab.text(rng, spec.input_len), spec.input_len, spec.output_len)
+            sessions.append(
+                Session(i, prefixes[group], spec.prefix_len, (turn,), prefix_group=group)
+            )
+    elif spec.kind == "multi-turn":
+        for i in range(spec.num_requests // spec.turns):
+            turns = tuple(
+                Turn(vocab.text(rng, spec.input_len), spec.input_len, spec.output_len)
+                for _ in range(spec.turns)
+            )
+            sessions.append(Session(i, "", 0, turns, prefix_group=i))
+    elif spec.kind == "long-doc":
+        docs = [vocab.text(rng, spec.doc_len) for _ in range(spec.num_docs)]
+        for i in range(spec.num_requests):
+            doc = i % spec.num_docs
+            turn = Turn(vocab.text(rng, spec.input_len), spec.input_len, spec.output_len)
+            sessions.append(Session(i, docs[doc], spec.doc_len, (turn,), prefix_group=doc))
+    else:  # interference
+        for i in range(spec.num_decodes):
+            turn = Turn(vocab.text(rng, spec.input_len), spec.input_len, spec.output_len)
+            sessions.append(Session(i, "", 0, (turn,), arrival_s=0.0, tag="decode"))
+        for k in range(spec.num_long_prompts):
+            turn = Turn(vocab.text(rng, spec.long_prompt_len), spec.long_prompt_len, 1)
+            arrival = spec.long_prompt_start_s + k * spec.long_prompt_gap_s
+            sessions.append(
+                Session(spec.num_decodes + k, "", 0, (turn,), arrival_s=arrival, tag="prefill")
+            )
+    return Workload(spec, tuple(sessions), exact_lengths=vocab.exact)
+
+
+def render_prompt(session: Session, turn_index: int, answers: list[str]) -> str:
+    """The /v1/completions prompt of turn ``turn_index``: system, then every earlier
+    user turn followed by its answer, then this turn's user text (plain concatenation,
+    so each prompt starts with the whole previous prompt and answer).
+
+    ``answers`` must hold at least ``turn_index`` answers (the earlier turns').
+    """
+    if len(answers) < turn_index:
+        raise ValueError(
+            f"turn {turn_index} needs {turn_index} earlier answers, got {len(answers)}"
+        )
+    parts = [session.system_text]
+    for k in range(turn_index):
+        parts.append(session.turns[k].user_text)
+        parts.append(answers[k])
+    parts.append(session.turns[turn_index].user_text)
+    return "".join(parts)
+
+
+def render_messages(session: Session, turn_index: int, answers: list[str]) -> list[dict[str, str]]:
+    """The /v1/chat/completions messages of turn ``turn_index`` (same history rule)."""
+    if len(answers) < turn_index:
+        raise ValueError(
+            f"turn {turn_index} needs {turn_index} earlier answers, got {len(answers)}"
+        )
+    messages: list[dict[str, str]] = []
+    if session.system_text:
+        messages.append({"role": "system", "content": session.system_text.lstrip()})
+    for k in range(turn_index):
+        messages.append({"role": "user", "content": session.turns[k].user_text.lstrip()})
+        messages.append({"role": "assistant", "content": answers[k]})
+    messages.append({"role": "user", "content": session.turns[turn_index].user_text.lstrip()})
+    return messages
+
+
+def arrival_times(
+    num: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
+) -> list[float]:
+    """Start offsets (seconds) of ``num`` arrivals.
+
+    ``request_rate`` is arrivals per second; ``math.inf`` sends everything at t=0.
+    Gaps are gamma distributed with shape ``burstiness`` and mean ``1/request_rate``
+    (``burstiness == 1`` is a Poisson process; smaller is burstier). The first arrival
+    is at t=0. Deterministic for a seed.
+    """
+    if not request_rate > 0:
+        raise ValueError(
+            f"invalid request_rate={request_rate!r}: must be > 0 or inf (for example: --request-rate 4)"
+        )
+    if not burstiness > 0:
+        raise ValueError(
+            f"invalid burstiness={burstiness!r}: must be > 0 (for example: --burstiness 1.0)"
+        )
+    if math.isinf(request_rate):
+        return [0.0] * num
+    rng = random.Random(seed ^ 0x5EED)
+    times: list[float] = []
+    t = 0.0
+    for i in range(num):
+        if i > 0:
+            t += rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
+        times.append(t)
+    return times
