@@ -1,0 +1,451 @@
+"""Asyncio front over :class:`EngineCore`: the engine steps in a background thread.
+
+    event loop thread                           engine thread (the only one touching EngineCore)
+    ─────────────────                           ──────────────────────────────────────────────
+    generate() ── ("add", ...) ──▶ commands ──▶ add_request / abort_requests
+       ▲                                            │
+       │   per-request asyncio.Queue                ▼
+       └──── call_soon_threadsafe(dispatch) ◀── step() -> list[RequestDelta]
+                                                    │
+                                                 stats() snapshot, metrics (TTFT/ITL/e2e)
+
+Rules a caller must keep:
+- Call :meth:`start` from the event loop that will consume the streams (or let the
+  first :meth:`generate` do it). All streams are delivered on that loop.
+- ``generate`` raises before yielding anything when the request is refused:
+  ValueError (bad request, message says what to change), :class:`QueueFullError`
+  (waiting queue at its limit), :class:`EngineUnavailableError` (shutting down or
+  the engine thread died).
+- ``generate`` returns a :class:`RequestStream`. A consumer that stops reading
+  before the finished delta (client disconnected, task cancelled) must call
+  ``stream.abort()`` or read it inside ``async with stream:``; the engine thread
+  then aborts the request before its next step, which frees its KV blocks.
+- A request whose step failed inside the engine gets :class:`RequestFailedError`
+  from its stream; the other requests and the engine go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.outputs import RequestDelta
+from kvserve.metrics import EngineMetrics
+from kvserve.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_waiting``; retry later (HTTP 503 + Retry-After)."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine is shutting down or its thread died (HTTP 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request; other requests are unaffected."""
+
+
+@dataclass
+class _Timing:
+    """Per-request timestamps kept on the engine thread for the latency histograms."""
+
+    arrival_time: float
+    last_token_time: float | None = None
+
+
+_Item = RequestDelta | BaseException
+
+
+class RequestStream:
+    """The deltas of one request, in order; the last one has ``finished`` set.
+
+    ``async for delta in stream`` ends after the finished delta. Use it as
+    ``async with stream:`` (or call :meth:`abort`) so that leaving early - a break,
+    an exception, a cancelled task - aborts the request in the engine.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue[_Item]) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue = queue
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (idempotent, event loop thread)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    """Serve one :class:`EngineCore` to many concurrent asyncio consumers."""
+
+    def __init__(self, engine: EngineCore, *, metrics: EngineMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics if metrics is not None else EngineMetrics(engine.model_name)
+        self.tokenizer = engine.tokenizer
+        self.model_name: str = engine.model_name
+        self.max_model_len: int = engine.max_model_len
+
+        self._lock = threading.Lock()  # guards the fields below shared by both threads
+        self._commands: deque[tuple[str, Any]] = deque()
+        self._num_pending_adds = 0
+        self._stats: dict[str, Any] = dict(engine.stats())
+        self._wake = threading.Event()
+        self._stop = False
+        self._dead: BaseException | None = None
+        self._accepting = True
+
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._streams: dict[str, asyncio.Queue[_Item]] = {}  # event loop thread only
+        self._ids = itertools.count()
+        # Engine thread only:
+        self._live: dict[str, _Timing] = {}
+        self.metrics.set_stats_source(self.stats)
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def from_options(cls, **engine_options: Any) -> AsyncEngine:
+        """Build the engine from flat engine options (``kvserve.engine.args``)."""
+        from kvserve.engine.args import build_engine_config
+
+        return cls(EngineCore(build_engine_config(**engine_options)))
+
+    def start(self) -> None:
+        """Start the engine thread, bound to the running event loop. Idempotent."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and accepting requests."""
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and self._dead is None
+            and self._accepting
+        )
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once shutting down or after the engine thread died."""
+        return (
+            self._dead is None
+            and self._accepting
+            and (self._thread is None or self._thread.is_alive())
+        )
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests this front is streaming (event loop thread)."""
+        return len(self._streams)
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop accepting requests, let in-flight ones finish for up to ``drain_timeout_s``
+        seconds, abort the rest (their streams end with finish_reason "abort") and stop
+        the engine thread. Safe to call twice."""
+        self._accepting = False
+        deadline = time.monotonic() + drain_timeout_s
+        while self._streams and time.monotonic() < deadline and self._thread_alive():
+            await asyncio.sleep(0.05)
+        if self._streams:
+            self._submit(("abort", list(self._streams)))
+        self._submit(("stop", None))
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+
+    def _thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ queries
+    def stats(self) -> dict[str, Any]:
+        """The latest ``EngineCore.stats()`` snapshot (refreshed after every step)."""
+        with self._lock:
+            return dict(self._stats)
+
+    def num_waiting(self) -> int:
+        """Requests queued but not yet scheduled: the scheduler's waiting queue plus
+        adds not yet taken by the engine thread. Never undercounts."""
+        with self._lock:
+            return int(self._stats.get("num_requests_waiting", 0)) + self._num_pending_adds
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError (with the fix) if the request can never be served."""
+        self.engine.validate_request(prompt_token_ids, params)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+        max_waiting: int | None = None,
+    ) -> RequestStream:
+        """Queue a request; return the stream of its deltas (the last one is finished).
+
+        ``max_waiting``: refuse with :class:`QueueFullError` when :meth:`num_waiting`
+        is already at least this many. See the module docstring for the errors.
+        """
+        req_id, queue = await self.add_request(
+            prompt_token_ids,
+            params,
+            request_id=request_id,
+            prompt=prompt,
+            cache_salt=cache_salt,
+            max_waiting=max_waiting,
+        )
+        return RequestStream(self, req_id, queue)
+
+    async def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+        max_waiting: int | None = None,
+    ) -> tuple[str, asyncio.Queue[_Item]]:
+        """Queue a request; return its id and the queue its deltas arrive on.
+
+        Prefer :meth:`generate`; a caller of this method must call :meth:`abort` if it
+        stops reading before the finished delta.
+        """
+        self.start()
+        if self._dead is not None:
+            raise EngineUnavailableError(
+                f"the engine stopped after an internal error: {self._dead}"
+            )
+        if not self._accepting:
+            raise EngineUnavailableError("the server is shutting down; retry on another replica")
+        self.engine.validate_request(prompt_token_ids, params)
+        req_id = request_id if request_id is not None else f"async-{next(self._ids)}"
+        if req_id in self._streams:
+            raise ValueError(f"request id {req_id!r} is already in use: pick a unique id")
+        with self._lock:
+            waiting = int(self._stats.get("num_requests_waiting", 0)) + self._num_pending_adds
+            if max_waiting is not None and waiting >= max_waiting:
+                self.metrics.count_rejected()
+                raise QueueFullError(
+                    f"{waiting} requests are already waiting (the limit is {max_waiting}): "
+                    "retry after a few seconds"
+                )
+            self._num_pending_adds += 1
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._streams[req_id] = queue
+        added: concurrent.futures.Future[str] = concurrent.futures.Future()
+        kwargs = {"prompt": prompt, "cache_salt": cache_salt, "arrival_time": time.time()}
+        self._submit(("add", (req_id, list(prompt_token_ids), params, kwargs, added)))
+        try:
+            await asyncio.wrap_future(added)
+        except asyncio.CancelledError:
+            self._streams.pop(req_id, None)
+            self._submit(("abort", [req_id]))
+            raise
+        except BaseException:
+            self._streams.pop(req_id, None)
+            raise
+        return req_id, queue
+
+    def abort(self, req_id: str) -> None:
+        """Abort a request (no-op if unknown or finished); its stream ends without a
+        further delta. Call from the event loop thread."""
+        if self._streams.pop(req_id, None) is not None:
+            self._submit(("abort", [req_id]))
+
+    # ------------------------------------------------------------------ engine thread
+    def _submit(self, command: tuple[str, Any]) -> None:
+        with self._lock:
+            self._commands.append(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._drain_commands()
+                if self._stop:
+                    break
+                if not self.engine.has_unfinished_requests():
+                    self._refresh_stats()
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                self._step()
+        except BaseException as e:  # the thread must not die silently
+            logger.exception("engine thread died")
+            self._dead = e
+            self._fail(list(self._live), EngineUnavailableError(f"the engine thread died: {e}"))
+        finally:
+            self._refresh_stats()
+
+    def _drain_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                kind, payload = self._commands.popleft()
+            if kind == "add":
+                self._do_add(*payload)
+            elif kind == "abort":
+                live = [r for r in payload if r in self._live]
+                if live:
+                    self.engine.abort_requests(live)
+                    now = time.time()
+                    for r in live:
+                        timing = self._live.pop(r)
+                        self.metrics.count_finished("abort")
+                        self.metrics.observe_e2e(now - timing.arrival_time)
+                    self._refresh_stats()
+            elif kind == "stop":
+                self._stop = True
+                live = list(self._live)
+                if live:
+                    self.engine.abort_requests(live)
+                    self._deliver(
+                        [
+                            RequestDelta(
+                                request_id=r, new_token_ids=[], new_text="", finish_reason="abort"
+                            )
+                            for r in live
+                        ]
+                    )
+                    self._live.clear()
+                return
+
+    def _do_add(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kwargs: dict[str, Any],
+        added: concurrent.futures.Future[str],
+    ) -> None:
+        try:
+            self.engine.add_request(prompt_token_ids, params, request_id=req_id, **kwargs)
+        except BaseException as e:
+            with self._lock:
+                self._num_pending_adds -= 1
+            added.set_exception(e)
+            return
+        self._live[req_id] = _Timing(arrival_time=kwargs["arrival_time"])
+        self._refresh_stats(pending_delta=-1)
+        added.set_result(req_id)
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception as e:
+            # A scheduler bug: fail the requests we know about, keep the engine if it
+            # can still abort them (which frees their blocks).
+            logger.exception("engine step failed; failing %d requests", len(self._live))
+            live = list(self._live)
+            self.engine.abort_requests(live)
+            self._fail(
+                live, RequestFailedError(f"the engine failed while running this request: {e}")
+            )
+            self._refresh_stats()
+            return
+        now = time.time()
+        for delta in deltas:
+            self._record(delta, now)
+        self._refresh_stats()
+        if deltas:
+            self._deliver(deltas)
+
+    def _record(self, delta: RequestDelta, now: float) -> None:
+        timing = self._live.get(delta.request_id)
+        if timing is None:
+            return
+        n = len(delta.new_token_ids)
+        if n:
+            if timing.last_token_time is None:
+                self.metrics.count_prompt_tokens(delta.num_prompt_tokens)
+                self.metrics.observe_ttft(now - timing.arrival_time)
+            else:
+                self.metrics.observe_itl((now - timing.last_token_time) / n)
+            timing.last_token_time = now
+            self.metrics.count_generation_tokens(n)
+        if delta.finished:
+            del self._live[delta.request_id]
+            self.metrics.count_finished(str(delta.finish_reason))
+            self.metrics.observe_e2e(now - timing.arrival_time)
+
+    def _refresh_stats(self, pending_delta: int = 0) -> None:
+        try:
+            stats = dict(self.engine.stats())
+        except Exception:  # stats must never take the engine down
+            logger.exception("EngineCore.stats() failed")
+            stats = None
+        with self._lock:
+            if stats is not None:
+                self._stats = stats
+            self._num_pending_adds += pending_delta
+
+    def _deliver(self, items: list[RequestDelta]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # loop closed meanwhile
+                loop.call_soon_threadsafe(self._dispatch, items)
+
+    def _fail(self, req_ids: list[str], error: BaseException) -> None:
+        for r in req_ids:
+            self._live.pop(r, None)
+            self.metrics.count_finished("error")
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._dispatch_error, req_ids, error)
+
+    # ------------------------------------------------------------------ event loop side
+    def _dispatch(self, items: list[RequestDelta]) -> None:
+        for delta in items:
+            queue = self._streams.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+                if delta.finished:
+                    del self._streams[delta.request_id]
+
+    def _dispatch_error(self, req_ids: list[str], error: BaseException) -> None:
+        for r in req_ids:
+            queue = self._streams.pop(r, None)
+            if queue is not None:
+                queue.put_nowait(error)

@@ -1,0 +1,426 @@
+"""OpenAI request models for the server, and their mapping onto :class:`SamplingParams`.
+
+The models follow OpenAI's field names plus vLLM's extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``cache_salt``, ...). They
+are *strict*: a field of the wrong JSON type is a 400 (``"max_tokens": "5"`` is not
+coerced), and unknown fields are allowed and ignored, as OpenAI's API does.
+
+Every user error becomes :class:`APIError` with OpenAI's body
+``{"error": {"message", "type", "param", "code"}}``; the message names the value,
+the rule and a valid example.
+
+Defaults that differ between OpenAI and vLLM, and the ones kvserve picks:
+- ``max_tokens`` absent: completions use 16 (OpenAI's default) capped to the
+  context left; chat uses the whole context left (``max_model_len - prompt``), as
+  both OpenAI and vLLM do.
+- ``temperature`` absent: 1.0 (OpenAI's default; send 0 for greedy).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvserve.request import SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered to the client in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# Valid examples shown in messages about a field.
+_EXAMPLES: dict[str, str] = {
+    "model": '"model": "smollm2-135m-instruct"',
+    "prompt": '"prompt": "Once upon a time" (or a list of token ids such as [1, 2, 3])',
+    "messages": '"messages": [{"role": "user", "content": "Hello"}]',
+    "max_tokens": '"max_tokens": 16',
+    "max_completion_tokens": '"max_completion_tokens": 16',
+    "temperature": '"temperature": 0.7',
+    "top_p": '"top_p": 0.9',
+    "top_k": '"top_k": 40',
+    "min_p": '"min_p": 0.05',
+    "seed": '"seed": 42',
+    "stop": '"stop": ["\\n"]',
+    "n": '"n": 1',
+    "logprobs": '"logprobs": 2',
+    "top_logprobs": '"top_logprobs": 2',
+    "stream": '"stream": true',
+    "stream_options": '"stream_options": {"include_usage": true}',
+    "cache_salt": '"cache_salt": "tenant-a"',
+    "stop_token_ids": '"stop_token_ids": [2]',
+    "ignore_eos": '"ignore_eos": true',
+    "min_tokens": '"min_tokens": 4',
+    "presence_penalty": '"presence_penalty": 0.5',
+    "frequency_penalty": '"frequency_penalty": 0.5',
+    "repetition_penalty": '"repetition_penalty": 1.1',
+    "tokens": '"tokens": [1, 2, 3]',
+}
+
+
+def example_for(param: str | None) -> str:
+    key = re.split(r"[.\[]", param)[0] if param else ""
+    return _EXAMPLES.get(key, "")
+
+
+def validation_error_to_api(err: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field, the rule and an example."""
+    first = err.errors(include_url=False)[0]
+    param = _loc_to_param(first.get("loc", ()))
+    msg = str(first.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        text = f"missing required field '{param}'"
+        code = "missing_required_parameter"
+    else:
+        got = first.get("input")
+        text = f"invalid value for '{param}': {msg} (got {_short(got)})"
+        code = "invalid_type"
+    example = example_for(param)
+    if example:
+        text += f"; for example {example}"
+    return bad_request(text, param=param, code=code)
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "body"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# --------------------------------------------------------------------- validators
+def _check_stop(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return list(value)
+    raise ValueError("use a string or a list of strings")
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int for t in value)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    stop: Any = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> list[str] | None:
+        return _check_stop(value)
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("use a non-empty string, or leave cache_salt out")
+        return value
+
+    def check_common(self) -> None:
+        """Refuse what kvserve does not support, with the fix."""
+        if self.logit_bias:
+            raise bad_request(
+                "logit_bias is not supported by this server: remove it from the request",
+                param="logit_bias",
+            )
+        if self.stream_options is not None and not self.stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true: set "
+                '"stream": true or remove stream_options',
+                param="stream_options",
+            )
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, *, max_tokens_param: str
+    ) -> SamplingParams:
+        """Build SamplingParams; raise APIError(400) naming the offending field."""
+        kwargs: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "stop": self.stop or [],
+            "stop_token_ids": self.stop_token_ids or [],
+            "logprobs": logprobs,
+            "seed": self.seed,
+        }
+        for name in (
+            "n",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                kwargs[name] = value
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            m = re.match(r"sampling parameter (\w+)=", str(e))
+            param = m.group(1) if m else None
+            if param == "max_tokens":
+                param = max_tokens_param
+            elif param == "logprobs" and isinstance(self, ChatCompletionRequest):
+                param = "top_logprobs"
+            text = str(e)
+            example = example_for(param)
+            if example:
+                text += f"; for example {example}"
+            raise bad_request(text, param=param) from None
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: Any
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list (one element per completion to generate).
+
+        Accepts a string, a list of strings, a list of token ids, or a list of lists
+        of token ids; raises APIError(400) for anything else or an empty prompt list.
+        """
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list) and p:
+            if _is_token_list(p):
+                return [list(p)]
+            if all(isinstance(x, str) for x in p):
+                return list(p)
+            if all(_is_token_list(x) for x in p):
+                return [list(x) for x in p]
+        if isinstance(p, list) and not p:
+            raise bad_request(
+                "prompt is an empty list: send at least one prompt; for example "
+                + _EXAMPLES["prompt"],
+                param="prompt",
+            )
+        raise bad_request(
+            f"invalid value for 'prompt' (got {_short(p)}): use a string, a list of strings, "
+            "a list of token ids (integers) or a list of such lists; for example "
+            + _EXAMPLES["prompt"],
+            param="prompt",
+            code="invalid_type",
+        )
+
+    def check(self) -> None:
+        self.check_common()
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server: remove it", param="suffix")
+        if self.best_of is not None and self.best_of != 1:
+            raise bad_request(
+                f"best_of={self.best_of} is not supported: only best_of=1 is; send several "
+                "requests instead",
+                param="best_of",
+            )
+        if self.echo and self.logprobs is not None:
+            raise bad_request(
+                "echo together with logprobs is not supported (prompt logprobs are not "
+                "computed): drop echo or logprobs",
+                param="echo",
+            )
+
+
+def _check_content(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                break
+            texts.append(part["text"])
+        else:
+            return "".join(texts)
+    raise ValueError(
+        'use a string or a list of {"type": "text", "text": "..."} parts '
+        "(images and audio are not supported)"
+    )
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> str | None:
+        return _check_content(value)
+
+    def as_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if not self.messages:
+            raise bad_request(
+                "messages is empty: send at least one message; for example "
+                + _EXAMPLES["messages"],
+                param="messages",
+            )
+        if self.tools:
+            raise bad_request(
+                "tools are not supported by this server: remove tools and tool_choice",
+                param="tools",
+            )
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise bad_request(
+                f"response_format={self.response_format!r} is not supported: only "
+                '{"type": "text"} is',
+                param="response_format",
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request(
+                'top_logprobs needs "logprobs": true: set logprobs to true or drop top_logprobs',
+                param="top_logprobs",
+            )
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs={self.top_logprobs} is out of range: use an integer from 0 to "
+                f"{MAX_LOGPROBS}; for example " + _EXAMPLES["top_logprobs"],
+                param="top_logprobs",
+            )
+
+    @property
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(max_completion_tokens or max_tokens, the name of the field it came from)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's shape): either ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]

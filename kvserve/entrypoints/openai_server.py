@@ -1,0 +1,353 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an :class:`AsyncEngine`.
+
+Routes:
+    GET  /health                 200 while the engine runs, 503 otherwise
+    GET  /metrics                Prometheus text format (``kvserve.metrics``)
+    GET  /v1/models              the served model
+    POST /v1/completions         stream and non-stream (``openai_serving``)
+    POST /v1/chat/completions    stream and non-stream
+    POST /tokenize, /detokenize  vLLM's shapes
+
+Rules this module keeps:
+- Every error a client can cause is answered in OpenAI's shape
+  ``{"error": {"message", "type", "param", "code"}}``: 400 bad values, types or JSON;
+  401 wrong or missing API key (``/v1/*``, ``/tokenize``, ``/detokenize`` when a key
+  is configured; ``/health`` and ``/metrics`` stay open, as in vLLM); 404 unknown
+  model or route; 503 + ``Retry-After`` when ``max_queue_len`` requests already
+  wait, or while shutting down.
+- A client that disconnects (mid-stream or while waiting for a non-streamed answer)
+  has its requests aborted in the engine at once, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.entrypoints.openai_protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    validation_error_to_api,
+)
+from kvserve.entrypoints.openai_serving import OpenAIServing, abort_all
+from kvserve.metrics import CONTENT_TYPE
+
+logger = logging.getLogger(__name__)
+
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+M = TypeVar("M", bound=BaseModel)
+
+
+def build_app(
+    async_engine: AsyncEngine,
+    *,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_queue_len: int | None = None,
+) -> FastAPI:
+    """The FastAPI app serving ``async_engine``.
+
+    ``served_model_name`` (default: the engine's model name) is the one name
+    ``model`` may take. ``max_queue_len``: past this many waiting requests, new ones
+    get 503 with Retry-After (None: no limit). The engine thread starts with the
+    app's lifespan (or at the first request); lifespan shutdown stops it.
+    """
+    if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 0):
+        raise ValueError(
+            f"invalid max_queue_len={max_queue_len!r}: use an integer >= 0 or None for no "
+            "limit (for example: max_queue_len=64)"
+        )
+    served = served_model_name or async_engine.model_name
+    serving = OpenAIServing(async_engine, served_model_name=served, max_queue_len=max_queue_len)
+    started = time.time()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        await async_engine.shutdown()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.async_engine = async_engine
+    app.state.serving = serving
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+
+    # ------------------------------------------------------------------ errors
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = (
+                f"no route {request.method} {request.url.path}: this server has "
+                "/v1/models, /v1/completions, /v1/chat/completions, /tokenize, "
+                "/detokenize, /health and /metrics"
+            )
+        else:
+            message = f"{exc.detail} ({request.method} {request.url.path})"
+        err = APIError(exc.status_code, message, code=exc.status_code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error on %s", request.url.path)
+        err = APIError(500, f"internal server error: {exc}", type="server_error", code=500)
+        return JSONResponse(err.body(), status_code=500)
+
+    # ------------------------------------------------------------------ plain routes
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.is_healthy:
+            return Response(status_code=200)
+        err = APIError(503, "the engine is not running", type="server_error", code=503)
+        return JSONResponse(err.body(), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as pkg_version
+
+        try:
+            return {"version": pkg_version("kvserve")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served,
+                    "object": "model",
+                    "created": int(started),
+                    "owned_by": "kvserve",
+                    "root": async_engine.model_name,
+                    "parent": None,
+                    "max_model_len": async_engine.max_model_len,
+                }
+            ],
+        }
+
+    # ------------------------------------------------------------------ generation
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await _parse(request, CompletionRequest)
+        req_id, streams, echo = await serving.start_completion(req)
+        if req.stream:
+            events = serving.completion_events(req, req_id, streams, echo)
+            return _SSEResponse(events, on_close=abort_all(streams))
+        choices = await _until_disconnect(
+            request, serving.collect(streams), on_disconnect=abort_all(streams)
+        )
+        if choices is None:
+            return Response(status_code=499)
+        return JSONResponse(serving.completion_response(req, req_id, choices, echo))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await _parse(request, ChatCompletionRequest)
+        req_id, streams = await serving.start_chat(req)
+        if req.stream:
+            events = serving.chat_events(req, req_id, streams)
+            return _SSEResponse(events, on_close=abort_all(streams))
+        choices = await _until_disconnect(
+            request, serving.collect(streams), on_disconnect=abort_all(streams)
+        )
+        if choices is None:
+            return Response(status_code=499)
+        return JSONResponse(serving.chat_response(req, req_id, choices))
+
+    # ------------------------------------------------------------------ tokenizer
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(request, TokenizeRequest)
+        serving.check_model(req.model)
+        tok = async_engine.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request(
+                'send exactly one of "prompt" (a string) or "messages" (a chat); for example '
+                '{"prompt": "Hello"}',
+                param="prompt",
+            )
+        if req.prompt is not None:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = list(tok.encode(req.prompt, add_special_tokens=add_special))
+        else:
+            chat = ChatCompletionRequest(
+                messages=req.messages or [], add_generation_prompt=req.add_generation_prompt
+            )
+            text, ids = serving.render_chat(chat)
+            if req.add_special_tokens:
+                ids = list(tok.encode(text, add_special_tokens=True))
+        token_strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {
+            "count": len(ids),
+            "max_model_len": async_engine.max_model_len,
+            "tokens": ids,
+            "token_strs": token_strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(request, DetokenizeRequest)
+        serving.check_model(req.model)
+        vocab = async_engine.engine.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(
+                f"token id {bad[0]} is out of range: token ids must be integers in [0, {vocab}); "
+                'for example "tokens": [1, 2, 3]',
+                param="tokens",
+            )
+        return {"prompt": async_engine.tokenizer.decode(req.tokens)}
+
+    return app
+
+
+# ---------------------------------------------------------------------- helpers
+async def _parse(request: Request, model: type[M]) -> M:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(
+            f"the request body is not valid JSON ({e}): send a JSON object, for example "
+            '{"prompt": "Hello", "max_tokens": 16}',
+            code="invalid_json",
+        ) from None
+    if not isinstance(data, dict):
+        raise bad_request(
+            f"the request body must be a JSON object, got {type(data).__name__}: for example "
+            '{"prompt": "Hello", "max_tokens": 16}',
+            code="invalid_json",
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error_to_api(e) from None
+
+
+T = TypeVar("T")
+
+
+async def _until_disconnect(
+    request: Request, work: Awaitable[T], on_disconnect: Callable[[], None]
+) -> T | None:
+    """Await ``work``; if the client disconnects first, cancel it, call
+    ``on_disconnect`` (abort the engine requests) and return None."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself was cancelled (server shutdown)
+        task.cancel()
+        on_disconnect()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    on_disconnect()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return None
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-Sent Events that stop - and call ``on_close`` - as soon as the client
+    disconnects, whatever the ASGI spec version (Starlette only watches for
+    disconnects below 2.4). ``on_close`` also runs if streaming never started."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def run(func: Callable[[], Awaitable[None]]) -> None:
+                    with contextlib.suppress(OSError):  # client gone while sending
+                        await func()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(run, partial(self.stream_response, send))
+                await run(partial(self.listen_for_disconnect, receive))
+        finally:
+            self._on_close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+
+class _ApiKeyMiddleware:
+    """401 on protected routes unless ``Authorization: Bearer <api_key>``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        if not any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                given = value
+                break
+        if secrets.compare_digest(given, self._expected):
+            await self.app(scope, receive, send)
+            return
+        err = APIError(
+            401,
+            "missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
+            "the key the server was started with (--api-key or KVSERVE_API_KEY)",
+            code="invalid_api_key",
+        )
+        response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)

@@ -1,0 +1,195 @@
+"""Prometheus collectors for one engine, on the engine's own ``CollectorRegistry``.
+
+Names follow vLLM's with the prefix ``kvserve:`` (``vllm:prompt_tokens`` becomes
+``kvserve:prompt_tokens``; prometheus-client appends ``_total`` to counters and
+``_bucket``/``_sum``/``_count`` to histograms in the text format). Every series
+carries the label ``model_name``.
+
+Two kinds of series:
+- **Events** recorded as they happen (counters and histograms): prompt and
+  generation tokens, finished requests by reason, rejected requests, time to first
+  token, inter-token latency, end-to-end latency.
+- **Engine state** read at scrape time from a snapshot of ``EngineCore.stats()``
+  that the engine thread refreshes after every step (``set_stats_source``): running
+  and waiting requests, KV cache usage, active / reclaimable / empty blocks, prefix
+  cache queries and hits, preemptions, padding tokens, scheduler state.
+
+Rules a caller must keep: the stats source must be cheap and thread-safe (it is
+called on the scrape thread); it returns the dict shape of ``EngineCore.stats()``.
+Nothing here is process-global, so several engines can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "kvserve:"
+
+# vLLM's buckets (seconds).
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+# stats() key -> (metric name without prefix, help). Gauges are point-in-time values.
+_GAUGES: dict[str, tuple[str, str]] = {
+    "num_requests_running": ("num_requests_running", "Requests in the running batch."),
+    "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "KV cache usage (0 to 1; 1 = full)."),
+    "num_active_blocks": ("num_active_blocks", "KV blocks held by live requests."),
+    "num_reclaimable_blocks": (
+        "num_reclaimable_blocks",
+        "Free KV blocks that still hold a cached prefix (evictable).",
+    ),
+    "num_empty_blocks": ("num_empty_blocks", "Free KV blocks holding nothing."),
+}
+# stats() key -> (metric name without prefix, help). Cumulative counts since start.
+_COUNTERS: dict[str, tuple[str, str]] = {
+    "prefix_cache_queries": (
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "num_preemptions": ("num_preemptions", "Requests preempted to free KV blocks."),
+    "total_padding_tokens": (
+        "total_padding_tokens",
+        "Padding tokens computed by the model (bucketed batches).",
+    ),
+    "num_failed_steps": ("num_failed_steps", "Engine steps whose model execution failed."),
+}
+
+
+class _EngineStateCollector(Collector):
+    """Turns the latest ``EngineCore.stats()`` snapshot into metric families."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.source: Callable[[], Mapping[str, Any]] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        stats = dict(self.source()) if self.source is not None else {}
+        labels = ["model_name"]
+        for key, (name, doc) in _GAUGES.items():
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            if isinstance(stats.get(key), int | float):
+                family.add_metric([self.model_name], float(stats[key]))
+            yield family
+        for key, (name, doc) in _COUNTERS.items():
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            if isinstance(stats.get(key), int | float):
+                family.add_metric([self.model_name], float(stats[key]))
+            yield family
+        state = GaugeMetricFamily(
+            PREFIX + "scheduler_state",
+            "Scheduler state (1 for the current one), e.g. IDLE, ACTIVE_PREFILL, ACTIVE_DECODE.",
+            labels=["model_name", "state"],
+        )
+        if stats.get("scheduler_state") is not None:
+            state.add_metric([self.model_name, str(stats["scheduler_state"])], 1.0)
+        yield state
+
+    def describe(self) -> Iterator[Metric]:
+        # Without describe() the registry would call collect() at registration.
+        return iter(())
+
+
+class EngineMetrics:
+    """All Prometheus series of one engine (see the module docstring for names).
+
+    The ``observe_*`` / ``count_*`` methods are thread-safe (prometheus-client
+    locks internally) and are called by the async engine's thread.
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        label = ["model_name"]
+        reg = self.registry
+        self._prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens processed.", label, registry=reg
+        ).labels(model_name)
+        self._generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Tokens generated.", label, registry=reg
+        ).labels(model_name)
+        self._request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason (stop, length, abort).",
+            ["model_name", "finished_reason"],
+            registry=reg,
+        )
+        self._request_rejected = Counter(
+            PREFIX + "num_requests_rejected",
+            "Requests refused with 503 because the waiting queue was full.",
+            label,
+            registry=reg,
+        ).labels(model_name)
+        self._ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Seconds from arrival to the first generated token.",
+            label,
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of one request.",
+            label,
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Seconds from arrival to the end of a request.",
+            label,
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        ).labels(model_name)
+        self._state = _EngineStateCollector(model_name)
+        reg.register(self._state)
+
+    def set_stats_source(self, source: Callable[[], Mapping[str, Any]]) -> None:
+        """Where engine-state series come from at scrape time (``EngineCore.stats()`` shape)."""
+        self._state.source = source
+
+    # ------------------------------------------------------------------ events
+    def count_prompt_tokens(self, n: int) -> None:
+        self._prompt_tokens.inc(n)
+
+    def count_generation_tokens(self, n: int) -> None:
+        self._generation_tokens.inc(n)
+
+    def count_finished(self, finish_reason: str) -> None:
+        self._request_success.labels(self.model_name, finish_reason).inc()
+
+    def count_rejected(self) -> None:
+        self._request_rejected.inc()
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(max(seconds, 0.0))
+
+    def observe_itl(self, seconds: float) -> None:
+        self._itl.observe(max(seconds, 0.0))
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._e2e.observe(max(seconds, 0.0))
+
+    # ------------------------------------------------------------------ export
+    def render(self) -> bytes:
+        """The registry in Prometheus text format (content type ``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
+
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
