@@ -48,6 +48,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+_MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -59,7 +65,7 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 
-_CONVERTED_FORMAT_VERSION = 1
+_CONVERTED_FORMAT_VERSION = 2
 _META_FILE = "kvserve_meta.json"
 
 
@@ -243,6 +249,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)
     config["dtype"] = "float32"
+    config["architectures"] = [type(hf_model).__name__]
     tied = bool(config.get("tie_word_embeddings", False))
     state = {
         k: v.detach().to(torch.float32).contiguous()
@@ -348,10 +355,13 @@ def load_hf_config(folder: Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
     raw = json.loads((folder / "config.json").read_text())
-    archs = raw.get("architectures") or []
+    archs = list(raw.get("architectures") or [])
+    if not archs and raw.get("model_type") in _MODEL_TYPE_ARCHITECTURES:
+        archs = [_MODEL_TYPE_ARCHITECTURES[raw["model_type"]]]
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(
-            f"model in {str(folder)!r} has architectures {archs!r}; supported are "
+            f"model in {str(folder)!r} has architectures {archs!r} "
+            f"(model_type {raw.get('model_type')!r}); supported are "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     try:

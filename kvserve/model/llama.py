@@ -1,0 +1,344 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, TinyLlama, Mistral, Qwen2, Qwen3).
+
+Knows nothing about scheduling: it runs a flat batch of tokens ``[num_tokens]`` with
+their positions and an :class:`~kvserve.model.attention.AttentionMetadata`, reading and
+writing the paged KV cache tensors it is given. Variants it covers:
+
+- QKV bias (Qwen2; Llama/Qwen3 ``attention_bias``, which also biases o_proj);
+- per-head RMSNorm on q and k before RoPE (Qwen3);
+- tied or untied embeddings; RoPE theta and static RoPE scaling (llama3, linear,
+  yarn), computed by transformers' own init functions for the exact same frequencies.
+
+For speed the layers are plain functions over fused weights (``qkv_proj`` =
+[q; k; v], ``gate_up_proj`` = [gate; up]) with no per-layer ``nn.Module`` call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.attention import AttentionMetadata, paged_attention
+
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """The architecture facts the model needs, parsed from an HF config."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    rope_type: str
+    rope_inv_freq: tuple[float, ...]
+    rope_attention_scaling: float
+    rope_parameters: tuple[tuple[str, Any], ...]
+    max_position_embeddings: int
+    max_model_len: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> ModelArchConfig:
+        """Parse a transformers config; ValueError for what this model cannot run."""
+        archs = list(getattr(cfg, "architectures", None) or [])
+        arch = archs[0] if archs else type(cfg).__name__.replace("Config", "ForCausalLM")
+        model_type = getattr(cfg, "model_type", "")
+        if model_type not in _MODEL_TYPES:
+            raise ValueError(
+                f"model_type={model_type!r} is not supported: use one of {', '.join(_MODEL_TYPES)}"
+            )
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported: only 'silu' (Llama family)")
+        num_heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
+        qkv_bias = bool(getattr(cfg, "attention_bias", False))
+        o_bias = qkv_bias
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        rope = _rope_parameters(cfg)
+        rope_type = str(rope.get("rope_type", rope.get("type", "default")))
+        if rope_type not in _STATIC_ROPE_TYPES:
+            raise ValueError(
+                f"rope_type={rope_type!r} is not supported: use one of {', '.join(_STATIC_ROPE_TYPES)}"
+            )
+        inv_freq, attn_scaling = _rope_inv_freq(cfg, rope_type, rope, head_dim)
+        max_pos = int(getattr(cfg, "max_position_embeddings", 2048))
+        max_len = max_pos
+        window = _sliding_window(cfg)
+        if window is not None:
+            max_len = min(max_len, window)  # full attention == sliding window within it
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg.vocab_size),
+            hidden_size=int(cfg.hidden_size),
+            intermediate_size=int(cfg.intermediate_size),
+            num_layers=int(cfg.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            rope_type=rope_type,
+            rope_inv_freq=tuple(float(x) for x in inv_freq.tolist()),
+            rope_attention_scaling=float(attn_scaling),
+            rope_parameters=tuple(sorted((str(k), _plain(v)) for k, v in rope.items())),
+            max_position_embeddings=max_pos,
+            max_model_len=max_len,
+        )
+
+    def rope_settings(self) -> dict[str, Any]:
+        """RoPE settings that change the KV (part of the model fingerprint)."""
+        return {"rope_type": self.rope_type, **dict(self.rope_parameters)}
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple | list) else v
+
+
+def _rope_parameters(cfg: Any) -> dict[str, Any]:
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        if "full_attention" in params and isinstance(params["full_attention"], dict):
+            params = params["full_attention"]
+        return dict(params)
+    out: dict[str, Any] = {"rope_theta": float(getattr(cfg, "rope_theta", 10000.0))}
+    scaling = getattr(cfg, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        out.update(scaling)
+    return out
+
+
+def _rope_inv_freq(
+    cfg: Any, rope_type: str, rope: dict[str, Any], head_dim: int
+) -> tuple[torch.Tensor, float]:
+    if rope_type == "default":
+        base = float(rope.get("rope_theta", 10000.0))
+        dim = int(head_dim * float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0))
+        if dim != head_dim:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+def _sliding_window(cfg: Any) -> int | None:
+    window = getattr(cfg, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return None
+    if getattr(cfg, "model_type", "") in ("qwen2", "qwen3") and not getattr(
+        cfg, "use_sliding_window", False
+    ):
+        return None
+    return window
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder over a flat token batch; see the module docstring.
+
+    Parameters (per layer ``i``, stacked in ``nn.ParameterList``-like attributes):
+    ``qkv_proj`` [(H + 2 Hk) * D, hidden], ``o_proj`` [hidden, H * D],
+    ``gate_up_proj`` [2 * I, hidden], ``down_proj`` [hidden, I], norms [hidden],
+    optional ``qkv_bias``/``o_bias``, ``qk_norm`` [H + Hk, D] (Qwen3).
+    """
+
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        h, hk, d, hid = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+        self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, hid))
+        self.lm_head = (
+            None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, hid))
+        )
+        self.norm = nn.Parameter(torch.empty(hid))
+        self.layers = nn.ModuleList()
+        for _ in range(c.num_layers):
+            layer = nn.Module()
+            layer.input_layernorm = nn.Parameter(torch.empty(hid))
+            layer.qkv_proj = nn.Parameter(torch.empty((h + 2 * hk) * d, hid))
+            layer.qkv_bias = nn.Parameter(torch.empty((h + 2 * hk) * d)) if c.qkv_bias else None
+            layer.o_proj = nn.Parameter(torch.empty(hid, h * d))
+            layer.o_bias = nn.Parameter(torch.empty(hid)) if c.o_bias else None
+            layer.qk_norm = nn.Parameter(torch.empty(h + hk, d)) if c.qk_norm else None
+            layer.post_attention_layernorm = nn.Parameter(torch.empty(hid))
+            layer.gate_up_proj = nn.Parameter(torch.empty(2 * c.intermediate_size, hid))
+            layer.gate_up_bias = (
+                nn.Parameter(torch.empty(2 * c.intermediate_size)) if c.mlp_bias else None
+            )
+            layer.down_proj = nn.Parameter(torch.empty(hid, c.intermediate_size))
+            layer.down_bias = nn.Parameter(torch.empty(hid)) if c.mlp_bias else None
+            self.layers.append(layer)
+        self.scale = d**-0.5
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        """Copy HF-named tensors into the fused parameters.
+
+        Raises ValueError listing missing or unexpected tensors (e.g. an MoE layer),
+        so a wrong checkpoint never runs silently.
+        """
+        c = self.config
+        src = dict(tensors)
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in src:
+                raise ValueError(f"checkpoint lacks tensor {name!r} needed by {c.architecture}")
+            used.add(name)
+            return src[name]
+
+        def put(param: nn.Parameter | None, value: torch.Tensor, name: str) -> None:
+            assert param is not None
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+                )
+            param.data = value.to(device=device, dtype=dtype).contiguous()
+
+        put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put(self.norm, take("model.norm.weight"), "model.norm.weight")
+        if self.lm_head is not None:
+            put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
+        else:
+            used.add("lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            put(layer.input_layernorm, take(p + "input_layernorm.weight"), p + "input_layernorm")
+            put(
+                layer.post_attention_layernorm,
+                take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm",
+            )
+            qkv = [take(f"{a}{x}_proj.weight") for x in "qkv"]
+            put(layer.qkv_proj, torch.cat(qkv, 0), a + "qkv_proj")
+            if c.qkv_bias:
+                put(
+                    layer.qkv_bias,
+                    torch.cat([take(f"{a}{x}_proj.bias") for x in "qkv"]),
+                    a + "qkv_bias",
+                )
+            put(layer.o_proj, take(a + "o_proj.weight"), a + "o_proj.weight")
+            if c.o_bias:
+                put(layer.o_bias, take(a + "o_proj.bias"), a + "o_proj.bias")
+            if c.qk_norm:
+                qn, kn = take(a + "q_norm.weight"), take(a + "k_norm.weight")
+                norm = torch.cat([qn.expand(c.num_heads, -1), kn.expand(c.num_kv_heads, -1)])
+                put(layer.qk_norm, norm, a + "qk_norm")
+            gate_up = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+            put(layer.gate_up_proj, gate_up, m + "gate_up_proj")
+            put(layer.down_proj, take(m + "down_proj.weight"), m + "down_proj.weight")
+            if c.mlp_bias:
+                gu_bias = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
+                put(layer.gate_up_bias, gu_bias, m + "gate_up_bias")
+                put(layer.down_bias, take(m + "down_proj.bias"), m + "down_proj.bias")
+        unexpected = sorted(
+            k for k in src if k not in used and not k.endswith("rotary_emb.inv_freq")
+        )
+        if unexpected:
+            raise ValueError(
+                f"checkpoint has tensors {c.architecture} does not use: {unexpected[:8]}"
+                f"{' ...' if len(unexpected) > 8 else ''}"
+            )
+        self._rope_cache = None
+
+    # ------------------------------------------------------------------ rope
+
+    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for ``positions`` [T] -> two [T, 1, D] tensors.
+
+        ``sin_signed = [-sin, sin]`` so that RoPE is ``x * cos + roll(x, D/2) * sin_signed``
+        (identical to HF's ``x * cos + rotate_half(x) * sin``).
+        """
+        max_pos = int(positions.max()) + 1 if positions.numel() else 1
+        cache = self._rope_cache
+        if cache is None or cache[0].shape[0] < max_pos:
+            n = max(max_pos, min(self.config.max_position_embeddings, 1 << 16))
+            inv_freq = torch.tensor(self.config.rope_inv_freq, dtype=torch.float32)
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)  # [n, D/2]
+            scaling = self.config.rope_attention_scaling
+            cos = torch.cat([freqs.cos(), freqs.cos()], -1) * scaling
+            sin = torch.cat([-freqs.sin(), freqs.sin()], -1) * scaling
+            dev, dt = self.embed_tokens.device, self.embed_tokens.dtype
+            cache = (cos.to(dev, dt), sin.to(dev, dt))
+            self._rope_cache = cache
+        return cache[0][positions].unsqueeze(1), cache[1][positions].unsqueeze(1)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> hidden states [T, hidden] (before final norm).
+
+        ``kv_caches[i]`` is layer ``i``'s cache (layout in ``kvserve.model.attention``).
+        """
+        c = self.config
+        h, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        num_tokens = input_ids.shape[0]
+        eps = c.rms_norm_eps
+        hidden = (c.hidden_size,)
+        q_size, qk_size = h * d, (h + hk) * d
+        half = d // 2
+        cos, sin = self.rope_cos_sin(positions)  # [T, 1, D]
+
+        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            y = F.rms_norm(x, hidden, layer.input_layernorm, eps)
+            qkv = F.linear(y, layer.qkv_proj, layer.qkv_bias)  # [T, (H + 2Hk) * D]
+            qk = qkv[:, :qk_size].view(num_tokens, h + hk, d)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (d,), None, eps) * layer.qk_norm
+            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)  # RoPE, [T, H + Hk, D]
+            v = qkv[:, qk_size:].view(num_tokens, hk, d)
+            attn = paged_attention(qk[:, :h], qk[:, h:], v, kv_cache, attn_meta, self.scale)
+            x = x + F.linear(attn.reshape(num_tokens, q_size), layer.o_proj, layer.o_bias)
+            y = F.rms_norm(x, hidden, layer.post_attention_layernorm, eps)
+            gate_up = F.linear(y, layer.gate_up_proj, layer.gate_up_bias)  # [T, 2I]
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_proj, layer.down_bias)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (rows to sample from) -> fp32 logits [N, vocab]."""
+        y = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        return F.linear(y, self.lm_head_weight).float()
