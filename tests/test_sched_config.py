@@ -1,0 +1,104 @@
+"""SchedulerConfig.validate()/resolved() and make_scheduler's refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvserve.config import SchedulerConfig
+from kvserve.kv_cache import KVCacheManager
+from kvserve.sched import MixedScheduler, SeparatedScheduler, make_scheduler
+
+
+def test_defaults_are_valid_and_resolved_fills_buckets():
+    config = SchedulerConfig(max_num_batched_tokens=8192, max_model_len=131072, max_num_seqs=8)
+    config.validate()
+    resolved = config.resolved()
+    assert resolved.num_batched_tokens_buckets == (128, 256, 512, 1024, 2048, 4096, 8192)
+    assert resolved.num_seqs_buckets == (1, 2, 4, 8)
+    assert config.num_batched_tokens_buckets is None  # frozen original untouched
+    # Given buckets are kept (as tuples).
+    custom = dataclasses.replace(config, num_seqs_buckets=[2, 8]).resolved()  # type: ignore[arg-type]
+    assert custom.num_seqs_buckets == (2, 8)
+
+
+def test_default_prefill_buckets_use_max_model_len_when_smaller():
+    resolved = SchedulerConfig(max_num_batched_tokens=8192, max_model_len=2048).resolved()
+    assert resolved.num_batched_tokens_buckets == (128, 256, 512, 1024, 2048)
+
+
+@pytest.mark.parametrize(
+    ("changes", "pieces"),
+    [
+        (
+            {"num_batched_tokens_buckets": (512, 1024, 2048)},
+            [
+                "num_batched_tokens_buckets=[512, 1024, 2048]",
+                "last bucket must equal",
+                "8192",
+                "for example",
+            ],
+        ),
+        (
+            {"num_batched_tokens_buckets": (1024, 512, 8192)},
+            ["num_batched_tokens_buckets", "strictly ascending", "for example"],
+        ),
+        (
+            {"num_seqs_buckets": (1, 2, 4)},
+            [
+                "num_seqs_buckets=[1, 2, 4]",
+                "max_num_seqs = 8",
+                "for example: num_seqs_buckets=[1, 2, 4, 8]",
+            ],
+        ),
+        ({"num_seqs_buckets": (4, 2, 8)}, ["num_seqs_buckets", "strictly ascending"]),
+        ({"kv_segment_size": 768}, ["kv_segment_size=768", "512, 1024, 2048, 4096", "for example"]),
+        ({"kv_segment_size": 300}, ["kv_segment_size=300", "or 0 = off"]),
+        (
+            {"kv_segment_size": 512, "block_size": 1024},
+            ["kv_segment_size=512", "multiple of block_size=1024", "for example"],
+        ),
+        ({"scheduler_policy": "fifo"}, ["scheduler_policy='fifo'", "'mixed' or 'separated'"]),
+        ({"max_num_seqs": 0}, ["max_num_seqs=0", "positive integer", "for example"]),
+        ({"max_num_batched_tokens": -5}, ["max_num_batched_tokens=-5", "positive integer"]),
+        ({"max_model_len": 0}, ["max_model_len=0", "positive integer"]),
+        ({"block_size": 24}, ["block_size=24", "power of two"]),
+        ({"long_prefill_token_threshold": -1}, ["long_prefill_token_threshold=-1", ">= 0"]),
+        ({"enable_prefix_caching": "yes"}, ["enable_prefix_caching='yes'", "True or False"]),
+    ],
+)
+def test_bad_configs_are_refused_naming_value_rule_and_example(changes, pieces):
+    config = dataclasses.replace(
+        SchedulerConfig(max_num_batched_tokens=8192, max_model_len=131072, max_num_seqs=8),
+        **changes,
+    )
+    for call in (config.validate, config.resolved):
+        with pytest.raises(ValueError) as info:
+            call()
+        for piece in pieces:
+            assert piece in str(info.value), (piece, str(info.value))
+
+
+def test_prefill_bucket_need_not_equal_the_kv_segment_size():
+    # The seed hardware's temporary rule is deliberately not copied.
+    SchedulerConfig(
+        max_num_batched_tokens=2048,
+        num_batched_tokens_buckets=(128, 2048),
+        kv_segment_size=1024,
+    ).validate()
+    SchedulerConfig(kv_segment_size=0).validate()
+
+
+def test_make_scheduler_picks_the_policy_and_refuses_mismatches():
+    kv = KVCacheManager(64, 16, 8192)
+    assert isinstance(make_scheduler(SchedulerConfig(), kv), MixedScheduler)
+    separated = make_scheduler(SchedulerConfig(scheduler_policy="separated"), kv)
+    assert isinstance(separated, SeparatedScheduler)
+    assert separated.num_seqs_buckets == (1, 2, 4, 8, 16, 32, 64)
+    with pytest.raises(ValueError, match="block_size=32.*manager uses 16"):
+        make_scheduler(SchedulerConfig(block_size=32), kv)
+    with pytest.raises(ValueError, match="max_model_len=16384.*at most 8192"):
+        make_scheduler(SchedulerConfig(max_model_len=16384), kv)
+    with pytest.raises(ValueError, match="num_seqs_buckets"):
+        make_scheduler(SchedulerConfig(num_seqs_buckets=(1, 2)), kv)
