@@ -20,6 +20,7 @@ hashed with a per-process random seed, so its values are not stable across proce
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -85,6 +86,15 @@ def canonical_bytes(value: object) -> bytes:
     return bytes(out)
 
 
+_EMPTY_KEYS = canonical_bytes(())
+
+
+@functools.lru_cache(maxsize=64)
+def _token_packer(num_tokens: int) -> struct.Struct:
+    """Little-endian u32 count followed by ``num_tokens`` signed 64-bit token ids."""
+    return struct.Struct(f"<I{num_tokens}q")
+
+
 def model_fingerprint(*parts: object) -> str:
     """A stable hex string identifying everything that changes a block's KV contents.
 
@@ -131,8 +141,9 @@ def hash_block_tokens(
     """
     if algo == "sha256":
         h = hashlib.sha256(_ROOT if parent is None else parent)
-        h.update(canonical_bytes(extra_keys))
-        h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+        h.update(_EMPTY_KEYS if not extra_keys else canonical_bytes(extra_keys))
+        n = len(token_ids)
+        h.update(_token_packer(n).pack(n, *token_ids))
         return BlockHash(h.digest())
     if algo == "builtin":
         value = hash((parent, tuple(token_ids), extra_keys))
