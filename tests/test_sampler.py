@@ -16,8 +16,10 @@ from kvserve.worker.sampler import (
     _apply_min_p,
     _apply_repetition_penalty,
     _apply_top_k,
-    _apply_top_k_top_p,
+    _apply_top_p,
+    _inverse_cdf_sample,
     seed_for_step,
+    seed_uniform,
 )
 
 
@@ -173,25 +175,67 @@ def test_top_k_exact_mask_and_ties() -> None:
 
 
 def test_top_p_exact_mask() -> None:
-    row = log_probs_row(0.05, 0.5, 0.15, 0.3)
-    logits = torch.tensor([row, row, row, row])
-    out = _apply_top_k_top_p(logits, None, torch.tensor([0.75, 0.85, 0.01, 1.0]))
-    assert torch.isfinite(out).tolist() == [
+    row = [0.05, 0.5, 0.15, 0.3]
+    probs = torch.tensor([row, row, row, row])
+    out = _apply_top_p(probs, torch.tensor([0.75, 0.85, 0.01, 1.0]))
+    assert (out > 0).tolist() == [
         [False, True, False, True],  # 0.5 + 0.3 >= 0.75
         [False, True, True, True],  # 0.5 + 0.3 + 0.15 >= 0.85
         [False, True, False, False],  # the top token always survives
         [True, True, True, True],
     ]
-    # Kept logits are unchanged, in their original positions.
-    assert out[0, 1] == logits[0, 1] and out[0, 3] == logits[0, 3]
+    # Kept probabilities are unchanged, in their original positions.
+    assert out[0, 1] == probs[0, 1] and out[0, 3] == probs[0, 3]
+
+
+def test_top_p_ties_at_the_boundary_are_kept() -> None:
+    out = _apply_top_p(torch.tensor([[0.4, 0.2, 0.2, 0.2]]), torch.tensor([0.5]))
+    assert (out > 0).tolist() == [[True, True, True, True]]
+
+
+def _reference_top_p_keep(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Sort-based nucleus in float64 (distinct probabilities assumed)."""
+    values, order = probs.double().sort(descending=True)
+    keep_sorted = (values.cumsum(0) - values) < p
+    keep = torch.zeros_like(keep_sorted)
+    keep[order] = keep_sorted
+    return keep
+
+
+def test_top_p_wide_nucleus_falls_back_to_the_whole_row() -> None:
+    # 1000 distinct, nearly flat probabilities: the nucleus is far wider than 256.
+    wide = torch.softmax(torch.linspace(0.0, 0.5, 1000), dim=0)
+    narrow = torch.softmax(torch.linspace(0.0, 30.0, 1000), dim=0)
+    probs = torch.stack([wide, narrow, wide])
+    out = _apply_top_p(probs, torch.tensor([0.9, 0.9, 1.0]))
+    expected_wide = _reference_top_p_keep(wide, 0.9)
+    assert 800 < int(expected_wide.sum()) < 950
+    assert torch.equal(out[0] > 0, expected_wide)
+    assert torch.equal(out[1] > 0, _reference_top_p_keep(narrow, 0.9))
+    assert torch.equal(out[2], wide)
+    # A row's nucleus does not depend on the rows around it.
+    assert torch.equal(_apply_top_p(wide.unsqueeze(0), torch.tensor([0.9]))[0], out[0])
 
 
 def test_top_k_then_top_p_renormalizes_after_top_k() -> None:
-    row = log_probs_row(0.4, 0.3, 0.2, 0.1)
-    logits = torch.tensor([row])
+    logits = torch.tensor([log_probs_row(0.4, 0.3, 0.2, 0.1)])
     # After top-k=3 the mass is 0.4/0.9, 0.3/0.9, 0.2/0.9; p=0.7 needs 0.444+0.333.
-    out = _apply_top_k_top_p(logits, torch.tensor([3]), torch.tensor([0.7]))
-    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
+    probs = torch.softmax(_apply_top_k(logits, torch.tensor([3])), dim=-1)
+    out = _apply_top_p(probs, torch.tensor([0.7]))
+    assert (out > 0).tolist() == [[True, True, False, False]]
+    sampled = Sampler(seed=0)(
+        logits.expand(300, 4), [state(top_k=3, top_p=0.7) for _ in range(300)]
+    ).token_ids
+    assert set(sampled) == {0, 1}
+
+
+def test_inverse_cdf_sample_exact_boundaries() -> None:
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 5)
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.9999, 1.0])
+    # u = 1.0 (a rounding artifact) still lands on a token with mass, never on a zero.
+    assert _inverse_cdf_sample(probs, u).tolist() == [1, 1, 3, 3, 3]
+    # Unnormalized rows work the same.
+    assert _inverse_cdf_sample(probs * 4, u).tolist() == [1, 1, 3, 3, 3]
 
 
 def test_sampled_tokens_stay_inside_the_truncated_set() -> None:
@@ -298,10 +342,15 @@ def test_seed_depends_on_step_and_seed_only() -> None:
 
 
 def test_seed_for_step_is_stable_and_spread() -> None:
-    assert seed_for_step(0, 0) == seed_for_step(0, 0)
     values = {seed_for_step(s, k) for s in range(-5, 30) for k in range(30)}
     assert len(values) == 35 * 30
     assert all(0 <= v < 2**63 for v in values)
+    uniforms = [seed_uniform(s, k) for s in range(40) for k in range(50)]
+    assert all(0.0 <= u < 1.0 for u in uniforms)
+    assert abs(sum(uniforms) / len(uniforms) - 0.5) < 0.02
+    # Pinned: a changed mix would change every seeded user's outputs.
+    assert seed_for_step(42, 7) == 7226620547501006199
+    assert seed_uniform(42, 7) == (7226620547501006199 >> 10) / 2.0**53
 
 
 def test_unseeded_sampler_seed_makes_runs_repeatable() -> None:

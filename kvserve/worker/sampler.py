@@ -19,23 +19,24 @@ Order of operations (vLLM V1 semantics):
         │
         ├─ greedy rows (temperature < 1e-5): argmax ──────────────────────────┐
         │                                                                      │
-        └─ sampled rows: logits / temperature ─▶ min-p ─▶ top-k ─▶ top-p       │
-             ─▶ probs = softmax ─▶ token = argmax(probs / q), q ~ Exp(1)  ─────┴─▶ token
+        └─ sampled rows: logits / temperature ─▶ min-p ─▶ top-k ─▶ softmax
+             ─▶ top-p ─▶ token = inverse CDF at u ~ U[0, 1)  ──────────────────┴─▶ token
 
 Logprobs are the model's own distribution: ``log_softmax`` over the *raw* logits,
 before penalties, temperature and truncation. This is vLLM's default
 (``logprobs_mode="raw_logprobs"``), so a token's logprob does not depend on the
 sampling settings of its request.
 
-Seeds: ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. per token (the "exponential
-race") samples exactly from ``probs``. For a request with ``params.seed`` set, ``q`` is
-drawn from a private ``torch.Generator`` seeded with a stable 64-bit mix of
-``(seed, len(output_token_ids))``. The draw therefore depends only on the seed, the
-number of tokens generated so far and the request's own logits row: not on the
-other rows of the batch, nor its position in it, nor on whether the request was
-preempted and recomputed. Unseeded rows share one draw from the sampler's
-generator (torch's global generator unless ``Sampler(seed=...)`` is given).
-Seeded results are reproducible on one device type; CPU and CUDA streams differ.
+Sampling draws one uniform number ``u`` per row and returns the first token whose
+cumulative probability exceeds ``u`` (inverse CDF): exact, and far cheaper than one
+random number per vocabulary entry. For a request with ``params.seed`` set, ``u``
+is a stable 64-bit mix of ``(seed, len(output_token_ids))`` (:func:`seed_uniform`),
+computed in pure Python. The draw therefore depends only on the seed, the number
+of tokens generated so far and the request's own logits row: not on the other
+rows of the batch, nor its position in it, nor on whether the request was
+preempted and recomputed, nor on the device's random generator. Unseeded rows
+draw ``u`` from the sampler's CPU generator (torch's global generator unless
+``Sampler(seed=...)`` is given).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from kvserve.sched.output import Logprobs
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 _SAMPLING_EPS = 1e-5
 _MASK64 = (1 << 64) - 1
+# Top-p looks at this many most likely tokens before sorting a whole row.
+_TOP_P_CANDIDATES = (256, 4096)
 
 
 @dataclass
@@ -83,11 +86,16 @@ class SamplerOutput:
     logprobs: list[Logprobs | None]
 
 
+def seed_uniform(seed: int, step: int) -> float:
+    """The U[0, 1) number a request with ``seed`` uses for output token number ``step``."""
+    return (seed_for_step(seed, step) >> 10) / float(1 << 53)
+
+
 def seed_for_step(seed: int, step: int) -> int:
     """Stable 63-bit generator seed for draw number ``step`` of a seeded request.
 
     A splitmix64 finalizer over ``(seed, step)``: nearby seeds and steps give
-    unrelated streams. Pure Python, so it is the same on every platform.
+    unrelated values. Pure Python, so it is the same on every platform.
     """
     x = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -99,14 +107,16 @@ def seed_for_step(seed: int, step: int) -> int:
 class Sampler:
     """Sample one token per logits row; see the module docstring for the rules.
 
-    ``seed`` (optional) seeds a private generator used for rows whose request has
-    no seed of its own; without it those rows use torch's global generator.
+    ``seed`` (optional) seeds a private CPU generator used for rows whose request
+    has no seed of its own; without it those rows use torch's global CPU generator.
     The sampler keeps no per-request state: everything comes from the states.
     """
 
     def __init__(self, *, seed: int | None = None) -> None:
-        self._seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._generator: torch.Generator | None = None  # None: torch's global CPU generator
+        if seed is not None:
+            self._generator = torch.Generator()
+            self._generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> SamplerOutput:
         """Sample from ``logits`` (``[B, V]``, one row per state). Does not modify ``logits``."""
@@ -160,12 +170,12 @@ class Sampler:
     ) -> torch.Tensor:
         """Sampled token per row (``[B]``); greedy rows take the argmax of ``logits``."""
         device = logits.device
-        num_rows, vocab_size = logits.shape
+        vocab_size = logits.shape[1]
         params = [s.params for s in states]
         greedy_mask = torch.tensor(is_greedy, device=device)  # [B]
         greedy_tokens = logits.argmax(dim=-1)  # [B]
 
-        # Greedy rows get temperature 1 here; their sample is discarded below.
+        # Greedy rows get temperature 1 and no truncation; their sample is discarded.
         temps = torch.tensor(
             [1.0 if g else p.temperature for g, p in zip(is_greedy, params, strict=True)],
             device=device,
@@ -181,61 +191,36 @@ class Sampler:
             p.top_k if (not g and 0 < p.top_k < vocab_size) else vocab_size
             for g, p in zip(is_greedy, params, strict=True)
         ]
-        top_ps = [1.0 if g else p.top_p for g, p in zip(is_greedy, params, strict=True)]
-        use_top_k = any(k < vocab_size for k in top_ks)
-        use_top_p = any(p < 1.0 for p in top_ps)
-        if use_top_p:
-            logits = _apply_top_k_top_p(
-                logits,
-                torch.tensor(top_ks, device=device) if use_top_k else None,
-                torch.tensor(top_ps, device=device, dtype=logits.dtype),
-            )
-        elif use_top_k:
+        if any(k < vocab_size for k in top_ks):
             logits = _apply_top_k(logits, torch.tensor(top_ks, device=device))
 
         probs = torch.softmax(logits, dim=-1)  # [B, V]
-        q = self._exponential(states, is_greedy, num_rows, vocab_size, device, probs.dtype)
-        random_tokens = (probs / q).argmax(dim=-1)  # [B]
+        top_ps = [1.0 if g else p.top_p for g, p in zip(is_greedy, params, strict=True)]
+        if any(p < 1.0 for p in top_ps):
+            probs = _apply_top_p(probs, torch.tensor(top_ps, device=device, dtype=probs.dtype))
+
+        uniforms = self._uniforms(states, is_greedy).to(device=device, dtype=probs.dtype)
+        random_tokens = _inverse_cdf_sample(probs, uniforms)  # [B]
         return torch.where(greedy_mask, greedy_tokens, random_tokens)
 
-    def _exponential(
-        self,
-        states: list[SamplingRequestState],
-        is_greedy: list[bool],
-        num_rows: int,
-        vocab_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """``[B, V]`` i.i.d. Exp(1) noise; seeded rows from their own per-step generator."""
-        q = torch.ones(num_rows, vocab_size, device=device, dtype=dtype)
+    def _uniforms(self, states: list[SamplingRequestState], is_greedy: list[bool]) -> torch.Tensor:
+        """One U[0, 1) number per row (``[B]`` float64, CPU); greedy rows get 0.
+
+        Seeded rows: from :func:`seed_for_step` alone, so the draw depends only on
+        (seed, number of output tokens). Unseeded rows: the sampler's generator.
+        """
+        u = torch.zeros(len(states), dtype=torch.float64)
         unseeded = [
             i
             for i, (s, g) in enumerate(zip(states, is_greedy, strict=True))
             if not g and s.params.seed is None
         ]
         if unseeded:
-            noise = torch.empty(len(unseeded), vocab_size, device=device, dtype=dtype)
-            noise.exponential_(generator=self._generator(device))
-            q[torch.tensor(unseeded, device=device)] = noise
+            u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=self._generator)
         for i, (s, g) in enumerate(zip(states, is_greedy, strict=True)):
-            if g or s.params.seed is None:
-                continue
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed_for_step(s.params.seed, len(s.output_token_ids)))
-            q[i].exponential_(generator=gen)
-        # Exp(1) can return exactly 0; clamp so probs / q never makes inf or nan.
-        return q.clamp_min_(torch.finfo(dtype).tiny)
-
-    def _generator(self, device: torch.device) -> torch.Generator | None:
-        if self._seed is None:
-            return None  # torch's global generator for this device
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self._seed)
-            self._generators[device] = gen
-        return gen
+            if not g and s.params.seed is not None:
+                u[i] = seed_uniform(s.params.seed, len(s.output_token_ids))
+        return u
 
 
 # -- logits processing (all in place on a private copy, or returning a new tensor) -----
@@ -346,25 +331,56 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Top-k (if given) then top-p on the remaining mass, as vLLM's apply_top_k_top_p.
+def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tail outside the nucleus; ``probs`` [B, V], ``top_p`` [B] (1 = off).
 
-    Top-p keeps the smallest set of most likely tokens whose probability sum is
-    >= p (always at least one token); rows with ``p == 1`` are left untouched.
+    Keeps the smallest set of most likely tokens whose probability sum is >= p
+    (as vLLM: a token is dropped when the tokens ranked above it already hold >= p
+    of the mass); the most likely token always survives, and tokens tied with the
+    least likely kept token are kept too. Looks at the top 256, then 4,096
+    tokens, and sorts the whole row only for rows whose nucleus is wider still;
+    which step decides depends on the row alone.
     """
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)  # [B, V] ascending
-    vocab_size = logits.shape[1]
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))  # [B, 1]
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
-    drop = cumulative <= (1.0 - top_p).unsqueeze(1)
-    drop[:, -1] = False  # the most likely token always survives
-    drop &= (top_p < 1.0).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    vocab_size = probs.shape[1]
+    threshold = torch.full_like(top_p, float("nan"))  # [B]
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    for k in (*_TOP_P_CANDIDATES, vocab_size):
+        k = min(k, vocab_size)
+        threshold[rows] = _top_p_threshold(probs[rows], top_p[rows], k)
+        rows = rows[torch.isnan(threshold[rows])]
+        if rows.numel() == 0:
+            break
+    threshold = threshold.masked_fill(top_p >= 1.0, 0.0)
+    return probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)
+
+
+def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, k: int) -> torch.Tensor:
+    """Smallest kept probability per row (``[B]``), or NaN when the top ``k`` hold < p."""
+    top = probs.topk(k, dim=-1).values  # [B, k], descending
+    mass_above = top.cumsum(dim=-1) - top  # [B, k]: mass of the tokens ranked above
+    keep = mass_above < top_p.unsqueeze(1)
+    keep[:, 0] = True
+    num_keep = keep.sum(dim=-1)  # [B], >= 1
+    threshold = top.gather(1, (num_keep - 1).unsqueeze(1)).squeeze(1)
+    if k < probs.shape[1]:
+        # The top k hold < p: the token ranked k+1 would be kept too, look further.
+        undecided = (top.sum(dim=-1) < top_p) & (top_p < 1.0)
+        threshold = threshold.masked_fill(undecided, float("nan"))
+    return threshold
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token per row drawn from ``probs`` (``[B, V]``, unnormalized, >= 0) with ``uniforms`` [B].
+
+    The token is the first index whose cumulative mass exceeds ``u * total``;
+    a zero-probability token is never returned.
+    """
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    total = cdf[:, -1:].contiguous()  # [B, 1]
+    tokens = torch.searchsorted(cdf, uniforms.unsqueeze(1) * total, right=True)  # [B, 1]
+    # u * total can round up to total; the first index reaching total has mass > 0.
+    last = torch.searchsorted(cdf, total, right=False)  # [B, 1]
+    return torch.minimum(tokens, last).squeeze(1)
 
 
 def _gather_logprobs(
