@@ -7,6 +7,8 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.request import SamplingParams
@@ -256,3 +258,45 @@ def test_update_after_flush_is_an_error(tokenizer: Any) -> None:
     detok.flush()
     with pytest.raises(RuntimeError, match="after flush"):
         detok.update([5])
+
+
+ALPHABET = ["a", "b", " ", "ab", "é", "😀", "日本", "\n", "the", "🎉"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=25),
+    stops=st.lists(
+        st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=3).map("".join),
+        max_size=3,
+    ),
+    include=st.booleans(),
+    chunk=st.integers(1, 3),
+)
+def test_stream_invariants_property(
+    tokenizer: Any, pieces: list[str], stops: list[str], include: bool, chunk: int
+) -> None:
+    full = "".join(pieces)
+    ids = encode(tokenizer, full)
+    params = SamplingParams(stop=stops, include_stop_str_in_output=include)
+    detok = IncrementalDetokenizer(tokenizer, [1], params)
+    deltas = []
+    for pos in range(0, len(ids), chunk):
+        deltas.append(detok.update(ids[pos : pos + chunk]))
+        if detok.finished_by_stop:
+            break
+    deltas.append(detok.flush())
+    text = "".join(deltas)
+    assert all(FFFD not in d for d in deltas)
+    assert text == detok.output_text
+    if not detok.finished_by_stop:
+        assert text == full
+        assert not any(s in full for s in stops)
+        return
+    s = detok.stop_reason
+    assert s is not None
+    start = len(text) - len(s) if include else len(text)
+    assert full.startswith(full[:start] + s) and text == full[: start + (len(s) if include else 0)]
+    # No stop string lies wholly before this one's end and starts before it.
+    end = start + len(s)
+    assert not any(0 <= full.find(t, 0, end - 1) < start for t in stops)
