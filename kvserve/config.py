@@ -42,17 +42,29 @@ class CacheConfig:
     def validate(self) -> None:
         _positive_int("block_size", self.block_size, "block_size=16")
         if self.block_size & (self.block_size - 1):
-            raise config_error("block_size", self.block_size, "must be a power of two", "16, 32 or 128")
+            raise config_error(
+                "block_size", self.block_size, "must be a power of two", "16, 32 or 128"
+            )
         if self.num_kv_blocks is not None and (
             not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
         ):
             raise config_error(
-                "num_kv_blocks", self.num_kv_blocks, "must be an integer >= 2 (block 0 is the null block)", "num_kv_blocks=1024"
+                "num_kv_blocks",
+                self.num_kv_blocks,
+                "must be an integer >= 2 (block 0 is the null block)",
+                "num_kv_blocks=1024",
             )
         if not isinstance(self.kv_cache_memory_gib, int | float) or self.kv_cache_memory_gib <= 0:
-            raise config_error("kv_cache_memory_gib", self.kv_cache_memory_gib, "must be > 0", "kv_cache_memory_gib=1.0")
+            raise config_error(
+                "kv_cache_memory_gib",
+                self.kv_cache_memory_gib,
+                "must be > 0",
+                "kv_cache_memory_gib=1.0",
+            )
         if self.hash_algo not in ("sha256", "builtin"):
-            raise config_error("hash_algo", self.hash_algo, "must be 'sha256' or 'builtin'", "hash_algo='sha256'")
+            raise config_error(
+                "hash_algo", self.hash_algo, "must be 'sha256' or 'builtin'", "hash_algo='sha256'"
+            )
 
 
 @dataclass(frozen=True)

@@ -133,9 +133,8 @@ def with_max_model_len(config: EngineConfig, model_max_len: int) -> EngineConfig
     else:
         max_len = requested
     sched = dataclasses.replace(config.scheduler, max_model_len=max_len)
-    sched = sched.resolved() if hasattr(sched, "resolved") else sched
-    if hasattr(sched, "validate"):
-        sched.validate()
+    sched.validate()
+    sched = sched.resolved()
     return dataclasses.replace(
         config, model=dataclasses.replace(config.model, max_model_len=max_len), scheduler=sched
     )
