@@ -26,8 +26,8 @@ def reference_attention(
     pos = torch.arange(c + n)
     bt = torch.tensor(list(spec.block_ids), dtype=torch.long)
     slots = bt[pos // block_size] * block_size + pos % block_size
-    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1]).double()
-    k, v = flat[0, slots], flat[1, slots]  # [c + n, Hk, D]
+    flat = kv_cache.view(2, kv_cache.shape[1], -1, kv_cache.shape[-1]).double()
+    k, v = flat[0][:, slots].transpose(0, 1), flat[1][:, slots].transpose(0, 1)  # [c + n, Hk, D]
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, c + n, D]
     v = v.repeat_interleave(group, dim=1).transpose(0, 1)
@@ -91,7 +91,7 @@ def _make_step(case: dict) -> tuple[list[SeqSpec], int, torch.Tensor]:
         specs.append(SeqSpec(row, rows, n, c, blocks))
         row += rows
     gen = torch.Generator().manual_seed(case["seed"])
-    kv_cache = torch.randn(2, num_blocks, bs, case["num_kv_heads"], case["head_dim"], generator=gen)
+    kv_cache = torch.randn(2, case["num_kv_heads"], num_blocks, bs, case["head_dim"], generator=gen)
     return specs, row + case["num_dummy"], kv_cache
 
 
@@ -118,8 +118,8 @@ def test_paged_attention_matches_reference(case: dict) -> None:
     assert torch.isfinite(out).all()
 
     # KV writes: exactly the real tokens' slots changed, to their new K/V
-    flat_before = before.view(2, -1, hk, d)
-    flat_after = kv_cache.view(2, -1, hk, d)
+    flat_before = before.view(2, hk, -1, d).transpose(1, 2)  # [2, slots, Hk, D]
+    flat_after = kv_cache.view(2, hk, -1, d).transpose(1, 2)
     changed = (flat_before != flat_after).flatten(2).any(-1).any(0)  # [slots]
     written = torch.zeros_like(changed)
     for s in specs:

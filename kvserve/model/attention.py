@@ -1,9 +1,11 @@
 """Attention over the paged KV cache: KV writes, segmented prefill, batched decode.
 
-KV cache layout, one tensor per layer (the model runner allocates them)::
+KV cache layout, one tensor per layer (the model runner allocates them), head-major
+so that gathered blocks are contiguous per (head, request) and feed the attention
+matmuls without another copy::
 
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]   # [0] = K, [1] = V
-    slot s  = block_id * block_size + offset_in_block
+    kv_cache: [2, num_kv_heads, num_blocks, block_size, head_dim]   # [0] = K, [1] = V
+    slot s  = block_id * block_size + offset_in_block   (kv_cache.view(2, Hk, -1, D))
     block 0 = the null block: block tables are padded with 0, real tokens never
               write to it, dummy decode rows read from it.
 
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 _NEG_INF = float("-inf")
 
@@ -79,7 +82,7 @@ class DecodeBatch:
     num_rows: int  # real decode rows + dummy rows
     block_ids: torch.Tensor  # [num_rows * max_blocks] int64, row-major block tables, 0 = null
     max_blocks: int
-    attn_mask: torch.Tensor  # [num_rows, 1, 1, max_blocks * block_size] 0 / -inf
+    attn_mask: torch.Tensor  # [1, num_rows, 1, max_blocks * block_size] 0 / -inf
 
 
 @dataclass
@@ -168,8 +171,8 @@ def build_attention_metadata(
             table[i, :nb] = np.asarray(s.block_ids[:nb], dtype=np.int64)
         cols = torch.arange(max_blocks * block_size)
         lens = torch.tensor(seq_lens)
-        mask = torch.zeros(num_decode_rows, 1, 1, max_blocks * block_size)
-        mask.masked_fill_((cols[None, :] >= lens[:, None])[:, None, None, :], _NEG_INF)
+        mask = torch.zeros(1, num_decode_rows, 1, max_blocks * block_size)
+        mask.masked_fill_((cols[None, :] >= lens[:, None])[None, :, None, :], _NEG_INF)
         decode = DecodeBatch(
             token_start=decode_seqs[0].token_start if decode_seqs else row,
             num_rows=num_decode_rows,
@@ -287,12 +290,12 @@ def write_kv(
     kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
     """Write the step's new K/V ([num_tokens, Hk, D]) into their slots; padding rows skip."""
-    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])  # [2, slots, Hk, D]
+    flat = kv_cache.view(2, kv_cache.shape[1], -1, kv_cache.shape[-1])  # [2, Hk, slots, D]
     if meta.write_rows is not None:
         k = k.index_select(0, meta.write_rows)
         v = v.index_select(0, meta.write_rows)
-    flat[0].index_copy_(0, meta.write_slots, k)
-    flat[1].index_copy_(0, meta.write_slots, v)
+    flat[0].index_copy_(1, meta.write_slots, k.transpose(0, 1))
+    flat[1].index_copy_(1, meta.write_slots, v.transpose(0, 1))
 
 
 def prefill_attention(
@@ -316,10 +319,9 @@ def prefill_attention(
     )
     if seq.prior_slots is None:
         return out
-    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])  # [2, slots, Hk, D]
+    flat = kv_cache.view(2, kv_cache.shape[1], -1, kv_cache.shape[-1])  # [2, Hk, slots, D]
     for start, end in segment_bounds(seq.cached_seq_len, kv_segment_size):
-        kv = flat.index_select(1, seq.prior_slots[start:end])  # [2, S, Hk, D]
-        kv = kv.unsqueeze(1).transpose(2, 3)  # [2, 1, Hk, S, D]
+        kv = flat.index_select(2, seq.prior_slots[start:end]).unsqueeze(1)  # [2, 1, Hk, S, D]
         out_i, lse_i = attention_with_lse(qh, kv[0], kv[1], causal=False, scale=scale)
         out, lse = merge_attention_states(out, lse, out_i, lse_i)
     return out
@@ -330,17 +332,18 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query per row against its whole context. q: [B, H, D] -> [B, H, D].
 
-    The rows' blocks are gathered up to the longest context and masked per row.
+    The rows' blocks are gathered up to the longest context (contiguous per head and
+    row thanks to the head-major layout) and masked per row. The ``H / Hk`` query
+    heads that share a KV head become that head's query rows, so no KV is repeated.
     """
     num_rows, num_heads, head_dim = q.shape
-    blocks = kv_cache.index_select(1, batch.block_ids)  # [2, B * max_blocks, bs, Hk, D]
-    kv = blocks.view(2, num_rows, -1, blocks.shape[-2], head_dim).transpose(
-        2, 3
-    )  # [2, B, Hk, L, D]
-    out, _ = attention_with_lse(
-        q.unsqueeze(2), kv[0], kv[1], causal=False, scale=scale, attn_mask=batch.attn_mask
-    )
-    return out.view(num_rows, num_heads, head_dim)
+    num_kv_heads = kv_cache.shape[1]
+    group = num_heads // num_kv_heads
+    blocks = kv_cache.index_select(2, batch.block_ids)  # [2, Hk, B * max_blocks, bs, D]
+    kv = blocks.view(2, num_kv_heads, num_rows, -1, head_dim)  # [2, Hk, B, L, D]
+    qg = q.view(num_rows, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hk, B, g, D]
+    out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=batch.attn_mask, scale=scale)
+    return out.transpose(0, 1).reshape(num_rows, num_heads, head_dim)  # [B, H, D]
 
 
 def paged_attention(

@@ -305,12 +305,13 @@ def weights_digest(folder: Path) -> str:
 
 
 def _fingerprint(weights: str, dtype: str, rope: dict[str, Any], arch: str) -> str:
-    payload = json.dumps(
-        {"weights": weights, "dtype": dtype, "rope": rope, "architecture": arch},
-        sort_keys=True,
-        default=str,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()
+    """Stable digest of everything that changes KV contents (the prefix-cache key)."""
+    try:
+        from kvserve.kv_cache.hashing import model_fingerprint
+    except ImportError:  # the KV cache package is optional for loading a model
+        payload = json.dumps([weights, dtype, rope, arch], sort_keys=True, default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()
+    return model_fingerprint(f"weights:{weights}", dtype, rope, arch)
 
 
 # --------------------------------------------------------------------------- load

@@ -1,0 +1,174 @@
+"""Persistent per-request state of the model runner and the per-step input tensors.
+
+The scheduler sends diffs (:mod:`kvserve.sched.output`): a request's first step
+carries its prompt, outputs so far and all its block ids; later steps only the blocks
+added since. :class:`InputBatch` keeps each request's token history (for penalties
+and the sampler's seeded draws) and block ids, and drops them for
+``finished_req_ids``.
+
+Each step :meth:`InputBatch.prepare_inputs` lays the scheduled requests out as one
+flat batch, prefill chunks first, then one-row requests (decodes), then dummy decode
+rows::
+
+    rows      [ A0 A1 A2 pad pad | B0 B1 | C0 | D0 | dummy dummy ]
+    positions [ 7  8  9  9   9   | 0  1  | 41 | 12 | 0     0     ]
+    slots     [ s  s  s  -1  -1  | s  s  | s  | s  | -1    -1    ]
+    logits from the last real row of each request that completes its tokens (A2? B1 C0 D0)
+
+Padding rows take the pad token id and repeat the last real position; their slot is
+-1 so they write no KV, and their outputs are never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.model.attention import AttentionMetadata, SeqSpec, build_attention_metadata
+from kvserve.sched.output import SchedulerOutput
+from kvserve.worker.sampler import SamplingRequestState
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner remembers about one request between steps.
+
+    ``sampling.output_token_ids`` is the request's generated tokens; the runner
+    appends each sampled id after the step, so ``num_tokens`` tracks the scheduler's
+    ``Request.num_tokens``.
+    """
+
+    req_id: str
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingRequestState
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.sampling.prompt_token_ids) + len(self.sampling.output_token_ids)
+
+
+@dataclass
+class StepInputs:
+    """The tensors of one step plus which rows to sample from."""
+
+    input_ids: torch.Tensor  # [num_rows] int64
+    positions: torch.Tensor  # [num_rows] int64
+    attn_meta: AttentionMetadata
+    logits_rows: torch.Tensor  # [num_sampled] int64: last real row of each sampled request
+    sample_req_ids: list[str]  # request ids in logits_rows order
+    num_rows: int  # real + padding + dummy rows
+
+
+class InputBatch:
+    """Per-request state across steps; builds the flat, padded inputs of a step."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        pad_token_id: int,
+        eos_token_id: int | None,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.device = device
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Drop finished requests, add new ones, apply the cached requests' diffs.
+
+        Raises RuntimeError when a cached request is unknown (the scheduler and the
+        runner disagree; the step must not run on guessed state).
+        """
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=SamplingRequestState(
+                    params=new.sampling_params,
+                    prompt_token_ids=list(new.prompt_token_ids),
+                    output_token_ids=list(new.output_token_ids),
+                    eos_token_id=self.eos_token_id,
+                ),
+            )
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise RuntimeError(
+                    f"scheduler sent cached request {req_id!r} that the model runner does "
+                    "not know: a request's first step must come in scheduled_new_reqs"
+                )
+            state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
+
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        """Flat padded inputs for the scheduled requests of ``so`` (after update_states)."""
+        prefill_ids: list[str] = []
+        single_ids: list[str] = []
+        for req_id in so.scheduled_req_ids:
+            rows = so.num_scheduled_tokens_padded.get(req_id, so.num_scheduled_tokens[req_id])
+            (single_ids if rows == 1 else prefill_ids).append(req_id)
+        num_dummy = 0
+        if so.decode_batch_size_padded is not None:
+            num_dummy = max(0, so.decode_batch_size_padded - len(single_ids))
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        specs: list[SeqSpec] = []
+        logits_rows: list[int] = []
+        sample_req_ids: list[str] = []
+        for req_id in prefill_ids + single_ids:
+            state = self.requests[req_id]
+            n = so.num_scheduled_tokens[req_id]
+            rows = max(n, so.num_scheduled_tokens_padded.get(req_id, n))
+            start = so.cached_seq_len[req_id]
+            tokens = so.scheduled_token_ids[req_id]
+            if len(tokens) != n:
+                raise RuntimeError(
+                    f"request {req_id!r}: {len(tokens)} scheduled token ids for "
+                    f"num_scheduled_tokens={n}"
+                )
+            row = len(input_ids)
+            input_ids.extend(tokens)
+            positions.extend(range(start, start + n))
+            if rows > n:
+                input_ids.extend([self.pad_token_id] * (rows - n))
+                positions.extend([start + n - 1] * (rows - n))
+            specs.append(SeqSpec(row, rows, n, start, state.block_ids))
+            if start + n >= state.num_tokens:  # all its tokens have KV: sample the next
+                logits_rows.append(row + n - 1)
+                sample_req_ids.append(req_id)
+        input_ids.extend([self.pad_token_id] * num_dummy)
+        positions.extend([0] * num_dummy)
+
+        num_rows = len(input_ids)
+        meta = build_attention_metadata(
+            specs,
+            num_tokens=num_rows,
+            num_dummy_decode_rows=num_dummy,
+            block_size=self.block_size,
+            kv_segment_size=so.kv_segment_size,
+            device=self.device,
+        )
+        dev = self.device
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            attn_meta=meta,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            sample_req_ids=sample_req_ids,
+            num_rows=num_rows,
+        )
