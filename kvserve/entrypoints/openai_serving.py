@@ -319,10 +319,14 @@ class OpenAIServing:
         return streams
 
     async def collect(self, streams: list[RequestStream]) -> list[_Choice]:
+        """Drain the streams into one choice each; engine failures become a 500."""
         choices = [_Choice(index=i) for i in range(len(streams))]
-        async for i, delta in merge(streams):
-            _check_finish(delta)
-            choices[i].add(delta)
+        try:
+            async for i, delta in merge(streams):
+                _check_finish(delta)
+                choices[i].add(delta)
+        except (RequestFailedError, EngineUnavailableError) as e:
+            raise APIError(500, str(e), type="server_error", code=500) from None
         return choices
 
     # ------------------------------------------------------------------ completions

@@ -1,0 +1,118 @@
+"""Queue limit and graceful SIGTERM on a small real server (one running request at a time).
+
+The server runs with ``--max-num-seqs 1 --max-queue-len 1``: one request runs, one may
+wait, a third gets 503 + Retry-After. The SIGTERM test runs last on the same process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from server_helpers import ServerProcess, scrape, serve_process
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+KEY = "flag-key"
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    args = [
+        "--max-num-seqs", "1",
+        "--max-queue-len", "1",
+        "--num-kv-blocks", "128",
+        "--max-model-len", "1024",
+        "--api-key", KEY,
+        "--graceful-shutdown-timeout", "2",
+        "--no-access-log",
+    ]  # fmt: skip
+    with serve_process(args, tmp_path_factory.mktemp("small")) as server:
+        server.api_key = KEY
+        print(f"small server startup: {server.startup_s:.1f} s")
+        yield server
+
+
+def _open_stream(http: httpx.Client, server: ServerProcess, max_tokens: int) -> httpx.Response:
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    request = http.build_request(
+        "POST", server.base_url + "/v1/completions", json=body, headers=server.headers
+    )
+    return http.send(request, stream=True)
+
+
+def _read_events(response: httpx.Response) -> list[str]:
+    return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_queue_limit_503_with_retry_after(small_server: ServerProcess) -> None:
+    url = small_server.base_url
+    with httpx.Client(timeout=120) as http:
+        running = _open_stream(http, small_server, 600)  # long: still running below
+        running_lines = running.iter_lines()
+        first = next(line for line in running_lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["text"] is not None
+        waiting = _open_stream(http, small_server, 4)  # queued behind it
+        assert waiting.status_code == 200
+        assert scrape(url)["kvserve:num_requests_waiting"] == 1
+
+        refused = http.post(
+            url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 2},
+            headers=small_server.headers,
+        )
+        assert refused.status_code == 503
+        assert int(refused.headers["Retry-After"]) >= 1
+        err = refused.json()["error"]
+        assert err["code"] == "queue_full" and "retry" in err["message"]
+        assert scrape(url)["kvserve:num_requests_rejected_total"] == 1
+
+        # nothing else disturbed: the running request keeps streaming; once it is gone
+        # the waiting one runs to completion
+        assert sum(1 for _ in zip(range(3), running_lines, strict=False)) == 3
+        running.close()
+        events = _read_events(waiting)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        ok = http.post(
+            url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 2},
+            headers=small_server.headers,
+        )
+        assert ok.status_code == 200
+    assert scrape(url)["kvserve:num_active_blocks"] == 0
+
+
+def test_sigterm_graceful_shutdown(small_server: ServerProcess) -> None:
+    with httpx.Client(timeout=120) as http:
+        # A request too long to finish within --graceful-shutdown-timeout 2: SIGTERM
+        # closes the port, the stream is cut after the grace period and the process
+        # exits 0.
+        stream = _open_stream(http, small_server, 900)
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        small_server.proc.send_signal(signal.SIGTERM)
+        rest: list[str] = []
+        with contextlib.suppress(httpx.RemoteProtocolError, httpx.ReadError):
+            rest.extend(lines)  # ends: the server closes it (no hang)
+        assert "data: [DONE]" not in rest
+        try:
+            code = small_server.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            small_server.proc.kill()
+            raise
+    assert code == 0, small_server.log()[-3000:]
+    log = small_server.log()
+    assert "Application shutdown complete" in log
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(small_server.base_url + "/health")
