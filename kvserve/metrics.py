@@ -88,10 +88,10 @@ class _EngineStateCollector(Collector):
                 family.add_metric([self.model_name], float(stats[key]))
             yield family
         for key, (name, doc) in _COUNTERS.items():
-            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             if isinstance(stats.get(key), int | float):
-                family.add_metric([self.model_name], float(stats[key]))
-            yield family
+                counter.add_metric([self.model_name], float(stats[key]))
+            yield counter
         state = GaugeMetricFamily(
             PREFIX + "scheduler_state",
             "Scheduler state (1 for the current one), e.g. IDLE, ACTIVE_PREFILL, ACTIVE_DECODE.",

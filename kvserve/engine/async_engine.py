@@ -153,16 +153,6 @@ class AsyncEngine:
         self._thread.start()
 
     @property
-    def is_running(self) -> bool:
-        """True while the engine thread is alive and accepting requests."""
-        return (
-            self._thread is not None
-            and self._thread.is_alive()
-            and self._dead is None
-            and self._accepting
-        )
-
-    @property
     def is_healthy(self) -> bool:
         """False once shutting down or after the engine thread died."""
         return (
@@ -184,8 +174,7 @@ class AsyncEngine:
         deadline = time.monotonic() + drain_timeout_s
         while self._streams and time.monotonic() < deadline and self._thread_alive():
             await asyncio.sleep(0.05)
-        if self._streams:
-            self._submit(("abort", list(self._streams)))
+        # "stop" aborts whatever is still live and ends those streams with an abort delta.
         self._submit(("stop", None))
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)

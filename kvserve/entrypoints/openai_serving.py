@@ -172,13 +172,13 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
     try:
         remaining = len(streams)
         while remaining:
-            i, delta, error = await queue.get()
+            i, item, error = await queue.get()
             if error is not None:
                 raise error
-            if delta is None:
+            if item is None:
                 remaining -= 1
                 continue
-            yield i, delta
+            yield i, item
     finally:
         for t in tasks:
             t.cancel()
@@ -355,7 +355,7 @@ class OpenAIServing:
             params = req.sampling_params(max_tokens, req.logprobs, max_tokens_param="max_tokens")
             inputs.append((text, ids, params))
             if req.echo:
-                echo_texts.append(text if text is not None else self.tokenizer.decode(ids))
+                echo_texts.append(text if text is not None else str(self.tokenizer.decode(ids)))
         req_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(req_id, inputs, req.cache_salt, "prompt")
         return req_id, streams, echo_texts
@@ -474,11 +474,13 @@ class OpenAIServing:
     def render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
         messages = [m.as_template_dict() for m in req.messages]
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=False,
-                add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
+            text = str(
+                self.tokenizer.apply_chat_template(
+                    messages,
+                    tokenize=False,
+                    add_generation_prompt=req.add_generation_prompt,
+                    **(req.chat_template_kwargs or {}),
+                )
             )
         except Exception as e:  # jinja errors raised by the template itself
             raise bad_request(

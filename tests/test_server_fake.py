@@ -1,0 +1,200 @@
+"""The async engine and the HTTP layer over a small EngineCore double (no model weights):
+fault isolation, shutdown, queue accounting, early-exit aborts, metrics rendering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import POISON_TOKEN, FakeEngineCore, scrape, serve_thread
+
+from kvserve.engine.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from kvserve.entrypoints.openai_server import build_app
+from kvserve.metrics import EngineMetrics
+from kvserve.request import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from kvserve.model.loader import load_tokenizer
+
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def fake_server(tokenizer: Any) -> Iterator[tuple[str, FakeEngineCore]]:
+    core = FakeEngineCore(tokenizer)
+    with serve_thread(build_app(AsyncEngine(core))) as url:  # type: ignore[arg-type]
+        yield url, core
+
+
+def _wait(cond: Any, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_failing_request_does_not_take_the_engine_down(
+    fake_server: tuple[str, FakeEngineCore],
+) -> None:
+    url, core = fake_server
+    bad = {"prompt": [5, POISON_TOKEN], "max_tokens": 4}
+    r = httpx.post(url + "/v1/completions", json=bad, timeout=30)
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error"
+    with httpx.stream("POST", url + "/v1/completions", json={**bad, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert "error" in json.loads(events[-2]) and events[-1] == "[DONE]"
+
+    ok = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+    assert httpx.get(url + "/health").status_code == 200
+    stats = scrape(url)
+    assert stats["kvserve:request_success_total{finished_reason=error}"] == 2
+    assert stats["kvserve:num_active_blocks"] == 0 and not core.reqs
+
+
+def test_openai_client_batch_prompts_and_echo(fake_server: tuple[str, FakeEngineCore]) -> None:
+    url, _ = fake_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    out = client.completions.create(
+        model="fake-model", prompt=["Hello", "World"], max_tokens=3, echo=True
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text.startswith("Hello") and out.choices[1].text.startswith("World")
+    assert out.usage is not None and out.usage.completion_tokens == 6
+    chunks = list(
+        client.completions.create(
+            model="fake-model",
+            prompt=[[5, 6], [7, 8, 9]],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    finished = sorted(
+        c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason
+    )
+    assert finished == [0, 1]
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 5
+
+
+def test_queue_full_counts_adds_not_yet_taken(tokenizer: Any) -> None:
+    core = FakeEngineCore(tokenizer, max_num_seqs=1)
+    engine = AsyncEngine(core)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=2)
+
+    async def run() -> None:
+        first = await engine.generate([5, 6], SamplingParams(max_tokens=250))
+        core.gate.clear()  # the engine thread blocks in its next step
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(engine.generate([7, 8], params, max_waiting=1))
+        await asyncio.sleep(0)  # its add is queued but not taken by the blocked thread
+        assert engine.num_waiting() == 1
+        with pytest.raises(QueueFullError, match="limit is 1"):
+            await engine.generate([9, 10], params, max_waiting=1)
+        core.gate.set()
+        first.abort()
+        deltas = [d async for d in await second]
+        assert deltas[-1].finish_reason == "length"
+        assert engine.num_waiting() == 0
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_leaving_a_stream_early_aborts_the_request(tokenizer: Any) -> None:
+    core = FakeEngineCore(tokenizer, step_s=0.01)
+    engine = AsyncEngine(core)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        stream = await engine.generate([5, 6], SamplingParams(max_tokens=200))
+        async with stream:
+            async for delta in stream:
+                assert delta.new_token_ids
+                break
+        assert await asyncio.to_thread(_wait, lambda: not core.reqs)
+        assert engine.stats()["num_active_blocks"] == 0
+        await engine.shutdown()
+
+    asyncio.run(run())
+    text = engine.metrics.render().decode()
+    assert (
+        'kvserve:request_success_total{finished_reason="abort",model_name="fake-model"} 1.0' in text
+    )
+
+
+def test_shutdown_aborts_in_flight_and_refuses_new(tokenizer: Any) -> None:
+    core = FakeEngineCore(tokenizer, step_s=0.01)
+    engine = AsyncEngine(core)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        stream = await engine.generate([5, 6], SamplingParams(max_tokens=200))
+        first = await stream.__anext__()
+        assert not first.finished
+        await engine.shutdown(drain_timeout_s=0.05)
+        rest = [d async for d in stream]
+        assert rest[-1].finish_reason == "abort"
+        assert not core.reqs and not engine.is_healthy
+        with pytest.raises(EngineUnavailableError, match="shutting down"):
+            await engine.generate([5, 6], SamplingParams(max_tokens=2))
+
+    asyncio.run(run())
+
+
+def test_bad_request_is_refused_before_queueing(tokenizer: Any) -> None:
+    core = FakeEngineCore(tokenizer, max_model_len=64)
+    engine = AsyncEngine(core)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        with pytest.raises(ValueError, match="lower max_tokens to at most 62"):
+            await engine.generate([5, 6], SamplingParams(max_tokens=100))
+        assert engine.num_in_flight == 0 and engine.num_waiting() == 0
+        await engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_metrics_render_parses_with_engine_state() -> None:
+    metrics = EngineMetrics("m")
+    metrics.set_stats_source(
+        lambda: {"num_requests_running": 3, "num_active_blocks": 7, "scheduler_state": "IDLE"}
+    )
+    metrics.count_prompt_tokens(5)
+    metrics.observe_ttft(0.2)
+    metrics.count_finished("stop")
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    assert families["kvserve:num_requests_running"].samples[0].value == 3
+    assert families["kvserve:num_active_blocks"].samples[0].value == 7
+    assert families["kvserve:prompt_tokens"].type == "counter"
+    ttft = families["kvserve:time_to_first_token_seconds"]
+    assert ttft.type == "histogram"
+    assert {s.name: s.value for s in ttft.samples}["kvserve:time_to_first_token_seconds_count"] == 1
+    state = families["kvserve:scheduler_state"].samples[0]
+    assert state.labels == {"model_name": "m", "state": "IDLE"} and state.value == 1
+    # two engines in one process keep separate registries
+    other = EngineMetrics("m")
+    assert "kvserve:prompt_tokens_total" in other.render().decode()
+    assert 'prompt_tokens_total{model_name="m"} 0.0' in other.render().decode()
+
+
+def test_tokenize_and_detokenize_shapes(fake_server: tuple[str, FakeEngineCore]) -> None:
+    url, _ = fake_server
+    r = httpx.post(url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) == 2 and body["max_model_len"] == 256
+    assert body["token_strs"] == ["Hello", "\u0120world"]
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+    ids = chat.json()["tokens"]
+    text = httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
