@@ -12,8 +12,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fake_engine import POISON_TOKEN, FakeEngineCore
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import POISON_TOKEN, FakeEngineCore, scrape, serve_thread
+from server_helpers import scrape, serve_thread
 
 from kvserve.engine.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
 from kvserve.entrypoints.openai_server import build_app
