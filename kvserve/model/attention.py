@@ -319,9 +319,11 @@ def prefill_attention(
     )
     if seq.prior_slots is None:
         return out
-    flat = kv_cache.view(2, kv_cache.shape[1], -1, kv_cache.shape[-1])  # [2, Hk, slots, D]
+    num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[-1]
+    flat = kv_cache.view(2 * num_kv_heads, -1, head_dim)  # [2Hk, slots, D]
     for start, end in segment_bounds(seq.cached_seq_len, kv_segment_size):
-        kv = flat.index_select(2, seq.prior_slots[start:end]).unsqueeze(1)  # [2, 1, Hk, S, D]
+        kv = flat.index_select(1, seq.prior_slots[start:end])  # [2Hk, S, D]
+        kv = kv.view(2, 1, num_kv_heads, -1, head_dim)  # [2, 1, Hk, S, D]
         out_i, lse_i = attention_with_lse(qh, kv[0], kv[1], causal=False, scale=scale)
         out, lse = merge_attention_states(out, lse, out_i, lse_i)
     return out
@@ -339,7 +341,9 @@ def decode_attention(
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[1]
     group = num_heads // num_kv_heads
-    blocks = kv_cache.index_select(2, batch.block_ids)  # [2, Hk, B * max_blocks, bs, D]
+    # one copy per block and (K/V, head): index_select on a 3-D view is a plain memcpy
+    by_block = kv_cache.view(2 * num_kv_heads, kv_cache.shape[2], -1)  # [2Hk, blocks, bs*D]
+    blocks = by_block.index_select(1, batch.block_ids)  # [2Hk, B * max_blocks, bs * D]
     kv = blocks.view(2, num_kv_heads, num_rows, -1, head_dim)  # [2, Hk, B, L, D]
     qg = q.view(num_rows, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hk, B, g, D]
     out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=batch.attn_mask, scale=scale)

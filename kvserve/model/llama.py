@@ -157,6 +157,71 @@ def _sliding_window(cfg: Any) -> int | None:
     return window
 
 
+# Rows up to which ``x @ W^T`` runs on a [K, N] copy of the weight (a streaming
+# vector-matrix product: about 2x faster than MKL's gemv for decode at batch 1-2).
+_SMALL_M = 2
+
+
+def _mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN-prepacked weight for ``torch.ops.mkldnn._linear_pointwise`` (CPU), or None."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        probe = torch.ones(3, weight.shape[1], dtype=weight.dtype)
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        if not torch.allclose(got, F.linear(probe, weight), rtol=1e-2, atol=1e-2):
+            return None
+        return packed
+    except (RuntimeError, AttributeError):
+        return None
+
+
+class FastLinear:
+    """``y = x @ W^T + b`` for x [M, K], W [N, K], with the fastest CPU kernel per M.
+
+    - ``M <= 2`` (decode): ``x @ wt`` on a contiguous [K, N] copy;
+    - larger M (prefill, batched decode): oneDNN with a prepacked weight (about 1.5x
+      MKL's sgemm on this kind of CPU), falling back to ``F.linear``.
+
+    ``fast=False`` (or a non-CPU device) keeps plain ``F.linear``. ``weight`` stays a
+    valid [N, K] tensor (a view of ``wt`` when there is one) for anything else.
+    """
+
+    __slots__ = ("bias", "packed", "weight", "wt")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, fast: bool) -> None:
+        self.bias = bias
+        self.weight = weight
+        self.wt: torch.Tensor | None = None
+        self.packed: torch.Tensor | None = None
+        if fast and weight.device.type == "cpu":
+            self.wt = weight.t().contiguous()  # [K, N]
+            self.packed = _mkldnn_pack(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wt is not None and x.shape[0] <= _SMALL_M:
+            if self.bias is None:
+                return torch.mm(x, self.wt)
+            return torch.addmm(self.bias, x, self.wt)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class _LayerOps:
+    input_layernorm: torch.Tensor
+    qkv: FastLinear
+    qk_norm: torch.Tensor | None
+    o: FastLinear
+    post_attention_layernorm: torch.Tensor
+    gate_up: FastLinear
+    down: FastLinear
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder over a flat token batch; see the module docstring.
 
@@ -194,6 +259,8 @@ class LlamaForCausalLM(nn.Module):
             self.layers.append(layer)
         self.scale = d**-0.5
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._ops: list[_LayerOps] = []
+        self._lm_head: FastLinear | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -206,8 +273,9 @@ class LlamaForCausalLM(nn.Module):
         tensors: Iterable[tuple[str, torch.Tensor]],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        fast_kernels: bool = True,
     ) -> None:
-        """Copy HF-named tensors into the fused parameters.
+        """Copy HF-named tensors into the fused parameters, then :meth:`prepare`.
 
         Raises ValueError listing missing or unexpected tensors (e.g. an MoE layer),
         so a wrong checkpoint never runs silently.
@@ -276,6 +344,42 @@ class LlamaForCausalLM(nn.Module):
                 f"{' ...' if len(unexpected) > 8 else ''}"
             )
         self._rope_cache = None
+        self.prepare(fast=fast_kernels)
+
+    def prepare(self, fast: bool = True) -> None:
+        """Build the per-layer kernels from the parameters (call after changing weights).
+
+        With ``fast`` on CPU each projection gets a [K, N] copy for decode-sized
+        batches and a oneDNN-packed copy for larger ones; the parameter becomes a view
+        of the [K, N] copy, so the extra memory is about one more copy of the weights.
+        """
+        self._ops = []
+        for layer in self.layers:
+            lins = []
+            for name, bias in (
+                ("qkv_proj", layer.qkv_bias),
+                ("o_proj", layer.o_bias),
+                ("gate_up_proj", layer.gate_up_bias),
+                ("down_proj", layer.down_bias),
+            ):
+                param = getattr(layer, name)
+                lin = FastLinear(param.data, None if bias is None else bias.data, fast=fast)
+                if lin.wt is not None:
+                    param.data = lin.wt.t()  # same values, no second [N, K] copy
+                    lin.weight = param.data
+                lins.append(lin)
+            self._ops.append(
+                _LayerOps(
+                    input_layernorm=layer.input_layernorm.data,
+                    qkv=lins[0],
+                    qk_norm=None if layer.qk_norm is None else layer.qk_norm.data,
+                    o=lins[1],
+                    post_attention_layernorm=layer.post_attention_layernorm.data,
+                    gate_up=lins[2],
+                    down=lins[3],
+                )
+            )
+        self._lm_head = FastLinear(self.lm_head_weight.data, None, fast=fast)
 
     # ------------------------------------------------------------------ rope
 
@@ -322,23 +426,24 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_cos_sin(positions)  # [T, 1, D]
 
         x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            y = F.rms_norm(x, hidden, layer.input_layernorm, eps)
-            qkv = F.linear(y, layer.qkv_proj, layer.qkv_bias)  # [T, (H + 2Hk) * D]
+        for ops, kv_cache in zip(self._ops, kv_caches, strict=True):
+            y = F.rms_norm(x, hidden, ops.input_layernorm, eps)
+            qkv = ops.qkv(y)  # [T, (H + 2Hk) * D]
             qk = qkv[:, :qk_size].view(num_tokens, h + hk, d)
-            if layer.qk_norm is not None:
-                qk = F.rms_norm(qk, (d,), None, eps) * layer.qk_norm
+            if ops.qk_norm is not None:
+                qk = F.rms_norm(qk, (d,), None, eps) * ops.qk_norm
             qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)  # RoPE, [T, H + Hk, D]
             v = qkv[:, qk_size:].view(num_tokens, hk, d)
             attn = paged_attention(qk[:, :h], qk[:, h:], v, kv_cache, attn_meta, self.scale)
-            x = x + F.linear(attn.reshape(num_tokens, q_size), layer.o_proj, layer.o_bias)
-            y = F.rms_norm(x, hidden, layer.post_attention_layernorm, eps)
-            gate_up = F.linear(y, layer.gate_up_proj, layer.gate_up_bias)  # [T, 2I]
+            x = x + ops.o(attn.reshape(num_tokens, q_size))
+            y = F.rms_norm(x, hidden, ops.post_attention_layernorm, eps)
+            gate_up = ops.gate_up(y)  # [T, 2I]
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down_proj, layer.down_bias)
+            x = x + ops.down(F.silu(gate) * up)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (rows to sample from) -> fp32 logits [N, vocab]."""
         y = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
-        return F.linear(y, self.lm_head_weight).float()
+        assert self._lm_head is not None, "load_weights() or prepare() first"
+        return self._lm_head(y).float()

@@ -1,0 +1,311 @@
+"""``kvserve bench forward``: forward-pass speed of kvserve's model runner vs HF.
+
+Measures, in one process and one run (medians; kvserve and HF steps interleaved so
+both see the same machine load):
+
+- prefill tok/s of one prompt of each ``--prefill-lens`` length (one step, logits for
+  the last token only; HF: ``model(ids, logits_to_keep=1)`` with a KV cache);
+- decode step time at each ``--decode-batches`` size: every request has a
+  ``--context``-token prompt already prefilled, then one token per request per step
+  (kvserve: ``ModelRunner.execute_model`` with greedy sampling; HF: ``model(next_ids,
+  past_key_values)`` plus argmax).
+
+Targets (issue 4): prefill >= HF, decode batch 1 >= 1.3x HF tok/s, decode batch 32 >=
+8x kvserve's own batch-1 tok/s. A benchmark, not a test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid list {text!r}: give comma-separated integers (e.g. 1,8,32)"
+        ) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: integers >= 1 (e.g. 1,8,32)")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="smollm2-135m-instruct", help="model (default: %(default)s)"
+    )
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument(
+        "--prefill-lens",
+        type=_int_list,
+        default=[512, 2048],
+        help="prompt lengths (default: 512,2048)",
+    )
+    parser.add_argument(
+        "--decode-batches",
+        type=_int_list,
+        default=[1, 8, 32, 64],
+        help="decode batch sizes (default: 1,8,32,64)",
+    )
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=128,
+        help="prompt tokens per decode request (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=12,
+        help="timed decode steps per batch size (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed prefills per length (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--kv-segment-size", type=int, default=512, help="prefill KV segment (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="KV block size (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU time, robust to other load on a "
+        "shared machine when used with --threads 1 (default: %(default)s)",
+    )
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+class _KvserveDriver:
+    """Drives a ModelRunner with hand-built SchedulerOutputs (no scheduler involved)."""
+
+    def __init__(self, loaded: Any, block_size: int, kv_segment_size: int, num_blocks: int) -> None:
+        from kvserve.config import CacheConfig, SchedulerConfig
+        from kvserve.request import SamplingParams
+        from kvserve.worker.model_runner import ModelRunner
+
+        self.runner = ModelRunner(
+            loaded, CacheConfig(block_size=block_size, num_kv_blocks=num_blocks), SchedulerConfig()
+        )
+        self.block_size = block_size
+        self.kv_segment_size = kv_segment_size
+        self.params = SamplingParams(temperature=0.0, max_tokens=None)
+        self.next_block = 1
+        self.counter = 0
+        self.live: dict[str, dict[str, Any]] = {}
+
+    def _blocks(self, num_tokens: int) -> list[int]:
+        n = -(-num_tokens // self.block_size)
+        if self.next_block + n > self.runner.num_kv_blocks:
+            self.next_block = 1  # reuse: old requests are finished by then
+        out = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return out
+
+    def prefill(self, prompts: list[list[int]], reserve: int = 0) -> dict[str, int]:
+        """Admit and prefill ``prompts`` in one step; returns req_id -> sampled token."""
+        from kvserve.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+        finished = set(self.live)
+        self.live.clear()
+        new = []
+        for p in prompts:
+            self.counter += 1
+            req_id = f"b{self.counter}"
+            blocks = self._blocks(len(p) + reserve)
+            new.append(NewRequestData(req_id, list(p), [], blocks, 0, self.params))
+            self.live[req_id] = {"len": len(p)}
+        so = SchedulerOutput(
+            phase="prefill",
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={r.req_id: len(r.prompt_token_ids) for r in new},
+            num_scheduled_tokens_padded={r.req_id: len(r.prompt_token_ids) for r in new},
+            scheduled_token_ids={r.req_id: list(r.prompt_token_ids) for r in new},
+            cached_seq_len={r.req_id: 0 for r in new},
+            kv_segment_size=self.kv_segment_size,
+            finished_req_ids=finished,
+        )
+        out = self.runner.execute_model(so)
+        last = {r: out.sampled_token_ids[r][0] for r in self.live}
+        for r, tok in last.items():
+            self.live[r]["last"] = tok
+        return last
+
+    def decode_step(self) -> None:
+        from kvserve.sched.output import CachedRequestData, SchedulerOutput
+
+        ids = list(self.live)
+        so = SchedulerOutput(
+            phase="decode",
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData(
+                ids, [[] for _ in ids], [self.live[r]["len"] for r in ids]
+            ),
+            num_scheduled_tokens={r: 1 for r in ids},
+            num_scheduled_tokens_padded={r: 1 for r in ids},
+            scheduled_token_ids={r: [self.live[r]["last"]] for r in ids},
+            cached_seq_len={r: self.live[r]["len"] for r in ids},
+            kv_segment_size=self.kv_segment_size,
+        )
+        out = self.runner.execute_model(so)
+        for r in ids:
+            self.live[r]["len"] += 1
+            self.live[r]["last"] = out.sampled_token_ids[r][0]
+
+
+class _HfDriver:
+    def __init__(self, model_dir: Any, dtype: Any) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.cache: Any = None
+        self.next_ids: Any = None
+
+    def prefill(self, prompts: list[list[int]]) -> None:
+        import torch
+
+        ids = torch.tensor(prompts, dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model(ids, use_cache=True, logits_to_keep=1)
+        self.cache = out.past_key_values
+        self.next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def decode_step(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            out = self.model(self.next_ids, past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self.next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+_CLOCK: Callable[[], float] = time.perf_counter
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = _CLOCK()
+    fn()
+    return _CLOCK() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvserve.model.loader import load_model, parse_dtype
+
+    global _CLOCK
+    _CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, dtype=args.dtype)
+    vocab = int(loaded.hf_config.vocab_size)
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return torch.randint(100, vocab - 100, (n, length), generator=gen).tolist()
+
+    max_batch = max(args.decode_batches)
+    tokens_needed = max(max(args.prefill_lens), max_batch * (args.context + args.decode_steps + 4))
+    num_blocks = 2 + 2 * -(-tokens_needed // args.block_size)
+    kv = _KvserveDriver(loaded, args.block_size, args.kv_segment_size, num_blocks)
+    hf = None if args.no_hf else _HfDriver(loaded.model_dir, parse_dtype(args.dtype))
+    results: dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "clock": args.clock,
+        "context": args.context,
+        "prefill": {},
+        "decode": {},
+    }
+
+    for length in args.prefill_lens:
+        p = prompts(1, length)
+        kv.prefill(p)  # warm-up
+        if hf:
+            hf.prefill(p)
+        kv_t, hf_t = [], []
+        for _ in range(args.repeats):
+            kv_t.append(_timed(lambda p=p: kv.prefill(p)))
+            if hf:
+                hf_t.append(_timed(lambda p=p: hf.prefill(p)))
+        results["prefill"][length] = {
+            "kvserve_tok_s": length / statistics.median(kv_t),
+            "hf_tok_s": length / statistics.median(hf_t) if hf_t else None,
+        }
+
+    for batch in args.decode_batches:
+        p = prompts(batch, args.context)
+        kv.prefill(p, reserve=args.decode_steps + 4)
+        kv.decode_step()  # warm-up
+        if hf:
+            hf.prefill(p)
+            hf.decode_step()
+        kv_t, hf_t = [], []
+        for _ in range(args.decode_steps):
+            kv_t.append(_timed(kv.decode_step))
+            if hf:
+                hf_t.append(_timed(hf.decode_step))
+        kv_s = statistics.median(kv_t)
+        hf_s = statistics.median(hf_t) if hf_t else None
+        results["decode"][batch] = {
+            "kvserve_step_ms": kv_s * 1e3,
+            "kvserve_tok_s": batch / kv_s,
+            "hf_step_ms": hf_s * 1e3 if hf_s else None,
+            "hf_tok_s": batch / hf_s if hf_s else None,
+        }
+
+    _print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:6.2f}x" if a and b else "     -"
+
+    def num(x: float | None, fmt: str) -> str:
+        return format(x, fmt) if x is not None else "-"
+
+    print(
+        f"kvserve bench forward: model={r['model']} dtype={r['dtype']} threads={r['threads']} "
+        f"clock={r['clock']} (medians)"
+    )
+    print(f"{'measure':<28}{'kvserve':>12}{'HF':>12}{'kv/HF':>9}")
+    for length, v in r["prefill"].items():
+        print(
+            f"{f'prefill {length} tok/s':<28}{v['kvserve_tok_s']:>12.0f}"
+            f"{num(v['hf_tok_s'], '.0f'):>12}{ratio(v['kvserve_tok_s'], v['hf_tok_s']):>9}"
+        )
+    for batch, v in r["decode"].items():
+        print(
+            f"{f'decode b={batch} step ms':<28}{v['kvserve_step_ms']:>12.1f}"
+            f"{num(v['hf_step_ms'], '.1f'):>12}{ratio(v['hf_step_ms'], v['kvserve_step_ms']):>9}"
+        )
+        print(
+            f"{f'decode b={batch} tok/s':<28}{v['kvserve_tok_s']:>12.1f}"
+            f"{num(v['hf_tok_s'], '.1f'):>12}{ratio(v['kvserve_tok_s'], v['hf_tok_s']):>9}"
+        )
+    dec = r["decode"]
+    if 1 in dec and 32 in dec:
+        scale = dec[32]["kvserve_tok_s"] / dec[1]["kvserve_tok_s"]
+        print(f"kvserve decode tok/s, batch 32 / batch 1: {scale:.1f}x (target >= 8x)")
+    print(f"decode context: {r['context']} prompt tokens per request")
