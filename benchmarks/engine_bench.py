@@ -62,7 +62,7 @@ def hf_throughput(prompts: list[list[int]], max_tokens: int, batch: int = 8) -> 
     from kvserve.model.loader import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(
-        resolve_model("smollm2-135m-instruct"), torch_dtype=torch.float32
+        resolve_model("smollm2-135m-instruct"), dtype=torch.float32
     )
     model.eval()
     n_out = 0

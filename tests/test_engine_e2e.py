@@ -83,9 +83,12 @@ def hf_reference(prompts) -> list[list[int]]:
     from kvserve.model.loader import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(
-        resolve_model("smollm2-135m-instruct"), torch_dtype=torch.float32
+        resolve_model("smollm2-135m-instruct"), dtype=torch.float32
     )
     model.eval()
+    # ignore_eos semantics: EOS may be chosen but does not stop generation, so HF must not
+    # stop on it either (and must not mask it, as min_new_tokens would).
+    model.generation_config.eos_token_id = None
     refs = []
     with torch.inference_mode():
         for p in prompts:
@@ -94,11 +97,11 @@ def hf_reference(prompts) -> list[list[int]]:
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
                 do_sample=False,
                 pad_token_id=0,
             )
             refs.append(out[0, len(p) :].tolist())
+            assert len(refs[-1]) == MAX_TOKENS
     del model
     return refs
 
