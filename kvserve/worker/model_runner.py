@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
 from kvserve.sched.output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from kvserve.worker.input_batch import InputBatch
@@ -28,6 +29,30 @@ def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     cfg = loaded.model.config
     elem = torch.empty((), dtype=loaded.dtype).element_size()
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def allocate_kv_cache(
+    model: LlamaForCausalLM,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Zeroed cache ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``.
+
+    ``cache[i]`` is layer ``i``'s view in the layout of ``kvserve.model.attention``.
+    """
+    cfg = model.config
+    return torch.zeros(
+        cfg.num_layers,
+        2,
+        cfg.num_kv_heads,
+        num_blocks,
+        block_size,
+        cfg.head_dim,
+        dtype=dtype,
+        device=device,
+    )
 
 
 class ModelRunner:
@@ -62,17 +87,8 @@ class ModelRunner:
                 f"(block 0 is the null block) (for example: kv_cache_memory_gib=1.0)"
             )
         self.num_kv_blocks: int = num_blocks
-        cfg = self.model.config
-        # [num_layers, 2, num_kv_heads, num_kv_blocks, block_size, head_dim]
-        self.kv_cache = torch.zeros(
-            cfg.num_layers,
-            2,
-            cfg.num_kv_heads,
-            num_blocks,
-            self.block_size,
-            cfg.head_dim,
-            dtype=loaded.dtype,
-            device=self.device,
+        self.kv_cache = allocate_kv_cache(
+            self.model, num_blocks, self.block_size, loaded.dtype, self.device
         )
         self.kv_caches: list[torch.Tensor] = list(self.kv_cache.unbind(0))
         pad = getattr(loaded.hf_config, "pad_token_id", None)
