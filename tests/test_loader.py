@@ -1,0 +1,203 @@
+"""Model loading: named default, cached GGUF conversion, HF folders, clear errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.model import loader
+from kvserve.model.loader import (
+    DEFAULT_MODEL_NAME,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
+
+
+def test_default_model_folder_is_complete(default_model_dir: Path) -> None:
+    names = {p.name for p in default_model_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "kvserve_meta.json"} <= names
+    config = json.loads((default_model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "quantization_config" not in config
+    assert default_model_dir.parent.parent == loader.cache_dir()
+
+
+def test_second_resolve_does_not_convert_again(default_model_dir: Path, monkeypatch) -> None:
+    def fail(*args: object) -> None:
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(loader, "convert_gguf", fail)
+    t0 = time.perf_counter()
+    assert resolve_model(DEFAULT_MODEL_NAME) == default_model_dir
+    assert time.perf_counter() - t0 < 5  # generous; a conversion takes ~15 s
+
+
+def test_tokenizer_has_chat_template(default_model_dir: Path) -> None:
+    tok = load_tokenizer(DEFAULT_MODEL_NAME)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "hi" in text and text.rstrip().endswith("assistant")
+    assert tok.decode(tok("Hello world")["input_ids"]) == "Hello world"
+
+
+def test_loaded_model_fields(loaded_model) -> None:
+    assert loaded_model.name == DEFAULT_MODEL_NAME
+    assert loaded_model.max_model_len == 8192
+    assert loaded_model.tokenizer.eos_token_id in loaded_model.eos_token_ids
+    assert len(loaded_model.fingerprint) == 64
+    assert loaded_model.model.config.num_layers == 30
+    assert not loaded_model.model.training
+
+
+def test_fingerprint_is_stable_and_depends_on_dtype(loaded_model) -> None:
+    again = load_model(DEFAULT_MODEL_NAME)
+    assert again.fingerprint == loaded_model.fingerprint
+    bf16 = load_model(DEFAULT_MODEL_NAME, dtype="bfloat16")
+    assert bf16.fingerprint != loaded_model.fingerprint
+    assert bf16.model.embed_tokens.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------ conversion cache
+
+
+def test_concurrent_conversions_run_once_and_publish_atomically(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF fake")
+    calls = []
+
+    def fake_convert(src: Path, out: Path) -> None:
+        calls.append(src)
+        (out / "config.json").write_text("{}")
+        time.sleep(0.3)  # other threads arrive while this one converts
+        (out / "model.safetensors").write_bytes(b"x")
+        (out / "kvserve_meta.json").write_text("{}")
+
+    monkeypatch.setattr(loader, "convert_gguf", fake_convert)
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(resolve_model(str(gguf)))) for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert len(set(results)) == 1 and len(results) == 4
+    folder = results[0]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json",
+        "kvserve_meta.json",
+        "model.safetensors",
+    ]
+    leftovers = [p.name for p in folder.parent.iterdir() if ".tmp-" in p.name]
+    assert leftovers == []
+
+
+def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF fake")
+
+    def broken(src: Path, out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        raise ValueError("cannot convert")
+
+    monkeypatch.setattr(loader, "convert_gguf", broken)
+    with pytest.raises(ValueError, match="cannot convert"):
+        resolve_model(str(gguf))
+    models = tmp_path / "cache" / "models"
+    assert [p for p in models.iterdir() if p.is_dir()] == []
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_unknown_name_names_what_is_supported() -> None:
+    with pytest.raises(ValueError, match="smollm2-135m-instruct"):
+        resolve_model("no-such-model-anywhere")
+
+
+def test_folder_without_weights(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"lacks \*\.safetensors"):
+        resolve_model(str(tmp_path))
+
+
+def test_file_that_is_not_gguf(tmp_path: Path) -> None:
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0" * 16)
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        resolve_model(str(f))
+
+
+def test_unreadable_gguf(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "broken.gguf"
+    f.write_bytes(b"this is not a gguf file at all")
+    with pytest.raises(ValueError, match="cannot read GGUF"):
+        resolve_model(str(f))
+
+
+def test_gguf_of_unsupported_architecture(tmp_path: Path, monkeypatch) -> None:
+    from gguf import GGUFWriter
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "gpt2.gguf"
+    writer = GGUFWriter(str(f), "gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture 'gpt2'.*llama"):
+        resolve_model(str(f))
+
+
+def _tiny_llama_folder(folder: Path, tokenizer_dir: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+
+
+def test_unsupported_architecture_in_folder(tmp_path: Path, default_model_dir: Path) -> None:
+    _tiny_llama_folder(tmp_path, default_model_dir)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    config["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="supported are LlamaForCausalLM"):
+        load_model(str(tmp_path))
+
+
+def test_checkpoint_missing_a_tensor(tmp_path: Path, default_model_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    _tiny_llama_folder(tmp_path, default_model_dir)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, str(weights))
+    with pytest.raises(ValueError, match="lacks tensor 'model.layers.0.mlp.up_proj.weight'"):
+        load_model(str(tmp_path))
+
+
+def test_bad_dtype(default_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="float32, bfloat16, float16"):
+        load_model(DEFAULT_MODEL_NAME, dtype="int8")
