@@ -201,6 +201,9 @@ def test_finished_requests_are_dropped_and_unknown_ones_rejected(
     assert "a" not in runner.input_batch.requests
     with pytest.raises(RuntimeError, match="does not know"):
         runner.execute_model(step([(a, 1, 1)]))
+    bad = Sched("bad", prompt(loaded_model, 20), [1, 64])  # the runner has 64 blocks
+    with pytest.raises(RuntimeError, match=r"outside \[1, 64\)"):
+        runner.execute_model(step([(bad, 20, 20)]))
 
 
 def test_preempted_request_resumes_identically(runner: ModelRunner, loaded_model) -> None:

@@ -411,7 +411,7 @@ def load_model(
         net = LlamaForCausalLM(arch)
     net = net.to_empty(device=dev)
     net.load_weights(_iter_safetensors(folder), dtype=torch_dtype, device=dev)
-    net.eval()
+    net.eval().requires_grad_(False)
 
     dtype_name = str(torch_dtype).removeprefix("torch.")
     return LoadedModel(

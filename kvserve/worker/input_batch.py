@@ -68,11 +68,13 @@ class InputBatch:
         self,
         *,
         block_size: int,
+        num_kv_blocks: int,
         pad_token_id: int,
         eos_token_id: int | None,
         device: torch.device,
     ) -> None:
         self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.device = device
@@ -84,12 +86,14 @@ class InputBatch:
     def update_states(self, so: SchedulerOutput) -> None:
         """Drop finished requests, add new ones, apply the cached requests' diffs.
 
-        Raises RuntimeError when a cached request is unknown (the scheduler and the
-        runner disagree; the step must not run on guessed state).
+        Raises RuntimeError when a cached request is unknown or a block id is outside
+        ``[1, num_kv_blocks)`` (the scheduler and the runner disagree; the step must not
+        run on guessed state).
         """
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
+            self._check_blocks(new.req_id, new.block_ids)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 block_ids=list(new.block_ids),
@@ -111,8 +115,16 @@ class InputBatch:
                     f"scheduler sent cached request {req_id!r} that the model runner does "
                     "not know: a request's first step must come in scheduled_new_reqs"
                 )
-            state.block_ids.extend(new_blocks)
+            if new_blocks:
+                self._check_blocks(req_id, new_blocks)
+                state.block_ids.extend(new_blocks)
             state.num_computed_tokens = num_computed
+
+    def _check_blocks(self, req_id: str, block_ids: list[int]) -> None:
+        if block_ids and not (0 < min(block_ids) and max(block_ids) < self.num_kv_blocks):
+            raise RuntimeError(
+                f"request {req_id!r} got block ids {block_ids} outside [1, {self.num_kv_blocks})"
+            )
 
     def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         """Flat padded inputs for the scheduled requests of ``so`` (after update_states)."""

@@ -96,6 +96,7 @@ class ModelRunner:
             pad = getattr(loaded.tokenizer, "pad_token_id", None)
         self.input_batch = InputBatch(
             block_size=self.block_size,
+            num_kv_blocks=num_blocks,
             pad_token_id=pad if isinstance(pad, int) else 0,
             eos_token_id=loaded.eos_token_ids[0] if loaded.eos_token_ids else None,
             device=self.device,
