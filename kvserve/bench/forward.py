@@ -17,6 +17,7 @@ Targets (issue 4): prefill >= HF, decode batch 1 >= 1.3x HF tok/s, decode batch 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -242,9 +243,9 @@ def run(args: argparse.Namespace) -> int:
             hf.prefill(p)
         kv_t, hf_t = [], []
         for _ in range(args.repeats):
-            kv_t.append(_timed(lambda p=p: kv.prefill(p)))
+            kv_t.append(_timed(functools.partial(kv.prefill, p)))
             if hf:
-                hf_t.append(_timed(lambda p=p: hf.prefill(p)))
+                hf_t.append(_timed(functools.partial(hf.prefill, p)))
         results["prefill"][length] = {
             "kvserve_tok_s": length / statistics.median(kv_t),
             "hf_tok_s": length / statistics.median(hf_t) if hf_t else None,

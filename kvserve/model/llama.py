@@ -223,10 +223,35 @@ class _LayerOps:
     down: FastLinear
 
 
+class LlamaDecoderLayer(nn.Module):
+    """One layer's parameters (fused); the computation is in ``LlamaForCausalLM.forward``."""
+
+    def __init__(self, c: ModelArchConfig) -> None:
+        super().__init__()
+        h, hk, d, hid, inter = (
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.hidden_size,
+            c.intermediate_size,
+        )
+        self.input_layernorm = nn.Parameter(torch.empty(hid))
+        self.qkv_proj = nn.Parameter(torch.empty((h + 2 * hk) * d, hid))
+        self.qkv_bias = nn.Parameter(torch.empty((h + 2 * hk) * d)) if c.qkv_bias else None
+        self.o_proj = nn.Parameter(torch.empty(hid, h * d))
+        self.o_bias = nn.Parameter(torch.empty(hid)) if c.o_bias else None
+        self.qk_norm = nn.Parameter(torch.empty(h + hk, d)) if c.qk_norm else None
+        self.post_attention_layernorm = nn.Parameter(torch.empty(hid))
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * inter, hid))
+        self.gate_up_bias = nn.Parameter(torch.empty(2 * inter)) if c.mlp_bias else None
+        self.down_proj = nn.Parameter(torch.empty(hid, inter))
+        self.down_bias = nn.Parameter(torch.empty(hid)) if c.mlp_bias else None
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder over a flat token batch; see the module docstring.
 
-    Parameters (per layer ``i``, stacked in ``nn.ParameterList``-like attributes):
+    Parameters per layer (:class:`LlamaDecoderLayer`):
     ``qkv_proj`` [(H + 2 Hk) * D, hidden], ``o_proj`` [hidden, H * D],
     ``gate_up_proj`` [2 * I, hidden], ``down_proj`` [hidden, I], norms [hidden],
     optional ``qkv_bias``/``o_bias``, ``qk_norm`` [H + Hk, D] (Qwen3).
@@ -235,29 +260,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         self.config = c = config
-        h, hk, d, hid = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+        d, hid = c.head_dim, c.hidden_size
         self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, hid))
         self.lm_head = (
             None if c.tie_word_embeddings else nn.Parameter(torch.empty(c.vocab_size, hid))
         )
         self.norm = nn.Parameter(torch.empty(hid))
-        self.layers = nn.ModuleList()
-        for _ in range(c.num_layers):
-            layer = nn.Module()
-            layer.input_layernorm = nn.Parameter(torch.empty(hid))
-            layer.qkv_proj = nn.Parameter(torch.empty((h + 2 * hk) * d, hid))
-            layer.qkv_bias = nn.Parameter(torch.empty((h + 2 * hk) * d)) if c.qkv_bias else None
-            layer.o_proj = nn.Parameter(torch.empty(hid, h * d))
-            layer.o_bias = nn.Parameter(torch.empty(hid)) if c.o_bias else None
-            layer.qk_norm = nn.Parameter(torch.empty(h + hk, d)) if c.qk_norm else None
-            layer.post_attention_layernorm = nn.Parameter(torch.empty(hid))
-            layer.gate_up_proj = nn.Parameter(torch.empty(2 * c.intermediate_size, hid))
-            layer.gate_up_bias = (
-                nn.Parameter(torch.empty(2 * c.intermediate_size)) if c.mlp_bias else None
-            )
-            layer.down_proj = nn.Parameter(torch.empty(hid, c.intermediate_size))
-            layer.down_bias = nn.Parameter(torch.empty(hid)) if c.mlp_bias else None
-            self.layers.append(layer)
+        self.layers: list[LlamaDecoderLayer] = nn.ModuleList(  # type: ignore[assignment]
+            LlamaDecoderLayer(c) for _ in range(c.num_layers)
+        )
         self.scale = d**-0.5
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._ops: list[_LayerOps] = []

@@ -35,6 +35,8 @@ import torch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+    from kvserve.model.llama import LlamaForCausalLM
+
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 # name -> (pip package that ships the file, file name inside the package)
@@ -326,7 +328,7 @@ class LoadedModel:
     ``max_model_len`` is the model's own context length (capped by a sliding window).
     """
 
-    model: torch.nn.Module
+    model: LlamaForCausalLM
     tokenizer: PreTrainedTokenizerBase
     hf_config: PretrainedConfig
     model_dir: Path

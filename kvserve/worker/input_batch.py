@@ -121,7 +121,7 @@ class InputBatch:
             state.num_computed_tokens = num_computed
 
     def _check_blocks(self, req_id: str, block_ids: list[int]) -> None:
-        if block_ids and not (0 < min(block_ids) and max(block_ids) < self.num_kv_blocks):
+        if block_ids and not (min(block_ids) > 0 and max(block_ids) < self.num_kv_blocks):
             raise RuntimeError(
                 f"request {req_id!r} got block ids {block_ids} outside [1, {self.num_kv_blocks})"
             )

@@ -71,7 +71,7 @@ class ModelRunner:
         sampler: Sampler | None = None,
     ) -> None:
         self.loaded = loaded
-        self.model = loaded.model
+        self.model: LlamaForCausalLM = loaded.model
         self.device = loaded.device
         self.block_size = cache_config.block_size
         self.scheduler_config = scheduler_config
