@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -231,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "clock": args.clock,
+        "load_average_1m": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
         "context": args.context,
         "prefill": {},
         "decode": {},
@@ -310,3 +313,7 @@ def _print_table(r: dict[str, Any]) -> None:
         scale = dec[32]["kvserve_tok_s"] / dec[1]["kvserve_tok_s"]
         print(f"kvserve decode tok/s, batch 32 / batch 1: {scale:.1f}x (target >= 8x)")
     print(f"decode context: {r['context']} prompt tokens per request")
+    print(
+        f"machine: {r['cpu_count']} CPUs, 1-minute load average {r['load_average_1m']:.1f} at "
+        "start (on a busy machine use --threads 1 --clock cpu for stable figures)"
+    )

@@ -13,7 +13,7 @@ rows::
     rows      [ A0 A1 A2 pad pad | B0 B1 | C0 | D0 | dummy dummy ]
     positions [ 7  8  9  9   9   | 0  1  | 41 | 12 | 0     0     ]
     slots     [ s  s  s  -1  -1  | s  s  | s  | s  | -1    -1    ]
-    logits from the last real row of each request that completes its tokens (A2? B1 C0 D0)
+    logits    rows A2 (only if A's prompt ends with this chunk), B1, C0, D0
 
 Padding rows take the pad token id and repeat the last real position; their slot is
 -1 so they write no KV, and their outputs are never read.
