@@ -171,3 +171,20 @@ def test_metadata_rejects_prefill_after_decode() -> None:
     specs = [SeqSpec(0, 1, 1, 3, [1]), SeqSpec(1, 4, 4, 0, [2])]
     with pytest.raises(ValueError, match="before one-row"):
         build_attention_metadata(specs, num_tokens=5, block_size=16, kv_segment_size=16)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_portable_attention_matches_cpu_kernel(causal: bool) -> None:
+    """The non-CPU fallback (used on other devices) agrees with the fused CPU kernel."""
+    from kvserve.model.attention import _attention_lse_math, attention_with_lse
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 9, 16, generator=gen)
+    k = torch.randn(2, 2, 9, 16, generator=gen)  # GQA: 3 query heads per KV head
+    v = torch.randn(2, 2, 9, 16, generator=gen)
+    mask = torch.zeros(2, 1, 1, 9)
+    mask[1, ..., 7:] = float("-inf")
+    fused = attention_with_lse(q, k, v, causal=causal, scale=0.25, attn_mask=mask)
+    portable = _attention_lse_math(q, k, v, causal, mask, 0.25)
+    torch.testing.assert_close(portable[0], fused[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(portable[1], fused[1], atol=1e-5, rtol=0)
