@@ -7,6 +7,7 @@ a temporary folder (nothing downloaded).
 
 from __future__ import annotations
 
+import inspect
 import shutil
 from pathlib import Path
 
@@ -117,12 +118,17 @@ def test_prefix_hit_logits_match_hf(loaded_model, hf_model, prompt_ids) -> None:
 def hf_greedy(hf, token_ids: list[int], num_new: int) -> list[int]:
     """Plain greedy decoding with HF's KV cache: argmax, no EOS handling."""
     out: list[int] = []
+    # transformers >= 5.2x calls the KV cache ``cache``; older ones ``past_key_values``
+    new_api = "cache" in inspect.signature(hf.forward).parameters
     with torch.inference_mode():
         res = hf(torch.tensor([token_ids]), use_cache=True, logits_to_keep=1)
         for _ in range(num_new):
             nxt = int(res.logits[0, -1].argmax())
             out.append(nxt)
-            res = hf(torch.tensor([[nxt]]), past_key_values=res.past_key_values, use_cache=True)
+            if new_api:
+                res = hf(torch.tensor([[nxt]]), cache=res.cache, use_cache=True)
+            else:
+                res = hf(torch.tensor([[nxt]]), past_key_values=res.past_key_values, use_cache=True)
     return out
 
 

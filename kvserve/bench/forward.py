@@ -8,7 +8,7 @@ both see the same machine load):
 - decode step time at each ``--decode-batches`` size: every request has a
   ``--context``-token prompt already prefilled, then one token per request per step
   (kvserve: ``ModelRunner.execute_model`` with greedy sampling; HF: ``model(next_ids,
-  past_key_values)`` plus argmax).
+  cache)`` plus argmax).
 
 Targets (issue 4): prefill >= HF, decode batch 1 >= 1.3x HF tok/s, decode batch 32 >=
 8x kvserve's own batch-1 tok/s. A benchmark, not a test: nothing here asserts.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import os
 import statistics
@@ -178,6 +179,9 @@ class _HfDriver:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         self.cache: Any = None
         self.next_ids: Any = None
+        params = inspect.signature(self.model.forward).parameters
+        # transformers >= 5.2x calls the KV cache ``cache``; older ones ``past_key_values``
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def prefill(self, prompts: list[list[int]]) -> None:
         import torch
@@ -185,7 +189,7 @@ class _HfDriver:
         ids = torch.tensor(prompts, dtype=torch.long)
         with torch.inference_mode():
             out = self.model(ids, use_cache=True, logits_to_keep=1)
-        self.cache = out.past_key_values
+        self.cache = _hf_cache(out)
         self.next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
 
     def decode_step(self) -> None:
@@ -193,11 +197,16 @@ class _HfDriver:
 
         with torch.inference_mode():
             out = self.model(self.next_ids, past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+        self.cache = _hf_cache(out)
         self.next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
 
 
 _CLOCK: Callable[[], float] = time.perf_counter
+
+
+def _hf_cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def _timed(fn: Callable[[], Any]) -> float:
