@@ -246,13 +246,19 @@ def make_tiny_model(arch: str, folder: Path, tokenizer_dir: Path):
 
 
 @pytest.mark.parametrize("arch", ["llama3-untied", "llama-bias-tied", "mistral", "qwen2", "qwen3"])
-def test_tiny_architectures_match_hf(arch: str, tmp_path: Path, default_model_dir: Path) -> None:
+def test_tiny_architectures_match_hf(
+    arch: str, tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kvserve.model.loader import load_model
 
-    hf = make_tiny_model(arch, tmp_path, default_model_dir)
-    loaded = load_model(str(tmp_path))
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))  # weights-digest memo
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    hf = make_tiny_model(arch, folder, default_model_dir)
+    loaded = load_model(str(folder))
     model = loaded.model
-    assert loaded.model_dir == tmp_path.resolve()
+    assert loaded.model_dir == folder.resolve()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 320, (70,), generator=gen).tolist()
     kv = allocate_kv_cache(model, 8, BLOCK, torch.float32)
