@@ -10,9 +10,15 @@ from kvserve.request import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompt", required=True, help="the prompt text (the user message with --chat)")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    parser.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    parser.add_argument(
+        "--prompt", required=True, help="the prompt text (the user message with --chat)"
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=128, help="tokens to generate (default 128)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
