@@ -295,3 +295,41 @@ def test_chat_and_text_prompt(llm: LLM) -> None:
         <= out[0].metrics.first_token_time
         <= out[0].metrics.finished_time
     )
+
+
+def test_logprobs_in_request_output(llm: LLM) -> None:
+    out = llm.generate(
+        ["The capital of France is"],
+        SamplingParams(max_tokens=4, temperature=0.0, logprobs=3),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 4
+    for token_id, lp in zip(out.token_ids, out.logprobs, strict=True):
+        assert (
+            len(lp.top_token_ids) == 3 and lp.top_token_ids[0] == token_id
+        )  # greedy picks the top token
+        assert lp.sampled_logprob <= 0.0 and lp.top_logprobs == sorted(
+            lp.top_logprobs, reverse=True
+        )
+
+
+def test_generate_command_streams_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserve.entrypoints.cli import main
+
+    rc = main(
+        [
+            "generate",
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "6",
+            "--max-model-len",
+            "512",
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert text.strip(), "kvserve generate printed nothing"
+    rc = main(["generate", "--prompt", "x", "--max-tokens", "600", "--max-model-len", "512"])
+    assert rc == 2
+    assert "max_tokens" in capsys.readouterr().err
