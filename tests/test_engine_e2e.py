@@ -333,3 +333,18 @@ def test_generate_command_streams_to_stdout(capsys: pytest.CaptureFixture[str]) 
     rc = main(["generate", "--prompt", "x", "--max-tokens", "600", "--max-model-len", "512"])
     assert rc == 2
     assert "max_tokens" in capsys.readouterr().err
+
+
+def test_separated_policy_warns_when_kv_admission_caps_concurrency(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    common = dict(
+        scheduler_policy="separated", max_num_seqs=8, num_kv_blocks=200, max_num_batched_tokens=256
+    )
+    with caplog.at_level("WARNING", logger="kvserve.engine.engine_core"):
+        LLM(max_model_len=1024, **common)  # 199 blocks // 64 per request = 3 < 8
+    assert "holds only 3 requests at max_model_len=1024" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvserve.engine.engine_core"):
+        LLM(max_model_len=256, **common)  # 199 // 16 = 12 >= 8: no warning
+    assert "holds only" not in caplog.text

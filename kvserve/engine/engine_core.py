@@ -70,6 +70,17 @@ class EngineCore:
             model_fingerprint=loaded.fingerprint,
         )
         self.scheduler = make_scheduler(config.scheduler, self.kv_cache_manager)
+        fit = self.kv_cache_manager.max_concurrent_requests(self.max_model_len)
+        if config.scheduler.scheduler_policy == "separated" and fit < config.scheduler.max_num_seqs:
+            logger.warning(
+                "separated policy: the KV cache holds only %d requests at max_model_len=%d, so at most "
+                "%d will run at once (max_num_seqs=%d); lower max_model_len to what your requests need "
+                "or give the KV cache more memory (kv_cache_memory_gib / num_kv_blocks)",
+                fit,
+                self.max_model_len,
+                fit,
+                config.scheduler.max_num_seqs,
+            )
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         self.num_failed_steps = 0
