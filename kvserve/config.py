@@ -194,7 +194,7 @@ class ModelConfig:
     """Which model and how to run it. ``model`` is a path, a .gguf file or a named default."""
 
     model: str = "smollm2-135m-instruct"
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 where the CPU has native bf16, else float32
     device: str = "cpu"
     max_model_len: int | None = None  # None: min(model's context, 8192)
 

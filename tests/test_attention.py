@@ -95,9 +95,11 @@ def _make_step(case: dict) -> tuple[list[SeqSpec], int, torch.Tensor]:
     return specs, row + case["num_dummy"], kv_cache
 
 
+@pytest.mark.parametrize("backend", ["native", "portable"])
 @settings(max_examples=60, deadline=None)
-@given(batches())
-def test_paged_attention_matches_reference(case: dict) -> None:
+@given(case=batches())
+def test_paged_attention_matches_reference(case: dict, backend: str) -> None:
+    """Both implementations against the gather-all reference, over random batches."""
     specs, num_tokens, kv_cache = _make_step(case)
     gen = torch.Generator().manual_seed(case["seed"] + 1)
     h, hk, d = case["num_heads"], case["num_kv_heads"], case["head_dim"]
@@ -111,7 +113,9 @@ def test_paged_attention_matches_reference(case: dict) -> None:
         num_dummy_decode_rows=case["num_dummy"],
         block_size=case["block_size"],
         kv_segment_size=case["kv_segment_size"],
+        backend=backend,  # type: ignore[arg-type]
     )
+    assert (meta.native is not None) == (backend == "native")
     before = kv_cache.clone()
     out = paged_attention(q, k, v, kv_cache, meta, scale)
     assert out.shape == (num_tokens, h, d)
@@ -167,10 +171,17 @@ def test_merge_attention_states_is_exact() -> None:
     torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=0)
 
 
-def test_metadata_rejects_prefill_after_decode() -> None:
+@pytest.mark.parametrize("backend", ["native", "portable"])
+def test_metadata_rejects_prefill_after_decode(backend: str) -> None:
     specs = [SeqSpec(0, 1, 1, 3, [1]), SeqSpec(1, 4, 4, 0, [2])]
     with pytest.raises(ValueError, match="before one-row"):
-        build_attention_metadata(specs, num_tokens=5, block_size=16, kv_segment_size=16)
+        build_attention_metadata(
+            specs,
+            num_tokens=5,
+            block_size=16,
+            kv_segment_size=16,
+            backend=backend,  # type: ignore[arg-type]
+        )
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -188,3 +199,78 @@ def test_portable_attention_matches_cpu_kernel(causal: bool) -> None:
     portable = _attention_lse_math(q, k, v, causal, mask, 0.25)
     torch.testing.assert_close(portable[0], fused[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(portable[1], fused[1], atol=1e-5, rtol=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=batches())
+def test_native_bfloat16_matches_float64_reference(case: dict) -> None:
+    """bf16 K/V and queries: the kernel accumulates in fp32, so only input rounding shows."""
+    specs, num_tokens, kv_cache = _make_step(case)
+    kv_cache = kv_cache.bfloat16()
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    h, hk, d = case["num_heads"], case["num_kv_heads"], case["head_dim"]
+    q, k, v = (torch.randn(num_tokens, n, d, generator=gen).bfloat16() for n in (h, hk, hk))
+    meta = build_attention_metadata(
+        specs,
+        num_tokens=num_tokens,
+        num_dummy_decode_rows=case["num_dummy"],
+        block_size=case["block_size"],
+        kv_segment_size=case["kv_segment_size"],
+        backend="native",
+        kv_dtype=torch.bfloat16,
+    )
+    out = paged_attention(q, k, v, kv_cache, meta, d**-0.5)
+    assert out.dtype == torch.bfloat16
+    for s in specs:
+        ref = reference_attention(q.float(), kv_cache.float(), s, case["block_size"], d**-0.5)
+        got = out[s.token_start : s.token_start + s.num_tokens].float()
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+        pad = out[s.token_start + s.num_tokens : s.token_start + s.num_rows]
+        assert (pad == 0).all(), "padding rows get a zero output"
+
+
+def test_native_reads_pages_in_place_with_strided_queries() -> None:
+    """q may be a strided view (the model passes a slice of the fused q/k tensor)."""
+    gen = torch.Generator().manual_seed(7)
+    kv_cache = torch.randn(2, 2, 6, 16, 8, generator=gen)
+    qk = torch.randn(3, 6, 8, generator=gen)  # [T, H + Hk, D]: q is qk[:, :4]
+    specs = [SeqSpec(0, 2, 2, 20, [3, 5]), SeqSpec(2, 1, 1, 9, [1])]
+    outs = []
+    for backend in ("native", "portable"):
+        cache = kv_cache.clone()
+        meta = build_attention_metadata(
+            specs, num_tokens=3, block_size=16, kv_segment_size=8, backend=backend
+        )
+        outs.append(paged_attention(qk[:, :4], qk[:, 4:], qk[:, 4:], cache, meta, 0.3))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+def test_portable_env_disables_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve.model.paged_kernel import ENV_VAR, get_kernel
+
+    assert get_kernel() is not None, "the test machine has a C++ compiler"
+    monkeypatch.setenv(ENV_VAR, "portable")
+    assert get_kernel() is None
+    meta = build_attention_metadata(
+        [SeqSpec(0, 1, 1, 0, [1])], num_tokens=1, block_size=16, kv_segment_size=0
+    )
+    assert meta.native is None and meta.decode is not None
+    with pytest.raises(RuntimeError, match="unavailable"):
+        build_attention_metadata(
+            [SeqSpec(0, 1, 1, 0, [1])],
+            num_tokens=1,
+            block_size=16,
+            kv_segment_size=0,
+            backend="native",
+        )
+
+
+def test_bad_backend_is_refused() -> None:
+    with pytest.raises(ValueError, match="backend"):
+        build_attention_metadata(
+            [SeqSpec(0, 1, 1, 0, [1])],
+            num_tokens=1,
+            block_size=16,
+            kv_segment_size=0,
+            backend="fast",  # type: ignore[arg-type]
+        )

@@ -256,7 +256,7 @@ def test_tiny_architectures_match_hf(
     folder = tmp_path / "model"
     folder.mkdir()
     hf = make_tiny_model(arch, folder, default_model_dir)
-    loaded = load_model(str(folder))
+    loaded = load_model(str(folder), dtype="float32")
     model = loaded.model
     assert loaded.model_dir == folder.resolve()
     gen = torch.Generator().manual_seed(1)

@@ -10,7 +10,12 @@ both see the same machine load):
   (kvserve: ``ModelRunner.execute_model`` with greedy sampling; HF: ``model(next_ids,
   cache)`` plus argmax).
 
-Targets (issue 4): prefill >= HF, decode batch 1 >= 1.3x HF tok/s, decode batch 32 >=
+- decode attention per step (all layers) at each ``--attention-batches`` ×
+  ``--attention-contexts``, against the memory-bandwidth limit
+  (:mod:`kvserve.bench.attention_bench`).
+
+Both engines run in the same resolved ``--dtype`` (``auto``: bfloat16 where the CPU has
+native bf16). Targets: prefill >= HF, decode batch 1 >= 2x HF tok/s, decode batch 32 >=
 8x kvserve's own batch-1 tok/s. A benchmark, not a test: nothing here asserts.
 """
 
@@ -43,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="smollm2-135m-instruct", help="model (default: %(default)s)"
     )
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (default), float32, bfloat16 or float16"
+    )
     parser.add_argument(
         "--prefill-lens",
         type=_int_list,
@@ -86,6 +93,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="wall",
         help="wall: elapsed time; cpu: this process's CPU time, robust to other load on a "
         "shared machine when used with --threads 1 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--attention-batches",
+        type=_int_list,
+        default=[1, 16, 64],
+        help="decode attention grid: batch sizes (default: 1,16,64)",
+    )
+    parser.add_argument(
+        "--attention-contexts",
+        type=_int_list,
+        default=[1024, 4096],
+        help="decode attention grid: contexts (default: 1024,4096)",
+    )
+    parser.add_argument(
+        "--attention-backends",
+        default="native",
+        help="decode attention grid: comma-separated native,portable, or none to skip "
+        "(default: %(default)s)",
     )
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -218,7 +243,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvserve.model.loader import load_model, parse_dtype
+    from kvserve.model.loader import load_model
 
     global _CLOCK
     _CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -235,10 +260,10 @@ def run(args: argparse.Namespace) -> int:
     tokens_needed = max(max(args.prefill_lens), max_batch * (args.context + args.decode_steps + 4))
     num_blocks = 2 + 2 * -(-tokens_needed // args.block_size)
     kv = _KvserveDriver(loaded, args.block_size, args.kv_segment_size, num_blocks)
-    hf = None if args.no_hf else _HfDriver(loaded.model_dir, parse_dtype(args.dtype))
+    hf = None if args.no_hf else _HfDriver(loaded.model_dir, loaded.dtype)
     results: dict[str, Any] = {
         "model": args.model,
-        "dtype": args.dtype,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "clock": args.clock,
         "load_average_1m": os.getloadavg()[0],
@@ -284,6 +309,19 @@ def run(args: argparse.Namespace) -> int:
             "hf_tok_s": batch / hf_s if hf_s else None,
         }
 
+    backends = [b for b in args.attention_backends.split(",") if b and b != "none"]
+    if backends:
+        from kvserve.bench.attention_bench import run_attention_grid
+
+        results["attention"] = run_attention_grid(
+            loaded.model.config,
+            loaded.dtype,
+            args.attention_batches,
+            args.attention_contexts,
+            backends,
+            clock=_CLOCK,
+        )
+
     _print_table(results)
     if args.json:
         with open(args.json, "w") as f:
@@ -322,6 +360,10 @@ def _print_table(r: dict[str, Any]) -> None:
         scale = dec[32]["kvserve_tok_s"] / dec[1]["kvserve_tok_s"]
         print(f"kvserve decode tok/s, batch 32 / batch 1: {scale:.1f}x (target >= 8x)")
     print(f"decode context: {r['context']} prompt tokens per request")
+    if "attention" in r:
+        from kvserve.bench.attention_bench import print_attention_table
+
+        print_attention_table(r["attention"])
     print(
         f"machine: {r['cpu_count']} CPUs, 1-minute load average {r['load_average_1m']:.1f} at "
         "start (on a busy machine use --threads 1 --clock cpu for stable figures)"

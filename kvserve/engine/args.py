@@ -36,7 +36,13 @@ OPTIONS: tuple[_Option, ...] = (
     _Option(
         "model", "model", str, "HF folder, .gguf file or named default (smollm2-135m-instruct)"
     ),
-    _Option("dtype", "model", str, "float32 (default) or bfloat16/float16"),
+    _Option(
+        "dtype",
+        "model",
+        str,
+        "auto (default: bfloat16 where the CPU has avx512_bf16/AMX, else float32), "
+        "float32, bfloat16 or float16",
+    ),
     _Option("device", "model", str, "torch device, default cpu"),
     _Option("max_model_len", "shared", int, "longest prompt + output a request may have"),
     _Option("block_size", "shared", int, "tokens per KV block (power of two)"),

@@ -44,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.engine.engine_core import EngineCore
 
     engine = EngineCore(config)
+    print(
+        f"kvserve generate: {engine.model_name} "
+        f"(dtype={str(engine.loaded.dtype).removeprefix('torch.')}, "
+        f"attention={engine.runner.attention_backend})",
+        file=sys.stderr,
+    )
     tok = engine.tokenizer
     if args.chat:
         text = tok.apply_chat_template(

@@ -103,9 +103,12 @@ def run(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
     )
     logger.info(
-        "loaded %s in %.1f s (max_model_len=%d, %d KV blocks); serving on http://%s:%d%s",
+        "loaded %s in %.1f s (dtype=%s, attention=%s, max_model_len=%d, %d KV blocks); "
+        "serving on http://%s:%d%s",
         engine.model_name,
         load_s,
+        str(engine.loaded.dtype).removeprefix("torch."),
+        engine.runner.attention_backend,
         engine.max_model_len,
         engine.kv_cache_manager.num_blocks,
         args.host,

@@ -32,19 +32,36 @@ parts merge exactly with the online-softmax rule ``lse = logaddexp(lse, lse_i)``
 means one pass over all prior KV.
 
 Decode: every decode row attends to its whole context (its own new KV included,
-written first) in one batched call; contexts of different lengths are gathered by
-block up to the longest and masked past each row's ``seq_len``.
+written first).
+
+Two implementations of the same contract, chosen per step by
+:func:`build_attention_metadata` (``backend``):
+
+- ``native`` (default where it builds): one call per layer into the C++ kernel of
+  :mod:`kvserve.model.paged_kernel` for every row of the batch. Each (request, KV
+  head, tile of query rows) walks its own block table and reads K/V where they lie,
+  segment by segment with the online-softmax merge above, so no context is copied
+  and a row's work is proportional to its own context.
+- ``portable``: PyTorch ops (gather by slot / by block, SDPA). Decode rows are
+  gathered up to the longest context and masked past each row's ``seq_len``. It is
+  the reference the tests hold the native kernel to, and the fallback where no C++
+  compiler works.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvserve.model.paged_kernel import PagedAttentionKernel, get_kernel
+
+AttentionBackend = Literal["auto", "native", "portable"]
+ResolvedBackend = Literal["native", "portable"]
 _NEG_INF = float("-inf")
 
 
@@ -86,8 +103,21 @@ class DecodeBatch:
 
 
 @dataclass
+class NativeBatch:
+    """The native kernel's view of the whole batch (every request and dummy row)."""
+
+    kernel: PagedAttentionKernel
+    seqs: torch.Tensor  # [S, 4] int64: row_start, num_rows, num_tokens, cached_seq_len
+    block_tables: torch.Tensor  # [S, max_blocks] int64, 0 = null block
+
+
+@dataclass
 class AttentionMetadata:
-    """Everything attention needs for one step, built once and shared by all layers."""
+    """Everything attention needs for one step, built once and shared by all layers.
+
+    Exactly one of ``native`` and (``prefills``, ``decode``) is in use: with
+    ``native`` set the lists are empty and ``decode`` is None.
+    """
 
     num_tokens: int
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding (not written)
@@ -97,11 +127,25 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     block_size: int
     kv_segment_size: int
+    native: NativeBatch | None = None
 
 
 def _token_slots(block_ids: np.ndarray, start: int, end: int, block_size: int) -> np.ndarray:
     pos = np.arange(start, end, dtype=np.int64)
     return block_ids[pos // block_size] * block_size + pos % block_size
+
+
+def resolve_attention_backend(
+    kv_dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> ResolvedBackend:
+    """``"native"`` when the C++ kernel is built and handles ``kv_dtype`` on ``device``."""
+    kernel = get_kernel()
+    native = (
+        kernel is not None
+        and torch.device(device).type == "cpu"
+        and PagedAttentionKernel.supports(kv_dtype)
+    )
+    return "native" if native else "portable"
 
 
 def build_attention_metadata(
@@ -112,6 +156,8 @@ def build_attention_metadata(
     block_size: int,
     kv_segment_size: int,
     device: torch.device | str = "cpu",
+    backend: AttentionBackend = "auto",
+    kv_dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     """Build per-step attention metadata from plain per-request specs.
 
@@ -120,9 +166,29 @@ def build_attention_metadata(
     dummy rows come right after the last one-row request and are the last rows;
     ``num_tokens`` equals the total of rows. Dummy rows attend to slot 0 of the null
     block and write nothing.
+
+    ``backend``: ``"auto"`` picks the native kernel when it is available for
+    ``kv_dtype`` on ``device`` (CPU, float32/bfloat16) and the portable path otherwise;
+    ``"native"`` raises RuntimeError when the kernel is unavailable; ``"portable"``
+    always uses PyTorch ops.
     """
     if kv_segment_size < 0:
         raise ValueError(f"kv_segment_size={kv_segment_size} must be >= 0 (0 = one pass)")
+    if backend not in ("auto", "native", "portable"):
+        raise ValueError(f"backend={backend!r}: use 'auto', 'native' or 'portable'")
+    kernel = None
+    if backend != "portable":
+        if resolve_attention_backend(kv_dtype, device) == "native":
+            kernel = get_kernel()
+        elif backend == "native":
+            raise RuntimeError(
+                f"native paged attention is unavailable for {kv_dtype} on {device} "
+                "(needs a C++ compiler, the CPU and float32/bfloat16): use backend='auto'"
+            )
+    if kernel is not None:
+        return _build_native(
+            seqs, kernel, num_tokens, num_dummy_decode_rows, block_size, kv_segment_size
+        )
     slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
     prefills: list[PrefillSeq] = []
     decode_seqs: list[SeqSpec] = []
@@ -198,6 +264,67 @@ def build_attention_metadata(
         decode=decode,
         block_size=block_size,
         kv_segment_size=kv_segment_size,
+    )
+
+
+def _build_native(
+    seqs: Sequence[SeqSpec],
+    kernel: PagedAttentionKernel,
+    num_tokens: int,
+    num_dummy: int,
+    block_size: int,
+    kv_segment_size: int,
+) -> AttentionMetadata:
+    """Native-kernel metadata: per-request rows, block tables, KV write slots."""
+    num_seqs = len(seqs) + num_dummy
+    info = np.zeros((num_seqs, 4), dtype=np.int64)
+    nblocks = [-(-(s.cached_seq_len + s.num_tokens) // block_size) for s in seqs]
+    table = np.zeros((num_seqs, max([1, *nblocks])), dtype=np.int64)
+    slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
+    row = 0
+    seen_single = False
+    for i, s in enumerate(seqs):
+        if s.token_start != row or s.num_tokens > s.num_rows or s.num_tokens < 1:
+            raise ValueError(
+                f"bad SeqSpec {s}: rows must be contiguous, 1 <= num_tokens <= num_rows"
+            )
+        if s.num_rows > 1 and seen_single:
+            raise ValueError("prefill requests (num_rows > 1) must come before one-row requests")
+        seen_single = seen_single or s.num_rows == 1
+        nb = nblocks[i]
+        if len(s.block_ids) < nb:
+            raise ValueError(
+                f"SeqSpec at row {s.token_start} has {len(s.block_ids)} blocks for "
+                f"{s.cached_seq_len + s.num_tokens} tokens (block_size={block_size})"
+            )
+        bt = np.asarray(s.block_ids[:nb], dtype=np.int64)
+        table[i, :nb] = bt
+        info[i] = (row, s.num_rows, s.num_tokens, s.cached_seq_len)
+        slot_mapping[row : row + s.num_tokens] = _token_slots(
+            bt, s.cached_seq_len, s.cached_seq_len + s.num_tokens, block_size
+        )
+        row += s.num_rows
+    if row + num_dummy != num_tokens:
+        raise ValueError(f"rows {row} + dummy rows {num_dummy} != num_tokens {num_tokens}")
+    for j in range(num_dummy):  # one token at position 0 of the null block
+        info[len(seqs) + j] = (row + j, 1, 1, 0)
+    valid = slot_mapping >= 0
+    slots_t = torch.from_numpy(slot_mapping)
+    if valid.all():
+        write_rows, write_slots = None, slots_t
+    else:
+        write_rows = torch.from_numpy(np.nonzero(valid)[0].astype(np.int64))
+        write_slots = torch.from_numpy(slot_mapping[valid])
+    return AttentionMetadata(
+        num_tokens=num_tokens,
+        slot_mapping=slots_t,
+        write_rows=write_rows,
+        write_slots=write_slots,
+        prefills=[],
+        decode=None,
+        block_size=block_size,
+        kv_segment_size=kv_segment_size,
+        native=NativeBatch(kernel, torch.from_numpy(info), torch.from_numpy(table)),
     )
 
 
@@ -365,6 +492,9 @@ def paged_attention(
     call. Returns [T, H, D]; padding and dummy rows hold meaningless values.
     """
     write_kv(kv_cache, k, v, meta)
+    if meta.native is not None:
+        nb = meta.native
+        return nb.kernel(q, kv_cache, nb.seqs, nb.block_tables, meta.kv_segment_size, scale)
     if not meta.prefills and meta.decode is not None and meta.decode.token_start == 0:
         return decode_attention(q, kv_cache, meta.decode, scale)
     out = torch.empty_like(q)

@@ -340,15 +340,40 @@ class LoadedModel:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"float32"``/``"bfloat16"``/``"float16"`` (or a torch dtype) -> torch dtype."""
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes in bfloat16 natively (``avx512_bf16`` or ``amx_bf16``).
+
+    ``cpuinfo`` is the text of ``/proc/cpuinfo`` (read when None; False where absent).
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+            break
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """``"auto"``/``"float32"``/``"bfloat16"``/``"float16"`` (or a torch dtype) -> torch dtype.
+
+    ``"auto"`` is bfloat16 on a CPU with native bf16 (:func:`cpu_has_native_bf16`) and
+    float32 otherwise (and on any other device).
+    """
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
             return dtype
+    elif dtype == "auto":
+        native = torch.device(device).type == "cpu" and cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
     elif dtype in DTYPES:
         return DTYPES[dtype]
     raise ValueError(
-        f"unsupported dtype {dtype!r}: use one of float32, bfloat16, float16 "
+        f"unsupported dtype {dtype!r}: use one of auto, float32, bfloat16, float16 "
         f"(for example: dtype='float32')"
     )
 
@@ -393,7 +418,7 @@ def _eos_token_ids(folder: Path, hf_config: PretrainedConfig, tokenizer: Any) ->
 
 
 def load_model(
-    model: str = DEFAULT_MODEL_NAME, dtype: str = "float32", device: str = "cpu"
+    model: str = DEFAULT_MODEL_NAME, dtype: str = "auto", device: str = "cpu"
 ) -> LoadedModel:
     """Load a model by name, GGUF path or HF folder onto ``device`` in ``dtype``.
 
@@ -402,7 +427,7 @@ def load_model(
     """
     from kvserve.model.llama import LlamaForCausalLM, ModelArchConfig
 
-    torch_dtype = parse_dtype(dtype)
+    torch_dtype = parse_dtype(dtype, device)
     folder = resolve_model(model)
     hf_config = load_hf_config(folder)
     arch = ModelArchConfig.from_hf_config(hf_config)

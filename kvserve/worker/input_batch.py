@@ -25,7 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model.attention import AttentionMetadata, SeqSpec, build_attention_metadata
+from kvserve.model.attention import (
+    AttentionMetadata,
+    ResolvedBackend,
+    SeqSpec,
+    build_attention_metadata,
+)
 from kvserve.sched.output import SchedulerOutput
 from kvserve.worker.sampler import SamplingRequestState
 
@@ -72,8 +77,10 @@ class InputBatch:
         pad_token_id: int,
         eos_token_id: int | None,
         device: torch.device,
+        attention_backend: ResolvedBackend = "portable",
     ) -> None:
         self.block_size = block_size
+        self.attention_backend: ResolvedBackend = attention_backend
         self.num_kv_blocks = num_kv_blocks
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
@@ -174,6 +181,7 @@ class InputBatch:
             block_size=self.block_size,
             kv_segment_size=so.kv_segment_size,
             device=self.device,
+            backend=self.attention_backend,
         )
         dev = self.device
         return StepInputs(

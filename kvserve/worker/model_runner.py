@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
 from kvserve.sched.output import Logprobs, ModelRunnerOutput, SchedulerOutput
@@ -94,12 +95,14 @@ class ModelRunner:
         pad = getattr(loaded.hf_config, "pad_token_id", None)
         if not isinstance(pad, int):
             pad = getattr(loaded.tokenizer, "pad_token_id", None)
+        self.attention_backend = resolve_attention_backend(loaded.dtype, self.device)
         self.input_batch = InputBatch(
             block_size=self.block_size,
             num_kv_blocks=num_blocks,
             pad_token_id=pad if isinstance(pad, int) else 0,
             eos_token_id=loaded.eos_token_ids[0] if loaded.eos_token_ids else None,
             device=self.device,
+            attention_backend=self.attention_backend,
         )
         self.sampler = sampler if sampler is not None else Sampler()
 

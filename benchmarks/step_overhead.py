@@ -1,0 +1,139 @@
+"""Per-step costs besides the forward pass, at N running decodes (issue 10 item 4).
+
+Runs a real engine (``EngineCore`` on the default model) with ``--num-requests``
+requests of ``--prompt-len`` random tokens decoding together, and splits each
+engine step into: scheduling (``scheduler.schedule``), runner state update and input
+preparation (``InputBatch.update_states`` + ``prepare_inputs``, attention metadata
+included), the model forward, logits, sampling, the scheduler's update from the
+output, and detokenization. Prints ms per step (medians over ``--steps`` decode
+steps) and each part's share of the step. A benchmark, not a test.
+
+    .venv/bin/python benchmarks/step_overhead.py [--num-requests 64] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.engine import detokenizer as detok_mod
+from kvserve.engine.engine_core import EngineCore
+from kvserve.request import SamplingParams
+
+PARTS = (
+    "schedule",
+    "update_states",
+    "prepare_inputs",
+    "forward",
+    "logits",
+    "sample",
+    "update_from_output",
+    "detokenize",
+)
+
+
+def _timed(acc: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[name] += time.perf_counter() - t0
+
+    return wrapper
+
+
+class _TimedSampler:
+    def __init__(self, sampler: Any, acc: dict[str, float]) -> None:
+        self.sampler, self.acc = sampler, acc
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.sampler(*args, **kwargs)
+        finally:
+            self.acc["sample"] += time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+
+    config = EngineConfig(
+        model=ModelConfig(dtype=args.dtype),
+        cache=CacheConfig(),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max(args.num_requests, 1),
+            max_num_batched_tokens=max(2048, args.prompt_len),
+            max_model_len=2048,
+        ),
+    )
+    engine = EngineCore(config)
+    acc: dict[str, float] = defaultdict(float)
+    sched, runner, batch = engine.scheduler, engine.runner, engine.runner.input_batch
+    sched.schedule = _timed(acc, "schedule", sched.schedule)  # type: ignore[method-assign]
+    sched.update_from_output = _timed(  # type: ignore[method-assign]
+        acc, "update_from_output", sched.update_from_output
+    )
+    batch.update_states = _timed(acc, "update_states", batch.update_states)  # type: ignore[method-assign]
+    batch.prepare_inputs = _timed(acc, "prepare_inputs", batch.prepare_inputs)  # type: ignore[method-assign]
+    runner.model.forward = _timed(acc, "forward", runner.model.forward)  # type: ignore[method-assign]
+    runner.model.compute_logits = _timed(  # type: ignore[method-assign]
+        acc, "logits", runner.model.compute_logits
+    )
+    runner.sampler = _TimedSampler(runner.sampler, acc)  # type: ignore[assignment]
+    cls = detok_mod.IncrementalDetokenizer
+    cls.update = _timed(acc, "detokenize", cls.update)  # type: ignore[method-assign]
+
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=args.steps + 50, temperature=0.8, top_p=0.95, seed=1)
+    for _ in range(args.num_requests):
+        prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
+        engine.add_request(prompt, params)
+    # prefill everything: until one step gives every request a token (a decode step)
+    for _ in range(10_000):
+        if sum(1 for d in engine.step() if d.new_token_ids) == args.num_requests:
+            break
+    for _ in range(2):
+        engine.step()
+    per_step: dict[str, list[float]] = defaultdict(list)
+    totals = []
+    for _ in range(args.steps):
+        acc.clear()
+        t0 = time.perf_counter()
+        engine.step()
+        totals.append(time.perf_counter() - t0)
+        for p in PARTS:
+            per_step[p].append(acc.get(p, 0.0))
+    total = statistics.median(totals)
+    dtype = str(engine.loaded.dtype).removeprefix("torch.")
+    print(
+        f"{args.num_requests} running decodes, prompt {args.prompt_len}, dtype={dtype}, "
+        f"attention={runner.attention_backend}: step {total * 1e3:.1f} ms (median of {args.steps})"
+    )
+    overhead = 0.0
+    for p in PARTS:
+        ms = statistics.median(per_step[p]) * 1e3
+        if p not in ("forward", "logits"):
+            overhead += ms
+        print(f"  {p:<20}{ms:8.2f} ms {ms / (total * 1e3):6.1%}")
+    rest = total * 1e3 - sum(statistics.median(per_step[p]) * 1e3 for p in PARTS)
+    print(f"  {'other (engine loop)':<20}{rest:8.2f} ms {rest / (total * 1e3):6.1%}")
+    overhead += max(rest, 0.0)
+    print(f"everything but forward and logits: {overhead:.2f} ms = {overhead / (total * 1e3):.1%}")
+
+
+if __name__ == "__main__":
+    main()

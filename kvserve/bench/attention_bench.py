@@ -1,0 +1,140 @@
+"""Decode attention per step, against the memory-bandwidth limit (``kvserve bench forward``).
+
+For each batch × context it builds one layer's paged KV cache with every request's
+blocks scattered at random (as after a while of serving), times one layer's
+:func:`~kvserve.model.attention.paged_attention` for a decode step (KV write
+included) and scales it by the number of layers. The bandwidth limit is the K and V
+bytes the step must read (``layers × batch × (context + 1) × kv_heads × head_dim × 2
+× element size``) divided by this machine's measured read bandwidth (a large
+tensor's ``sum``, medians): ``fraction = limit_ms / measured_ms``. A benchmark, not a
+test: nothing here asserts.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def read_bandwidth_gb_s(num_bytes: int = 512 << 20, repeats: int = 7) -> float:
+    """Read bandwidth of this machine (GB/s) from summing a ``num_bytes`` fp32 tensor."""
+    import torch
+
+    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
+    buf.sum()  # fault the pages in
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def decode_attention_step(
+    *,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: Any,
+    batch: int,
+    context: int,
+    backend: str = "auto",
+    block_size: int = 16,
+    repeats: int = 10,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any]:
+    """Time one decode step's attention (all layers) for ``batch`` rows of ``context``."""
+    import torch
+
+    from kvserve.model.attention import SeqSpec, build_attention_metadata, paged_attention
+
+    per_req = -(-(context + 1) // block_size)
+    num_blocks = 1 + batch * per_req
+    gen = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(
+        dtype
+    )
+    free = list(range(1, num_blocks))
+    random.Random(0).shuffle(free)
+    specs = [SeqSpec(i, 1, 1, context, [free.pop() for _ in range(per_req)]) for i in range(batch)]
+    meta = build_attention_metadata(
+        specs,
+        num_tokens=batch,
+        block_size=block_size,
+        kv_segment_size=512,
+        backend=backend,  # type: ignore[arg-type]
+        kv_dtype=dtype,
+    )
+    q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(batch, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, num_kv_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    with torch.inference_mode():
+        paged_attention(q, k, v, kv_cache, meta, scale)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = clock()
+            paged_attention(q, k, v, kv_cache, meta, scale)
+            times.append(clock() - t0)
+    layer_s = statistics.median(times)
+    elem = kv_cache.element_size()
+    kv_bytes = num_layers * batch * (context + 1) * num_kv_heads * head_dim * 2 * elem
+    return {
+        "batch": batch,
+        "context": context,
+        "backend": "native" if meta.native is not None else "portable",
+        "step_ms": layer_s * num_layers * 1e3,
+        "kv_bytes": kv_bytes,
+    }
+
+
+def run_attention_grid(
+    arch: Any,
+    dtype: Any,
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    backends: Sequence[str],
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any]:
+    """Every batch × context × backend, plus the measured bandwidth and limits."""
+    bw = read_bandwidth_gb_s()
+    rows = []
+    for backend in backends:
+        for context in contexts:
+            for batch in batches:
+                r = decode_attention_step(
+                    num_layers=arch.num_layers,
+                    num_heads=arch.num_heads,
+                    num_kv_heads=arch.num_kv_heads,
+                    head_dim=arch.head_dim,
+                    dtype=dtype,
+                    batch=batch,
+                    context=context,
+                    backend=backend,
+                    clock=clock,
+                )
+                r["limit_ms"] = r["kv_bytes"] / (bw * 1e9) * 1e3
+                r["fraction_of_bandwidth"] = r["limit_ms"] / r["step_ms"]
+                rows.append(r)
+    return {"read_bandwidth_gb_s": bw, "rows": rows}
+
+
+def print_attention_table(result: dict[str, Any]) -> None:
+    print(
+        f"decode attention per step (all layers), read bandwidth "
+        f"{result['read_bandwidth_gb_s']:.1f} GB/s measured:"
+    )
+    print(
+        f"{'backend':<10}{'batch':>6}{'context':>9}{'step ms':>10}{'KV MB':>8}"
+        f"{'limit ms':>10}{'of limit':>10}"
+    )
+    for r in result["rows"]:
+        print(
+            f"{r['backend']:<10}{r['batch']:>6}{r['context']:>9}{r['step_ms']:>10.2f}"
+            f"{r['kv_bytes'] / 1e6:>8.1f}{r['limit_ms']:>10.2f}"
+            f"{r['fraction_of_bandwidth']:>9.0%}"
+        )

@@ -1,0 +1,601 @@
+// Paged attention over kvserve's KV cache, read where it lies (no gather copy).
+//
+// Plain C ABI (loaded with ctypes by kvserve/model/paged_kernel.py), so it builds in a
+// second with any C++17 compiler and needs no PyTorch headers. OpenMP threads come
+// from the libgomp that PyTorch already loaded (same soname), so there is one pool.
+//
+// Layout (see kvserve/model/attention.py):
+//   kv:   [2, Hk, num_blocks, block_size, D]   ([0] = K, [1] = V), float32 or bfloat16
+//   q:    [T, H, D] strided (row stride, head stride; the last dim contiguous)
+//   out:  [T, H, D] contiguous, same dtype as q
+//   seqs: [num_seqs, 4] int64 = (row_start, num_rows, num_tokens, cached_seq_len)
+//   block_tables: [num_seqs, max_blocks] int64 (0 = null block)
+//
+// Query row j of a sequence (j < num_tokens) sits at position cached_seq_len + j and
+// attends to keys [0, cached_seq_len + j] (its own KV was written before the call).
+// Rows j >= num_tokens are padding: their output is zero. The keys are walked in
+// parts: segments of `seg` tokens over the prior context [0, cached_seq_len) (the
+// last one partial, bounded at cached_seq_len; seg <= 0 means one segment), then the
+// new tokens [cached_seq_len, ...) causally; every part is split further at block
+// boundaries. Parts are merged with the exact online-softmax rule (running max m,
+// running sum l, output rescaled by exp(m_old - m_new)).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16_t = uint16_t;
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void from_f32(float x, float* dst) { *dst = x; }
+inline void from_f32(float x, bf16_t* dst) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+    *dst = static_cast<bf16_t>((u >> 16) | 0x40u);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even, as PyTorch does
+  *dst = static_cast<bf16_t>(u >> 16);
+}
+
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int d) {
+#pragma omp simd
+  for (int i = 0; i < d; ++i) dst[i] = to_f32(src[i]);
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int d) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// exp(x) for x <= 0 (x = -inf gives 0): 2^n * e^r, |r| <= ln2/2, degree-7 Taylor
+// polynomial; relative error < 2e-7 over the range. Written so the compiler
+// vectorizes it inside `omp simd` loops.
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.4426950408889634f;
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+struct Args {
+  const void* q;
+  int64_t q_row_stride, q_head_stride;
+  void* out;
+  const void* kv;
+  int64_t num_blocks;
+  int block_size, num_heads, num_kv_heads, head_dim;
+  const int64_t* seqs;
+  const int64_t* block_tables;
+  int64_t max_blocks;
+  int seg;
+  float scale;
+};
+
+struct Task {
+  int64_t seq, r0, r1;
+  int kvh;
+};
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+void run_task(const Args& a, const Task& task, std::vector<float>& buf) {
+  const int D = a.head_dim, bs = a.block_size;
+  const int g = a.num_heads / a.num_kv_heads;
+  const int64_t* s = a.seqs + 4 * task.seq;
+  const int64_t row_start = s[0], num_tokens = s[2], ctx = s[3];
+  const int64_t* bt = a.block_tables + a.max_blocks * task.seq;
+  const T* q = static_cast<const T*>(a.q);
+  T* out = static_cast<T*>(a.out);
+  const T* kv = static_cast<const T*>(a.kv);
+  const int64_t head_stride = a.num_blocks * bs * D;  // elements per (K|V, head)
+  const T* kbase = kv + static_cast<int64_t>(task.kvh) * head_stride;
+  const T* vbase = kv + (static_cast<int64_t>(a.num_kv_heads) + task.kvh) * head_stride;
+
+  const int64_t r_end = std::min<int64_t>(task.r1, num_tokens);
+  const int M = static_cast<int>(std::max<int64_t>(0, r_end - task.r0)) * g;
+  // padding rows: zero output
+  for (int64_t r = std::max(task.r0, num_tokens); r < task.r1; ++r)
+    for (int j = 0; j < g; ++j) {
+      T* o = out + (row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
+      for (int i = 0; i < D; ++i) from_f32(0.f, o + i);
+    }
+  if (M == 0) return;
+
+  const size_t need = static_cast<size_t>(M) * (2 * D + bs + 3) + 2 * D;
+  if (buf.size() < need) buf.resize(need);
+  float* qf = buf.data();          // [M, D] scaled queries
+  float* acc = qf + M * D;         // [M, D]
+  float* sc = acc + M * D;         // [M, bs] scores -> probabilities
+  float* mx = sc + M * bs;         // [M]
+  float* l = mx + M;               // [M]
+  float* lim = l + M;              // [M] number of keys each query sees
+  float* kf = lim + M;             // [D]
+  float* vf = kf + D;              // [D]
+
+  int64_t lmax = 0;
+  for (int64_t r = task.r0; r < r_end; ++r)
+    for (int j = 0; j < g; ++j) {
+      const int m = static_cast<int>(r - task.r0) * g + j;
+      const T* qr = q + (row_start + r) * a.q_row_stride + (task.kvh * g + j) * a.q_head_stride;
+      for (int i = 0; i < D; ++i) qf[m * D + i] = to_f32(qr[i]) * a.scale;
+      std::fill(acc + m * D, acc + (m + 1) * D, 0.f);
+      mx[m] = kNegInf;
+      l[m] = 0.f;
+      const int64_t n = ctx + r + 1;
+      lim[m] = static_cast<float>(n);
+      lmax = std::max(lmax, n);
+    }
+
+  int64_t t0 = 0;
+  while (t0 < lmax) {
+    // end of this part: block boundary, segment boundary (prior context), lmax
+    int64_t t1 = std::min<int64_t>((t0 / bs + 1) * bs, lmax);
+    if (t0 < ctx) {
+      const int64_t seg_end = a.seg > 0 ? std::min<int64_t>((t0 / a.seg + 1) * a.seg, ctx) : ctx;
+      t1 = std::min(t1, seg_end);
+    }
+    const int nk = static_cast<int>(t1 - t0);
+    const int64_t block = bt[t0 / bs];
+    const int64_t off = (block * bs + t0 % bs) * D;
+    const T* krow = kbase + off;
+    const T* vrow = vbase + off;
+    for (int i = 0; i < nk; ++i) {
+      load_row(krow + static_cast<int64_t>(i) * D, kf, D);
+      const float key_pos = static_cast<float>(t0 + i);
+      for (int m = 0; m < M; ++m)
+        sc[m * bs + i] = key_pos < lim[m] ? dot(qf + m * D, kf, D) : kNegInf;
+    }
+    for (int m = 0; m < M; ++m) {
+      if (static_cast<float>(t0) >= lim[m]) {  // no key of this part is visible
+        for (int i = 0; i < nk; ++i) sc[m * bs + i] = 0.f;
+        continue;
+      }
+      float* p = sc + m * bs;
+      float bm = kNegInf;
+      for (int i = 0; i < nk; ++i) bm = std::max(bm, p[i]);
+      const float m_new = std::max(mx[m], bm);
+      const float corr = exp_nonpos(mx[m] - m_new);  // 0 when mx was -inf
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int i = 0; i < nk; ++i) {
+        const float e = p[i] == kNegInf ? 0.f : exp_nonpos(p[i] - m_new);
+        p[i] = e;
+        sum += e;
+      }
+      l[m] = l[m] * corr + sum;
+      mx[m] = m_new;
+      if (corr != 1.f) {
+        float* am = acc + m * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) am[d] *= corr;
+      }
+    }
+    for (int i = 0; i < nk; ++i) {
+      load_row(vrow + static_cast<int64_t>(i) * D, vf, D);
+      for (int m = 0; m < M; ++m) {
+        const float pv = sc[m * bs + i];
+        if (pv == 0.f) continue;
+        float* am = acc + m * D;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) am[d] += pv * vf[d];
+      }
+    }
+    t0 = t1;
+  }
+
+  for (int64_t r = task.r0; r < r_end; ++r)
+    for (int j = 0; j < g; ++j) {
+      const int m = static_cast<int>(r - task.r0) * g + j;
+      const float inv = 1.f / l[m];
+      T* o = out + (row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
+      for (int d = 0; d < D; ++d) from_f32(acc[m * D + d] * inv, o + d);
+    }
+}
+
+
+#if defined(__AVX512F__)
+// ---------------------------------------------------------------- AVX-512 path
+// For head_dim = 16 * DV. Keys are taken 16 at a time: K converted once to fp32, the
+// 16 dot products of a query become one vector (a transpose-add reduction), the
+// softmax update runs on that vector, then V is accumulated with broadcast weights.
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// lanes of the result: sum of the lanes of v[0], ..., v[15]
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], w[4], z[2];
+  for (int j = 0; j < 8; ++j)
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)
+    w[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 2; ++j)
+    z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// exp(x) for x <= 0, same polynomial as exp_nonpos
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kHaveDpbf16 = true;
+#else
+constexpr bool kHaveDpbf16 = false;
+#endif
+
+// One query's 16 partial dot products with keys krow[0..nk) (zero past nk).
+template <typename T, int DV>
+inline __m512 scores16(const __m512* qv, const T* krow, int nk) {
+  constexpr int D = 16 * DV;
+  __m512 part[16];
+  for (int i = 0; i < 16; ++i) {
+    if (i >= nk) {
+      part[i] = _mm512_setzero_ps();
+      continue;
+    }
+    const T* k = krow + i * D;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, bf16_t>) {  // qv holds DV/2 vectors of 32 bf16
+      __m512 x = _mm512_setzero_ps();
+      for (int j = 0; j < DV / 2; ++j)
+        x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_castps_si512(qv[j]),
+                             (__m512bh)_mm512_loadu_si512(k + 32 * j));
+      part[i] = x;
+      continue;
+    }
+#endif
+    __m512 x = _mm512_mul_ps(qv[0], load16(k));
+    for (int dv = 1; dv < DV; ++dv) x = _mm512_fmadd_ps(qv[dv], load16(k + 16 * dv), x);
+    part[i] = x;
+  }
+  return hsum16(part);
+}
+
+// acc[m] += sum_i p[m][i] * V[i] for mcount <= MB queries and V rows vrow[0..nk).
+// p is read at p32[m * ps + i] (fp32) or, for the dpbf16 path, as bf16 at
+// p16[m * ps + i] with p16[m * ps + nk] finite. Float32 path: plain FMAs. bf16 path:
+// keys in pairs, V rows interleaved by 16-bit element, so each accumulator holds a
+// fixed permutation of the head dim (undone by dpbf16_dim at the end).
+template <typename T, int DV, int MB>
+inline void accumulate_pv(float* acc, const float* p32, const bf16_t* p16, int64_t ps, int mcount,
+                          const T* vrow, int nk) {
+  constexpr int D = 16 * DV;
+  __m512 av[MB][DV];
+  for (int m = 0; m < mcount; ++m)
+    for (int dv = 0; dv < DV; ++dv) av[m][dv] = _mm512_loadu_ps(acc + m * D + dv * 16);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    for (int i = 0; i < nk; i += 2) {
+      __m512i il[DV];
+      for (int j = 0; j < DV / 2; ++j) {
+        const __m512i a = _mm512_loadu_si512(vrow + i * D + 32 * j);
+        const __m512i b = i + 1 < nk ? _mm512_loadu_si512(vrow + (i + 1) * D + 32 * j)
+                                     : _mm512_setzero_si512();
+        il[2 * j] = _mm512_unpacklo_epi16(a, b);
+        il[2 * j + 1] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int m = 0; m < mcount; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, p16 + m * ps + i, 4);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+        for (int dv = 0; dv < DV; ++dv) av[m][dv] = _mm512_dpbf16_ps(av[m][dv], w, (__m512bh)il[dv]);
+      }
+    }
+  } else
+#endif
+  {
+    for (int i = 0; i < nk; ++i) {
+      __m512 vv[DV];
+      for (int dv = 0; dv < DV; ++dv) vv[dv] = load16(vrow + i * D + 16 * dv);
+      for (int m = 0; m < mcount; ++m) {
+        const __m512 w = _mm512_set1_ps(p32[m * ps + i]);
+        for (int dv = 0; dv < DV; ++dv) av[m][dv] = _mm512_fmadd_ps(w, vv[dv], av[m][dv]);
+      }
+    }
+  }
+  for (int m = 0; m < mcount; ++m)
+    for (int dv = 0; dv < DV; ++dv) _mm512_storeu_ps(acc + m * D + dv * 16, av[m][dv]);
+}
+
+// head-dim index of accumulator slot (dv, lane) in the dpbf16 PV layout
+inline int dpbf16_dim(int dv, int lane) {
+  return 32 * (dv / 2) + 8 * (lane / 4) + 4 * (dv % 2) + lane % 4;
+}
+
+constexpr int kMaxPart = 512;
+#ifndef KVS_PREFETCH_BLOCKS
+#define KVS_PREFETCH_BLOCKS 4
+#endif
+constexpr int64_t kPrefetchBlocks = KVS_PREFETCH_BLOCKS;  // keys per softmax pass (longer segments are split exactly)
+
+// One task: `g` query heads of one KV head for rows [r0, r1) of one request. Keys are
+// walked part by part (segments of the prior context, then the new tokens); a part's
+// scores for all queries go to a buffer, then one exact softmax pass per query merges
+// it into the running state, then P.V reads the part's V rows once per 4 queries.
+template <typename T, int DV>
+void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
+  constexpr int D = 16 * DV;
+  constexpr bool kBf16Dot = kHaveDpbf16 && std::is_same_v<T, bf16_t>;
+  constexpr int MB = 4;  // queries per PV pass
+  const int bs = a.block_size;
+  const int g = a.num_heads / a.num_kv_heads;
+  const int64_t* s = a.seqs + 4 * task.seq;
+  const int64_t row_start = s[0], num_tokens = s[2], ctx = s[3];
+  const int64_t* bt = a.block_tables + a.max_blocks * task.seq;
+  const T* q = static_cast<const T*>(a.q);
+  T* out = static_cast<T*>(a.out);
+  const T* kv = static_cast<const T*>(a.kv);
+  const int64_t head_stride = a.num_blocks * bs * D;
+  const T* kbase = kv + static_cast<int64_t>(task.kvh) * head_stride;
+  const T* vbase = kv + (static_cast<int64_t>(a.num_kv_heads) + task.kvh) * head_stride;
+
+  const int64_t r_end = std::min<int64_t>(task.r1, num_tokens);
+  const int M = static_cast<int>(std::max<int64_t>(0, r_end - task.r0)) * g;
+  for (int64_t r = std::max(task.r0, num_tokens); r < task.r1; ++r)
+    for (int j = 0; j < g; ++j) {
+      T* o = out + (row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
+      for (int i = 0; i < D; ++i) from_f32(0.f, o + i);
+    }
+  if (M == 0) return;
+
+  constexpr int64_t PS = kMaxPart + 32;  // row stride of the score buffers
+  const size_t need = static_cast<size_t>(M) * (2 * D + PS + PS / 2 + 4);
+  if (buf.size() < need) buf.resize(need);
+  float* qf = buf.data();   // [M, D] queries (fp32, or bf16 pairs for the dpbf16 dot)
+  float* acc = qf + M * D;  // [M, D]
+  float* sc = acc + M * D;  // [M, PS] scores, then fp32 probabilities
+  bf16_t* p16 = reinterpret_cast<bf16_t*>(sc + M * PS);  // [M, PS] bf16 probabilities
+  float* mx = sc + M * PS + M * PS / 2;  // [M]
+  float* l = mx + M;                     // [M]
+  int64_t* lim = reinterpret_cast<int64_t*>(l + M);  // [M] keys each query sees
+
+  int64_t lmax = 0;
+  for (int64_t r = task.r0; r < r_end; ++r)
+    for (int j = 0; j < g; ++j) {
+      const int m = static_cast<int>(r - task.r0) * g + j;
+      const T* qr = q + (row_start + r) * a.q_row_stride + (task.kvh * g + j) * a.q_head_stride;
+      if constexpr (kBf16Dot) {
+        std::memcpy(qf + m * D, qr, D * sizeof(bf16_t));  // first half of the row
+      } else {
+        for (int i = 0; i < D; ++i) qf[m * D + i] = to_f32(qr[i]);
+      }
+      std::fill(acc + m * D, acc + (m + 1) * D, 0.f);
+      mx[m] = kNegInf;
+      l[m] = 0.f;
+      lim[m] = ctx + r + 1;
+      lmax = std::max(lmax, lim[m]);
+    }
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+
+  int64_t p0 = 0;
+  while (p0 < lmax) {
+    // the part [p0, p1): a segment of the prior context (partial last one bounded at
+    // ctx) or the new tokens; at most kMaxPart keys
+    int64_t p1 = lmax;
+    if (p0 < ctx) p1 = a.seg > 0 ? std::min<int64_t>((p0 / a.seg + 1) * a.seg, ctx) : ctx;
+    p1 = std::min<int64_t>(p1, p0 + kMaxPart);
+    const int n = static_cast<int>(p1 - p0);
+
+    // 1. scores of every query against the part's keys, -inf where not visible
+    int m_hi = 0;  // queries [0, m_hi) see at least one key of the part
+    for (int m = 0; m < M; ++m)
+      if (lim[m] > p0) m_hi = m + 1;
+    for (int64_t c0 = p0; c0 < p1;) {
+      const int64_t c1 = std::min<int64_t>(p1, (c0 / bs + 1) * bs);  // within one block
+      const int64_t off = (bt[c0 / bs] * bs + c0 % bs) * D;
+      {  // blocks are scattered: prefetch the next block's K and this block's V
+        const int64_t bytes = (c1 - c0) * D * static_cast<int64_t>(sizeof(T));
+        const char* vcur = reinterpret_cast<const char*>(vbase + off);
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(vcur + b, _MM_HINT_T1);
+        const int64_t ahead = c0 / bs + kPrefetchBlocks;  // K a few blocks ahead
+        if (ahead * bs < p1) {
+          const int64_t n1 = std::min<int64_t>(p1 - ahead * bs, bs);
+          const char* knext = reinterpret_cast<const char*>(kbase + bt[ahead] * bs * D);
+          for (int64_t b = 0; b < n1 * D * static_cast<int64_t>(sizeof(T)); b += 64)
+            _mm_prefetch(knext + b, _MM_HINT_T0);
+        }
+      }
+      for (int64_t g0 = c0; g0 < c1; g0 += 16) {
+        const int nk = static_cast<int>(std::min<int64_t>(16, c1 - g0));
+        const T* krow = kbase + off + (g0 - c0) * D;
+        const __mmask16 in_part = static_cast<__mmask16>((1u << nk) - 1u);
+        for (int m = 0; m < m_hi; ++m) {
+          __m512 qv[DV];
+          for (int dv = 0; dv < DV; ++dv) qv[dv] = _mm512_loadu_ps(qf + m * D + dv * 16);
+          const int64_t vis = lim[m] - g0;  // keys of these 16 this query sees
+          const __mmask16 valid =
+              vis >= 16 ? in_part
+                        : (vis <= 0 ? 0 : static_cast<__mmask16>(in_part & ((1u << vis) - 1u)));
+          const __m512 x = valid ? _mm512_mul_ps(scores16<T, DV>(qv, krow, nk), scale) : neg_inf;
+          _mm512_mask_storeu_ps(sc + m * PS + (g0 - p0), in_part,
+                                _mm512_mask_blend_ps(valid, neg_inf, x));
+        }
+      }
+      c0 = c1;
+    }
+    // 2. exact softmax of the part per query, merged into the running (max, sum, acc)
+    for (int m = 0; m < m_hi; ++m) {
+      float* row = sc + m * PS;
+      __m512 vmax = neg_inf;
+      for (int j = 0; j < n; j += 16) {
+        const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+        vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, k, row + j));
+      }
+      const float m_new = std::max(mx[m], _mm512_reduce_max_ps(vmax));
+      const float corr = mx[m] == kNegInf ? 0.f : std::exp(mx[m] - m_new);
+      const __m512 mn = _mm512_set1_ps(m_new);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int j = 0; j < n; j += 16) {
+        const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+        const __m512 x = _mm512_mask_loadu_ps(neg_inf, k, row + j);
+        const __mmask16 fin = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
+        __m512 e = _mm512_maskz_mov_ps(fin, exp512(_mm512_sub_ps(x, mn)));
+#if defined(__AVX512BF16__)
+        if constexpr (kBf16Dot) {  // P.V uses bf16 weights: normalise with the same values
+          const __m256bh eh = _mm512_cvtneps_pbh(e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + m * PS + j), (__m256i)eh);
+          e = _mm512_cvtpbh_ps(eh);
+        }
+#endif
+        _mm512_storeu_ps(row + j, e);  // lanes past n are scratch (zero)
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      if constexpr (kBf16Dot) p16[m * PS + n] = 0;  // the pair partner past the end
+      l[m] = l[m] * corr + _mm512_reduce_add_ps(vsum);
+      mx[m] = m_new;
+      if (corr != 1.f) {
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int dv = 0; dv < DV; ++dv)
+          _mm512_storeu_ps(acc + m * D + dv * 16,
+                           _mm512_mul_ps(_mm512_loadu_ps(acc + m * D + dv * 16), cv));
+      }
+    }
+    // 3. acc += P . V, V rows read once per MB queries
+    for (int64_t c0 = p0; c0 < p1;) {
+      const int64_t c1 = std::min<int64_t>(p1, (c0 / bs + 1) * bs);
+      const int64_t off = (bt[c0 / bs] * bs + c0 % bs) * D;
+      const int64_t j0 = c0 - p0;
+      for (int m0 = 0; m0 < m_hi; m0 += MB)
+        accumulate_pv<T, DV, MB>(acc + m0 * D, sc + m0 * PS + j0, p16 + m0 * PS + j0, PS,
+                                 std::min(MB, m_hi - m0), vbase + off, static_cast<int>(c1 - c0));
+      c0 = c1;
+    }
+    p0 = p1;
+  }
+
+  for (int64_t r = task.r0; r < r_end; ++r)
+    for (int j = 0; j < g; ++j) {
+      const int m = static_cast<int>(r - task.r0) * g + j;
+      const float inv = 1.f / l[m];
+      T* o = out + (row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
+      if constexpr (kBf16Dot) {
+        for (int dv = 0; dv < DV; ++dv)
+          for (int ln = 0; ln < 16; ++ln)
+            from_f32(acc[m * D + dv * 16 + ln] * inv, o + dpbf16_dim(dv, ln));
+      } else {
+        for (int d = 0; d < D; ++d) from_f32(acc[m * D + d] * inv, o + d);
+      }
+    }
+}
+#endif  // __AVX512F__
+
+template <typename T>
+void dispatch_task(const Args& a, const Task& t, std::vector<float>& buf) {
+#if defined(__AVX512F__)
+  switch (a.head_dim) {
+    case 32: return run_task_avx512<T, 2>(a, t, buf);
+    case 64: return run_task_avx512<T, 4>(a, t, buf);
+    case 128: return run_task_avx512<T, 8>(a, t, buf);
+    default: break;
+  }
+#endif
+  run_task<T>(a, t, buf);
+}
+
+template <typename T>
+void run_all(const Args& a, int64_t num_seqs, int row_tile, int num_threads) {
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t rows = a.seqs[4 * s + 1];
+    for (int64_t r0 = 0; r0 < rows; r0 += row_tile)
+      for (int h = 0; h < a.num_kv_heads; ++h)
+        tasks.push_back(Task{s, r0, std::min<int64_t>(r0 + row_tile, rows), h});
+  }
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  if (num_threads <= 1 || n <= 1) {
+    std::vector<float> buf;
+    for (const Task& t : tasks) dispatch_task<T>(a, t, buf);
+    return;
+  }
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) dispatch_task<T>(a, tasks[i], buf);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, 1 for an unsupported dtype. dtype: 0 = float32, 1 = bfloat16
+// (q, out and kv share it).
+int kvs_paged_attention(const void* q, int64_t q_row_stride, int64_t q_head_stride, void* out,
+                        const void* kv, int64_t num_blocks, int block_size, int num_heads,
+                        int num_kv_heads, int head_dim, const int64_t* seqs, int64_t num_seqs,
+                        const int64_t* block_tables, int64_t max_blocks, int seg, float scale,
+                        int dtype, int row_tile, int num_threads) {
+  Args a{q,         q_row_stride, q_head_stride, out,          kv,         num_blocks, block_size,
+         num_heads, num_kv_heads, head_dim,      seqs,         block_tables, max_blocks, seg,
+         scale};
+  if (dtype == 0) {
+    run_all<float>(a, num_seqs, row_tile, num_threads);
+  } else if (dtype == 1) {
+    run_all<bf16_t>(a, num_seqs, row_tile, num_threads);
+  } else {
+    return 1;
+  }
+  return 0;
+}
+
+int kvs_abi_version() { return 1; }
+}
