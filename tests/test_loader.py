@@ -57,7 +57,7 @@ def test_loaded_model_fields(loaded_model) -> None:
 
 
 def test_fingerprint_is_stable_and_depends_on_dtype(loaded_model) -> None:
-    again = load_model(DEFAULT_MODEL_NAME)
+    again = load_model(DEFAULT_MODEL_NAME, dtype="float32")
     assert again.fingerprint == loaded_model.fingerprint
     bf16 = load_model(DEFAULT_MODEL_NAME, dtype="bfloat16")
     assert bf16.fingerprint != loaded_model.fingerprint
@@ -201,3 +201,18 @@ def test_checkpoint_missing_a_tensor(tmp_path: Path, default_model_dir: Path) ->
 def test_bad_dtype(default_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="float32, bfloat16, float16"):
         load_model(DEFAULT_MODEL_NAME, dtype="int8")
+
+
+def test_auto_dtype_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dtype="auto": bfloat16 exactly where the CPU has avx512_bf16 or AMX, else float32."""
+    from kvserve.model import loader
+
+    assert loader.cpu_has_native_bf16("flags\t\t: fpu avx512f avx512_bf16 sse\n")
+    assert loader.cpu_has_native_bf16("flags\t\t: fpu amx_bf16 amx_tile\n")
+    assert not loader.cpu_has_native_bf16("flags\t\t: fpu avx512f avx2\n")
+    assert not loader.cpu_has_native_bf16("")
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda cpuinfo=None: True)
+    assert loader.parse_dtype("auto") == torch.bfloat16
+    assert loader.parse_dtype("auto", "meta") == torch.float32  # not a CPU
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda cpuinfo=None: False)
+    assert loader.parse_dtype("auto") == torch.float32
