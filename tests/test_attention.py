@@ -246,7 +246,7 @@ def test_native_reads_pages_in_place_with_strided_queries() -> None:
 
 
 def test_portable_env_disables_native(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvserve.model.paged_kernel import ENV_VAR, get_kernel
+    from kvserve.model.native import ENV_VAR, get_kernel
 
     assert get_kernel() is not None, "the test machine has a C++ compiler"
     monkeypatch.setenv(ENV_VAR, "portable")

@@ -38,7 +38,7 @@ Two implementations of the same contract, chosen per step by
 :func:`build_attention_metadata` (``backend``):
 
 - ``native`` (default where it builds): one call per layer into the C++ kernel of
-  :mod:`kvserve.model.paged_kernel` for every row of the batch. Each (request, KV
+  :mod:`kvserve.model.native` for every row of the batch. Each (request, KV
   head, tile of query rows) walks its own block table and reads K/V where they lie,
   segment by segment with the online-softmax merge above, so no context is copied
   and a row's work is proportional to its own context.
@@ -58,7 +58,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.paged_kernel import PagedAttentionKernel, get_kernel
+from kvserve.model.native import PagedAttentionKernel, get_kernel, paged_attention_op
 
 AttentionBackend = Literal["auto", "native", "portable"]
 ResolvedBackend = Literal["native", "portable"]
@@ -494,6 +494,10 @@ def paged_attention(
     write_kv(kv_cache, k, v, meta)
     if meta.native is not None:
         nb = meta.native
+        if torch.compiler.is_compiling():  # an opaque operator inside compiled graphs
+            return paged_attention_op(
+                q, kv_cache, nb.seqs, nb.block_tables, meta.kv_segment_size, scale
+            )
         return nb.kernel(q, kv_cache, nb.seqs, nb.block_tables, meta.kv_segment_size, scale)
     if not meta.prefills and meta.decode is not None and meta.decode.token_start == 0:
         return decode_attention(q, kv_cache, meta.decode, scale)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.native import PagedAttentionKernel, get_kernel
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -203,6 +204,8 @@ class FastLinear:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # inductor picks (and packs) the kernel itself
+            return F.linear(x, self.weight, self.bias)
         if self.wt is not None and x.shape[0] <= _SMALL_M:
             if self.bias is None:
                 return torch.mm(x, self.wt)
@@ -271,6 +274,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.scale = d**-0.5
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # [n, D/2] cos, sin
+        self._native: PagedAttentionKernel | None = None
         self._ops: list[_LayerOps] = []
         self._lm_head: FastLinear | None = None
 
@@ -356,6 +361,7 @@ class LlamaForCausalLM(nn.Module):
                 f"{' ...' if len(unexpected) > 8 else ''}"
             )
         self._rope_cache = None
+        self._rope_f32 = None
         self.prepare(fast=fast_kernels)
 
     def prepare(self, fast: bool = True) -> None:
@@ -396,8 +402,20 @@ class LlamaForCausalLM(nn.Module):
                 )
             )
         self._lm_head = FastLinear(self.lm_head_weight.data, None, fast=fast, pack=pack)
+        native = get_kernel() if fast and self.embed_tokens.device.type == "cpu" else None
+        usable = native is not None and PagedAttentionKernel.supports(self.embed_tokens.dtype)
+        self._native = native if usable and not self.config.qk_norm else None
+
+    @property
+    def uses_native_layers(self) -> bool:
+        """Whether forward runs the fused native layer ops (when attention is native too)."""
+        return self._native is not None
 
     # ------------------------------------------------------------------ rope
+
+    def prepare_rope(self, max_len: int) -> None:
+        """Build the RoPE table for positions ``[0, max_len)`` now (compiled graphs need it)."""
+        self.rope_cos_sin(torch.tensor([max(max_len, 1) - 1]))
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for ``positions`` [T] -> two [T, 1, D] tensors.
@@ -405,8 +423,11 @@ class LlamaForCausalLM(nn.Module):
         ``sin_signed = [-sin, sin]`` so that RoPE is ``x * cos + roll(x, D/2) * sin_signed``
         (identical to HF's ``x * cos + rotate_half(x) * sin``).
         """
-        max_pos = int(positions.max()) + 1 if positions.numel() else 1
         cache = self._rope_cache
+        if torch.compiler.is_compiling():  # no data-dependent size inside a graph
+            assert cache is not None, "call prepare_rope(max_len) before compiling"
+            return cache[0][positions].unsqueeze(1), cache[1][positions].unsqueeze(1)
+        max_pos = int(positions.max()) + 1 if positions.numel() else 1
         if cache is None or cache[0].shape[0] < max_pos:
             n = max(max_pos, min(self.config.max_position_embeddings, 1 << 16))
             inv_freq = torch.tensor(self.config.rope_inv_freq, dtype=torch.float32)
@@ -418,6 +439,19 @@ class LlamaForCausalLM(nn.Module):
             cache = (cos.to(dev, dt), sin.to(dev, dt))
             self._rope_cache = cache
         return cache[0][positions].unsqueeze(1), cache[1][positions].unsqueeze(1)
+
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos and sin [n, D/2] (attention scaling included) covering ``positions``."""
+        max_pos = int(positions.max()) + 1 if positions.numel() else 1
+        tables = self._rope_f32
+        if tables is None or tables[0].shape[0] < max_pos:
+            n = max(max_pos, min(self.config.max_position_embeddings, 1 << 16))
+            inv_freq = torch.tensor(self.config.rope_inv_freq, dtype=torch.float32)
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv_freq)  # [n, D/2]
+            scaling = self.config.rope_attention_scaling
+            tables = ((freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous())
+            self._rope_f32 = tables
+        return tables
 
     # ------------------------------------------------------------------ forward
 
@@ -432,6 +466,12 @@ class LlamaForCausalLM(nn.Module):
 
         ``kv_caches[i]`` is layer ``i``'s cache (layout in ``kvserve.model.attention``).
         """
+        if (
+            self._native is not None
+            and attn_meta.native is not None
+            and not torch.compiler.is_compiling()
+        ):
+            return self._forward_native(input_ids, positions, kv_caches, attn_meta, self._native)
         c = self.config
         h, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         num_tokens = input_ids.shape[0]
@@ -458,8 +498,56 @@ class LlamaForCausalLM(nn.Module):
             x = x + ops.down(F.silu(gate) * up)
         return x
 
+    def _forward_native(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        nk: PagedAttentionKernel,
+    ) -> torch.Tensor:
+        """The same layers with fused native ops and an fp32 residual stream.
+
+        Per layer: add+RMSNorm, qkv linear, RoPE + KV write, paged attention, o linear,
+        add+RMSNorm, gate_up linear, SiLU*mul, down linear. Returns the fp32 residual
+        stream [T, hidden] (before the final norm).
+        """
+        assert meta.native is not None
+        c = self.config
+        h, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+        num_tokens = input_ids.shape[0]
+        eps = c.rms_norm_eps
+        cos, sin = self._rope_tables(positions)
+        seqs, tables, seg = meta.native.seqs, meta.native.block_tables, meta.kv_segment_size
+        residual = F.embedding(input_ids, self.embed_tokens).float()  # [T, hidden] fp32
+        pending: torch.Tensor | None = None  # the last sublayer's output, not yet added
+        for ops, kv_cache in zip(self._ops, kv_caches, strict=True):
+            y = nk.add_rms_norm(residual, pending, ops.input_layernorm, eps)
+            qkv = ops.qkv(y)  # [T, (H + 2Hk) * D]
+            nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv_cache, meta.slot_mapping)
+            q = qkv[:, : h * d].view(num_tokens, h, d)
+            attn = nk(q, kv_cache, seqs, tables, seg, self.scale)  # [T, H, D]
+            o = ops.o(attn.view(num_tokens, h * d))
+            y = nk.add_rms_norm(residual, o, ops.post_attention_layernorm, eps)
+            pending = ops.down(nk.silu_mul(ops.gate_up(y)))
+        if pending is not None:
+            residual += pending
+        return residual
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] (rows to sample from) -> fp32 logits [N, vocab]."""
-        y = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        """hidden [N, hidden] (rows to sample from) -> fp32 logits [N, vocab].
+
+        ``hidden`` may be the fp32 residual stream of the native path: the final norm
+        runs in fp32 and its output goes to the lm_head in the model dtype.
+        """
+        if hidden.dtype != self.norm.dtype:
+            y = F.rms_norm(
+                hidden.float(),
+                (self.config.hidden_size,),
+                self.norm.float(),
+                self.config.rms_norm_eps,
+            ).to(self.norm.dtype)
+        else:
+            y = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         assert self._lm_head is not None, "load_weights() or prepare() first"
         return self._lm_head(y).float()

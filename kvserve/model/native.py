@@ -1,0 +1,314 @@
+"""kvserve's native CPU kernels: build once, load with ctypes, call per layer.
+
+``csrc/*.cpp`` (paged attention; fused add+RMSNorm, SiLU*mul, RoPE+KV write) is a
+plain C ABI (no PyTorch headers), compiled with the system C++ compiler into
+``~/.cache/kvserve/ext/<key>/`` where ``<key>`` hashes the sources, the compiler flags,
+the compiler's version and this CPU's flags, so a changed source or another machine
+builds afresh and an unchanged one loads in milliseconds. ``make setup`` builds it
+(``python -m kvserve.model.native``); otherwise the first use does (about 3 s).
+Concurrent builders are safe: each writes its own temporary file and renames it into
+place. Threads come from the OpenMP runtime PyTorch already loaded.
+
+Where no compiler works, or ``KVSERVE_ATTENTION=portable`` is set, :func:`get_kernel`
+returns None and the model uses its portable PyTorch path (the reference the tests
+compare against).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name("csrc") / n for n in ("paged_attention.cpp", "fused_ops.cpp")]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+ENV_VAR = "KVSERVE_ATTENTION"  # "native" (default when it builds) or "portable"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVSERVE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "kvserve"
+    )
+    return Path(root) / "ext"
+
+
+def _library_path(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            x.encode()
+            for x in (*(p.read_text() for p in _SOURCES), " ".join(_FLAGS), version, _cpu_flags())
+        )
+    ).hexdigest()[:16]
+    return _cache_dir() / key / "libkvserve_native.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernel if its cached library is missing; return the library path.
+
+    Raises RuntimeError (with the compiler's output) when no compiler is found or
+    the build fails.
+    """
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
+    lib = _library_path(cxx)
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, "-o", tmp, *(str(p) for p in _SOURCES)]
+    if verbose:
+        print(" ".join(cmd), file=sys.stderr)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"building the native kernels failed:\n{proc.stderr[-2000:]}")
+    os.replace(tmp, lib)  # atomic: a concurrent builder's identical file is fine
+    return lib
+
+
+class PagedAttentionKernel:
+    """ctypes bindings of the native kernels; see the C++ sources for each contract.
+
+    Calling the object runs paged attention; :meth:`add_rms_norm`, :meth:`silu_mul`
+    and :meth:`rope_and_cache` are the fused layer ops.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        i64, i32, vp, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+        fn = lib.kvs_paged_attention
+        fn.argtypes = [vp, i64, i64, vp, vp, i64, i32, i32, i32, i32, vp, i64, vp, i64, i32]
+        fn.argtypes += [f32, i32, i32, i32]
+        fn.restype = i32
+        self._fn = fn
+        self._norm = lib.kvs_add_rms_norm
+        self._norm.argtypes = [vp, vp, i64, vp, vp, i64, i64, f32, i32, i32]
+        self._norm.restype = i32
+        self._silu = lib.kvs_silu_mul
+        self._silu.argtypes = [vp, vp, i64, i64, i32, i32]
+        self._silu.restype = i32
+        self._rope = lib.kvs_rope_and_cache
+        self._rope.argtypes = [vp, i64, i64, i32, i32, i32, vp, vp, vp, vp, i64, vp, i32, i32]
+        self._rope.restype = i32
+
+    def add_rms_norm(
+        self,
+        residual: torch.Tensor,
+        x: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """``residual += x`` (in place, fp32) then RMSNorm of it times ``weight``.
+
+        residual [T, hidden] fp32 contiguous; x [T, hidden] (rows may be strided, last
+        dim contiguous) and weight [hidden] in the model dtype (float32/bfloat16).
+        Returns the normed rows [T, hidden] in the model dtype.
+        """
+        rows, hidden = residual.shape
+        out = torch.empty(rows, hidden, dtype=weight.dtype)
+        rc = self._norm(
+            residual.data_ptr(),
+            None if x is None else x.data_ptr(),
+            0 if x is None else x.stride(0),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            hidden,
+            eps,
+            _DTYPES[weight.dtype],
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"kvs_add_rms_norm returned {rc}")
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] contiguous -> silu(gate) * up [T, I], same dtype."""
+        rows, two_i = gate_up.shape
+        out = torch.empty(rows, two_i // 2, dtype=gate_up.dtype)
+        rc = self._silu(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            rows,
+            two_i // 2,
+            _DTYPES[gate_up.dtype],
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"kvs_silu_mul returned {rc}")
+        return out
+
+    def rope_and_cache(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """RoPE on q and k of ``qkv`` [T, (H + 2Hk) * D] in place; K/V rows to their slots.
+
+        Rules: ``qkv`` contiguous rows; positions [T] int64 below ``cos.shape[0]``;
+        cos/sin [max_pos, D/2] fp32 contiguous; kv_cache [2, Hk, blocks, block_size, D]
+        contiguous in qkv's dtype; slot_mapping [T] int64, -1 = not written.
+        """
+        rc = self._rope(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            qkv.shape[0],
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            kv_cache.data_ptr(),
+            kv_cache.shape[2] * kv_cache.shape[3],
+            slot_mapping.data_ptr(),
+            _DTYPES[qkv.dtype],
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"kvs_rope_and_cache returned {rc}")
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in _DTYPES
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        seqs: torch.Tensor,
+        block_tables: torch.Tensor,
+        kv_segment_size: int,
+        scale: float,
+        row_tile: int = 16,
+    ) -> torch.Tensor:
+        """q [T, H, D] (last dim contiguous) -> out [T, H, D].
+
+        Rules: ``kv_cache`` [2, Hk, blocks, block_size, D] contiguous in q's dtype (one
+        of float32/bfloat16), on the CPU; ``seqs`` [S, 4] int64 contiguous rows of
+        (row_start, num_rows, num_tokens, cached_seq_len) covering ``[0, T)``;
+        ``block_tables`` [S, max_blocks] int64 contiguous with valid block ids for
+        every visible position. The kernel does not check bounds.
+        """
+        num_tokens, num_heads, head_dim = q.shape
+        _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+        rc = self._fn(
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            out.data_ptr(),
+            kv_cache.data_ptr(),
+            num_blocks,
+            block_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            seqs.data_ptr(),
+            seqs.shape[0],
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            kv_segment_size,
+            scale,
+            _DTYPES[q.dtype],
+            row_tile,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"kvs_paged_attention returned {rc} for dtype {q.dtype}")
+        return out
+
+
+@functools.cache
+def _load() -> PagedAttentionKernel | None:
+    try:
+        return PagedAttentionKernel(build())
+    except (RuntimeError, OSError) as e:
+        logger.warning("native paged attention unavailable, using portable: %s", e)
+        return None
+
+
+def get_kernel() -> PagedAttentionKernel | None:
+    """The kernel, built or loaded on first call (then cached); None means "use portable".
+
+    None when ``KVSERVE_ATTENTION=portable`` or when the build fails (logged once).
+    """
+    if os.environ.get(ENV_VAR, "native") == "portable":
+        return None
+    return _load()
+
+
+if __name__ == "__main__":
+    print(build(verbose=True))
+
+
+@torch.library.custom_op("kvserve::paged_attention", mutates_args=())
+def paged_attention_op(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seqs: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_segment_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """The native kernel as a PyTorch operator, so ``torch.compile`` keeps it opaque.
+
+    Same contract as :meth:`PagedAttentionKernel.__call__`; raises RuntimeError where
+    the kernel is unavailable (callers choose the backend first).
+    """
+    kernel = get_kernel()
+    if kernel is None:
+        raise RuntimeError("native paged attention is unavailable (see kvserve.model.native)")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return kernel(q, kv_cache, seqs, block_tables, kv_segment_size, scale)
+
+
+@paged_attention_op.register_fake
+def _(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seqs: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_segment_size: int,
+    scale: float,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)

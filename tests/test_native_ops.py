@@ -1,0 +1,109 @@
+"""The fused native layer ops against PyTorch references, and the whole native forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.attention import SeqSpec, build_attention_metadata
+from kvserve.model.native import get_kernel
+from kvserve.worker.model_runner import allocate_kv_cache
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def nk():
+    kernel = get_kernel()
+    assert kernel is not None, "the test machine has a C++ compiler"
+    return kernel
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_rms_norm(nk, dtype: torch.dtype, with_x: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    residual = torch.randn(7, 96, generator=gen) * 3
+    x = (torch.randn(7, 200, generator=gen) * 2).to(dtype)[:, :96]  # strided rows
+    w = torch.randn(96, generator=gen).to(dtype)
+    expect_res = residual + x.float() if with_x else residual.clone()
+    expect = F.rms_norm(expect_res, (96,), w.float(), 1e-5).to(dtype)
+    got = nk.add_rms_norm(residual, x if with_x else None, w, 1e-5)
+    torch.testing.assert_close(residual, expect_res, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got.float(), expect.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [40, 64])  # a vector tail and none
+def test_silu_mul(nk, dtype: torch.dtype, inter: int) -> None:
+    gu = (torch.randn(5, 2 * inter, generator=torch.Generator().manual_seed(1)) * 6).to(dtype)
+    gate, up = gu.float().chunk(2, -1)
+    expect = (F.silu(gate) * up).to(dtype)
+    torch.testing.assert_close(nk.silu_mul(gu).float(), expect.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_cache(nk, dtype: torch.dtype) -> None:
+    h, hk, d, bs, blocks = 4, 2, 16, 4, 6
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(5, (h + 2 * hk) * d, generator=gen).to(dtype)
+    positions = torch.tensor([3, 9, 0, 17, 5])
+    slots = torch.tensor([4, 7, -1, 13, 22])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(32).float(), inv)
+    cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+    kv = torch.zeros(2, hk, blocks, bs, d, dtype=dtype)
+    # reference: HF's rotate-half RoPE in fp32
+    x = qkv.float().view(5, h + 2 * hk, d)
+    c = torch.cat([cos[positions], cos[positions]], -1)[:, None]
+    s = torch.cat([sin[positions], sin[positions]], -1)[:, None]
+    rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    qk_ref = (x * c + rot * s)[:, : h + hk]
+    before = qkv.clone()
+    nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv, slots)
+    got = qkv.float().view(5, h + 2 * hk, d)
+    torch.testing.assert_close(got[:, : h + hk], qk_ref, **_tol(dtype))
+    assert torch.equal(qkv.view(5, -1, d)[:, h + hk :], before.view(5, -1, d)[:, h + hk :])
+    flat = kv.view(2, hk, -1, d)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        assert torch.equal(flat[0, :, slot], qkv.view(5, -1, d)[t, h : h + hk])
+        assert torch.equal(flat[1, :, slot], qkv.view(5, -1, d)[t, h + hk :])
+    written = (flat != 0).any(-1).any(0).any(0)
+    assert written.sum() == 4, "the padding row (slot -1) writes nothing"
+
+
+def test_native_forward_matches_portable(loaded_model) -> None:
+    """Fused native layers (fp32 residual) and the portable layers give the same logits."""
+    model = loaded_model.model
+    assert model.uses_native_layers
+    ids = loaded_model.tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"]
+    n, bs = len(ids), 16
+    blocks = list(range(1, 2 + n // bs))
+    logits = {}
+    for backend in ("native", "portable"):
+        kv = allocate_kv_cache(model, len(blocks) + 1, bs, torch.float32)
+        out = []
+        with torch.inference_mode():
+            for start in range(0, n, 24):  # chunked: later chunks read the pages
+                end = min(start + 24, n)
+                meta = build_attention_metadata(
+                    [SeqSpec(0, end - start, end - start, start, blocks)],
+                    num_tokens=end - start,
+                    block_size=bs,
+                    kv_segment_size=32,
+                    backend=backend,  # type: ignore[arg-type]
+                )
+                hidden = model(
+                    torch.tensor(ids[start:end]), torch.arange(start, end), list(kv.unbind(0)), meta
+                )
+                assert hidden.dtype == torch.float32
+                out.append(model.compute_logits(hidden))
+        logits[backend] = torch.cat(out)
+    torch.testing.assert_close(logits["native"], logits["portable"], atol=2e-3, rtol=1e-4)
