@@ -69,6 +69,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--temperature", type=float, default=0.8, help="0 = greedy (default: %(default)s)"
+    )
+    ap.add_argument("--top-p", type=float, default=0.95)
     args = ap.parse_args()
 
     config = EngineConfig(
@@ -98,7 +102,9 @@ def main() -> None:
     cls.update = _timed(acc, "detokenize", cls.update)  # type: ignore[method-assign]
 
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=args.steps + 50, temperature=0.8, top_p=0.95, seed=1)
+    params = SamplingParams(
+        max_tokens=args.steps + 50, temperature=args.temperature, top_p=args.top_p, seed=1
+    )
     for _ in range(args.num_requests):
         prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_len)]
         engine.add_request(prompt, params)
@@ -121,6 +127,7 @@ def main() -> None:
     dtype = str(engine.loaded.dtype).removeprefix("torch.")
     print(
         f"{args.num_requests} running decodes, prompt {args.prompt_len}, dtype={dtype}, "
+        f"temperature={args.temperature}, top_p={args.top_p}, "
         f"attention={runner.attention_backend}: step {total * 1e3:.1f} ms (median of {args.steps})"
     )
     overhead = 0.0

@@ -392,3 +392,29 @@ def test_logprobs_with_temperature_report_model_distribution() -> None:
         assert lp is not None
         assert lp.sampled_logprob == pytest.approx(row[tok], abs=1e-6)
         assert lp.top_token_ids == [0]
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_native_top_p_and_draw_match_portable(
+    monkeypatch: pytest.MonkeyPatch, top_p: float
+) -> None:
+    """The native nucleus selection and draw agree with the portable torch path."""
+    from kvserve.model.native import ENV_VAR, get_kernel
+    from kvserve.worker.sampler import _inverse_cdf_sample
+
+    kernel = get_kernel()
+    assert kernel is not None, "the test machine has a C++ compiler"
+    gen = torch.Generator().manual_seed(int(top_p * 1000))
+    logits = torch.randn(40, 3000, generator=gen) * torch.linspace(0.5, 6.0, 40).unsqueeze(1)
+    probs = torch.softmax(logits, -1)
+    probs[3, 100:110] = probs[3, 5]  # ties
+    p = torch.full((40,), top_p)
+    p[7] = 1.0  # a row without top-p
+    native = _apply_top_p(probs, p)
+    uniforms = torch.rand(40, dtype=torch.float64, generator=gen)
+    drawn = kernel.sample_rows(probs, kernel.top_p_threshold(probs, p), uniforms)
+    monkeypatch.setenv(ENV_VAR, "portable")
+    portable = _apply_top_p(probs, p)
+    assert torch.equal(native > 0, portable > 0)
+    assert torch.equal(drawn, _inverse_cdf_sample(portable, uniforms))
+    assert torch.equal(kernel.argmax_rows(logits), logits.argmax(-1))

@@ -32,7 +32,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("csrc") / n for n in ("paged_attention.cpp", "fused_ops.cpp")]
+_SOURCES = [
+    Path(__file__).with_name("csrc") / n
+    for n in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp")
+]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_VAR = "KVSERVE_ATTENTION"  # "native" (default when it builds) or "portable"
@@ -121,6 +124,61 @@ class PagedAttentionKernel:
         self._rope = lib.kvs_rope_and_cache
         self._rope.argtypes = [vp, i64, i64, i32, i32, i32, vp, vp, vp, vp, i64, vp, i32, i32]
         self._rope.restype = i32
+        self._argmax = lib.kvs_argmax_rows
+        self._argmax.argtypes = [vp, i64, i64, vp, i32]
+        self._argmax.restype = None
+        self._top_p = lib.kvs_top_p_threshold
+        self._top_p.argtypes = [vp, i64, i64, vp, vp, i32]
+        self._top_p.restype = None
+        self._sample = lib.kvs_sample_rows
+        self._sample.argtypes = [vp, i64, i64, vp, vp, vp, i32]
+        self._sample.restype = None
+
+    def sample_rows(
+        self, probs: torch.Tensor, threshold: torch.Tensor, uniforms: torch.Tensor
+    ) -> torch.Tensor:
+        """Inverse-CDF token per row over the tokens with ``probs >= threshold`` ([B]).
+
+        probs: contiguous fp32 [B, V] CPU (unnormalized, >= 0); threshold fp32 [B];
+        uniforms float64 [B] in [0, 1). Same rule as ``_inverse_cdf_sample`` on probs
+        with the tail below the threshold zeroed.
+        """
+        rows, cols = probs.shape
+        threshold = threshold.to(torch.float32).contiguous()
+        uniforms = uniforms.to(torch.float64).contiguous()
+        out = torch.empty(rows, dtype=torch.int64)
+        self._sample(
+            probs.data_ptr(),
+            rows,
+            cols,
+            threshold.data_ptr(),
+            uniforms.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(-1)`` for a contiguous fp32 [rows, cols] CPU tensor (rows >= 1)."""
+        rows, cols = x.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax(x.data_ptr(), rows, cols, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def top_p_threshold(self, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """Smallest kept probability per row of the nucleus (0 where ``top_p >= 1``).
+
+        probs: contiguous fp32 [rows, cols] CPU tensor; top_p: fp32 [rows]. Same rule
+        as :func:`kvserve.worker.sampler._apply_top_p` (sums in double, so a token
+        within float rounding of the boundary may fall on the other side).
+        """
+        rows, cols = probs.shape
+        top_p = top_p.to(torch.float32).contiguous()
+        out = torch.empty(rows, dtype=torch.float32)
+        self._top_p(
+            probs.data_ptr(), rows, cols, top_p.data_ptr(), out.data_ptr(), torch.get_num_threads()
+        )
+        return out
 
     def add_rms_norm(
         self,

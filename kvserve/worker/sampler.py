@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.model.native import get_kernel
 from kvserve.request import SamplingParams
 from kvserve.sched.output import Logprobs
 
@@ -138,9 +139,7 @@ class Sampler:
 
         # Fast path: argmax of the raw logits.
         if all(is_greedy) and not (need_logprobs or need_min_tokens or need_rep or need_freq_pres):
-            return SamplerOutput(
-                token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(states)
-            )
+            return SamplerOutput(token_ids=_argmax(logits).tolist(), logprobs=[None] * len(states))
 
         logits = logits.float()  # [B, V]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
@@ -153,7 +152,7 @@ class Sampler:
             _apply_frequency_presence_penalties(logits, states)
 
         if all(is_greedy):
-            sampled = logits.argmax(dim=-1)  # [B]
+            sampled = _argmax(logits)  # [B]
         else:
             sampled = self._sample(logits, states, is_greedy)
 
@@ -173,7 +172,7 @@ class Sampler:
         vocab_size = logits.shape[1]
         params = [s.params for s in states]
         greedy_mask = torch.tensor(is_greedy, device=device)  # [B]
-        greedy_tokens = logits.argmax(dim=-1)  # [B]
+        greedy_tokens = _argmax(logits)  # [B]
 
         # Greedy rows get temperature 1 and no truncation; their sample is discarded.
         temps = torch.tensor(
@@ -196,11 +195,21 @@ class Sampler:
 
         probs = torch.softmax(logits, dim=-1)  # [B, V]
         top_ps = [1.0 if g else p.top_p for g, p in zip(is_greedy, params, strict=True)]
-        if any(p < 1.0 for p in top_ps):
-            probs = _apply_top_p(probs, torch.tensor(top_ps, device=device, dtype=probs.dtype))
-
-        uniforms = self._uniforms(states, is_greedy).to(device=device, dtype=probs.dtype)
-        random_tokens = _inverse_cdf_sample(probs, uniforms)  # [B]
+        top_p = torch.tensor(top_ps, device=device, dtype=probs.dtype)
+        uniforms = self._uniforms(states, is_greedy)
+        kernel = get_kernel() if _native_rows(probs) else None
+        if kernel is not None:  # nucleus selection and the draw in two passes per row
+            probs = probs.contiguous()
+            if any(p < 1.0 for p in top_ps):
+                threshold = kernel.top_p_threshold(probs, top_p)
+            else:
+                threshold = torch.zeros(len(states))
+            random_tokens = kernel.sample_rows(probs, threshold, uniforms)
+        else:
+            if any(p < 1.0 for p in top_ps):
+                probs = _apply_top_p(probs, top_p)
+            uniforms = uniforms.to(device=device, dtype=probs.dtype)
+            random_tokens = _inverse_cdf_sample(probs, uniforms)  # [B]
         return torch.where(greedy_mask, greedy_tokens, random_tokens)
 
     def _uniforms(self, states: list[SamplingRequestState], is_greedy: list[bool]) -> torch.Tensor:
@@ -209,7 +218,13 @@ class Sampler:
         Seeded rows: from :func:`seed_for_step` alone, so the draw depends only on
         (seed, number of output tokens). Unseeded rows: the sampler's generator.
         """
-        u = torch.zeros(len(states), dtype=torch.float64)
+        values = [
+            seed_uniform(s.params.seed, len(s.output_token_ids))
+            if not g and s.params.seed is not None
+            else 0.0
+            for s, g in zip(states, is_greedy, strict=True)
+        ]
+        u = torch.tensor(values, dtype=torch.float64)
         unseeded = [
             i
             for i, (s, g) in enumerate(zip(states, is_greedy, strict=True))
@@ -217,13 +232,22 @@ class Sampler:
         ]
         if unseeded:
             u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, generator=self._generator)
-        for i, (s, g) in enumerate(zip(states, is_greedy, strict=True)):
-            if not g and s.params.seed is not None:
-                u[i] = seed_uniform(s.params.seed, len(s.output_token_ids))
         return u
 
 
 # -- logits processing (all in place on a private copy, or returning a new tensor) -----
+
+
+def _native_rows(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.numel() > 0
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` ([B]); the native row kernel on CPU fp32 (torch's is slow)."""
+    kernel = get_kernel() if _native_rows(logits) else None
+    if kernel is None:
+        return logits.argmax(dim=-1)
+    return kernel.argmax_rows(logits.contiguous())
 
 
 def _padded_ids(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -341,6 +365,10 @@ def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     tokens, and sorts the whole row only for rows whose nucleus is wider still;
     which step decides depends on the row alone.
     """
+    kernel = get_kernel() if _native_rows(probs) else None
+    if kernel is not None:  # expected O(V) selection per row instead of top-k sorts
+        threshold = kernel.top_p_threshold(probs.contiguous(), top_p)
+        return probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)
     vocab_size = probs.shape[1]
     threshold = torch.full_like(top_p, float("nan"))  # [B]
     rows = torch.arange(probs.shape[0], device=probs.device)
