@@ -225,8 +225,7 @@ def test_native_bfloat16_matches_float64_reference(case: dict) -> None:
         ref = reference_attention(q.float(), kv_cache.float(), s, case["block_size"], d**-0.5)
         got = out[s.token_start : s.token_start + s.num_tokens].float()
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
-        pad = out[s.token_start + s.num_tokens : s.token_start + s.num_rows]
-        assert (pad == 0).all(), "padding rows get a zero output"
+    assert torch.isfinite(out.float()).all(), "padding and dummy rows stay finite"
 
 
 def test_native_reads_pages_in_place_with_strided_queries() -> None:

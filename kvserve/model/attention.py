@@ -104,11 +104,19 @@ class DecodeBatch:
 
 @dataclass
 class NativeBatch:
-    """The native kernel's view of the whole batch (every request and dummy row)."""
+    """The native kernel's view of the whole batch (every request and dummy row).
+
+    Decode rows attend to their whole context through the pages. Prefill requests
+    (``prefills``: row_start, num_rows, num_tokens, cached_seq_len) are marked
+    prior-only: the kernel covers their prior context in segments and returns its
+    log-sum-exp, the new tokens attend among themselves through PyTorch's fused
+    causal kernel, and the two parts merge exactly.
+    """
 
     kernel: PagedAttentionKernel
-    seqs: torch.Tensor  # [S, 4] int64: row_start, num_rows, num_tokens, cached_seq_len
+    seqs: torch.Tensor  # [S, 5] int64: row_start, num_rows, num_tokens, cached_seq_len, prior_only
     block_tables: torch.Tensor  # [S, max_blocks] int64, 0 = null block
+    prefills: list[tuple[int, int, int, int]]
 
 
 @dataclass
@@ -277,7 +285,8 @@ def _build_native(
 ) -> AttentionMetadata:
     """Native-kernel metadata: per-request rows, block tables, KV write slots."""
     num_seqs = len(seqs) + num_dummy
-    info = np.zeros((num_seqs, 4), dtype=np.int64)
+    info = np.zeros((num_seqs, 5), dtype=np.int64)
+    prefills: list[tuple[int, int, int, int]] = []
     nblocks = [-(-(s.cached_seq_len + s.num_tokens) // block_size) for s in seqs]
     table = np.zeros((num_seqs, max([1, *nblocks])), dtype=np.int64)
     slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
@@ -299,7 +308,10 @@ def _build_native(
             )
         bt = np.asarray(s.block_ids[:nb], dtype=np.int64)
         table[i, :nb] = bt
-        info[i] = (row, s.num_rows, s.num_tokens, s.cached_seq_len)
+        prior_only = int(s.num_rows > 1)
+        info[i] = (row, s.num_rows, s.num_tokens, s.cached_seq_len, prior_only)
+        if prior_only:
+            prefills.append((row, s.num_rows, s.num_tokens, s.cached_seq_len))
         slot_mapping[row : row + s.num_tokens] = _token_slots(
             bt, s.cached_seq_len, s.cached_seq_len + s.num_tokens, block_size
         )
@@ -307,7 +319,7 @@ def _build_native(
     if row + num_dummy != num_tokens:
         raise ValueError(f"rows {row} + dummy rows {num_dummy} != num_tokens {num_tokens}")
     for j in range(num_dummy):  # one token at position 0 of the null block
-        info[len(seqs) + j] = (row + j, 1, 1, 0)
+        info[len(seqs) + j] = (row + j, 1, 1, 0, 0)
     valid = slot_mapping >= 0
     slots_t = torch.from_numpy(slot_mapping)
     if valid.all():
@@ -324,7 +336,7 @@ def _build_native(
         decode=None,
         block_size=block_size,
         kv_segment_size=kv_segment_size,
-        native=NativeBatch(kernel, torch.from_numpy(info), torch.from_numpy(table)),
+        native=NativeBatch(kernel, torch.from_numpy(info), torch.from_numpy(table), prefills),
     )
 
 
@@ -493,12 +505,7 @@ def paged_attention(
     """
     write_kv(kv_cache, k, v, meta)
     if meta.native is not None:
-        nb = meta.native
-        if torch.compiler.is_compiling():  # an opaque operator inside compiled graphs
-            return paged_attention_op(
-                q, kv_cache, nb.seqs, nb.block_tables, meta.kv_segment_size, scale
-            )
-        return nb.kernel(q, kv_cache, nb.seqs, nb.block_tables, meta.kv_segment_size, scale)
+        return native_attention(q, k, v, kv_cache, meta, scale)
     if not meta.prefills and meta.decode is not None and meta.decode.token_start == 0:
         return decode_attention(q, kv_cache, meta.decode, scale)
     out = torch.empty_like(q)
@@ -510,4 +517,48 @@ def paged_attention(
         d = meta.decode
         rows = slice(d.token_start, d.token_start + d.num_rows)
         out[rows] = decode_attention(q[rows], kv_cache, d, scale)
+    return out
+
+
+def native_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a native-metadata batch whose K/V are already in the cache.
+
+    q: [T, H, D], k/v: [T, Hk, D] (the step's new K/V, RoPE applied; rows may be
+    strided). One kernel call covers every decode row and the prior context of every
+    prefill request (see :class:`NativeBatch`); each prefill's new tokens then attend
+    causally among themselves and merge with the prior part. Returns [T, H, D].
+    """
+    nb = meta.native
+    assert nb is not None
+    seg = meta.kv_segment_size
+    compiling = torch.compiler.is_compiling()
+    if not nb.prefills:
+        if compiling:  # an opaque operator inside compiled graphs
+            return paged_attention_op(q, kv_cache, nb.seqs, nb.block_tables, seg, scale)
+        return nb.kernel(q, kv_cache, nb.seqs, nb.block_tables, seg, scale)
+    if compiling:
+        raise RuntimeError("compiled steps run decode-only native batches")
+    lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32)  # [T, H]
+    out = nb.kernel(q, kv_cache, nb.seqs, nb.block_tables, seg, scale, lse=lse)
+    for start, num_rows, _, cached in nb.prefills:
+        rows = slice(start, start + num_rows)
+        o, o_lse = attention_with_lse(
+            q[rows].unsqueeze(0).transpose(1, 2),  # [1, H, n, D]
+            k[rows].unsqueeze(0).transpose(1, 2),
+            v[rows].unsqueeze(0).transpose(1, 2),
+            causal=True,
+            scale=scale,
+        )
+        if cached > 0:
+            prior = out[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            prior_lse = lse[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n]
+            o, _ = merge_attention_states(o, o_lse, prior, prior_lse)
+        out[rows] = o[0].transpose(0, 1)
     return out

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model.attention import AttentionMetadata, paged_attention
+from kvserve.model.attention import AttentionMetadata, native_attention, paged_attention
 from kvserve.model.native import PagedAttentionKernel, get_kernel
 
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -528,7 +528,12 @@ class LlamaForCausalLM(nn.Module):
             qkv = ops.qkv(y)  # [T, (H + 2Hk) * D]
             nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv_cache, meta.slot_mapping)
             q = qkv[:, : h * d].view(num_tokens, h, d)
-            attn = nk(q, kv_cache, seqs, tables, seg, self.scale)  # [T, H, D]
+            if meta.native.prefills:
+                k = qkv[:, h * d : (h + hk) * d].view(num_tokens, hk, d)
+                v = qkv[:, (h + hk) * d :].view(num_tokens, hk, d)
+                attn = native_attention(q, k, v, kv_cache, meta, self.scale)
+            else:
+                attn = nk(q, kv_cache, seqs, tables, seg, self.scale)  # [T, H, D]
             o = ops.o(attn.view(num_tokens, h * d))
             y = nk.add_rms_norm(residual, o, ops.post_attention_layernorm, eps)
             pending = ops.down(nk.silu_mul(ops.gate_up(y)))

@@ -112,7 +112,7 @@ class PagedAttentionKernel:
         i64, i32, vp, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         fn = lib.kvs_paged_attention
         fn.argtypes = [vp, i64, i64, vp, vp, i64, i32, i32, i32, i32, vp, i64, vp, i64, i32]
-        fn.argtypes += [f32, i32, i32, i32]
+        fn.argtypes += [f32, i32, i32, i32, vp]
         fn.restype = i32
         self._fn = fn
         self._norm = lib.kvs_add_rms_norm
@@ -277,14 +277,17 @@ class PagedAttentionKernel:
         kv_segment_size: int,
         scale: float,
         row_tile: int = 16,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, H, D] (last dim contiguous) -> out [T, H, D].
 
         Rules: ``kv_cache`` [2, Hk, blocks, block_size, D] contiguous in q's dtype (one
-        of float32/bfloat16), on the CPU; ``seqs`` [S, 4] int64 contiguous rows of
-        (row_start, num_rows, num_tokens, cached_seq_len) covering ``[0, T)``;
-        ``block_tables`` [S, max_blocks] int64 contiguous with valid block ids for
-        every visible position. The kernel does not check bounds.
+        of float32/bfloat16), on the CPU; ``seqs`` [S, 5] int64 contiguous rows of
+        (row_start, num_rows, num_tokens, cached_seq_len, prior_only) covering
+        ``[0, T)``; ``block_tables`` [S, max_blocks] int64 contiguous with valid block
+        ids for every visible position; ``lse`` (optional) fp32 [T, H] contiguous,
+        receives each row's log-sum-exp (padding rows are left as they are). The
+        kernel does not check bounds.
         """
         num_tokens, num_heads, head_dim = q.shape
         _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
@@ -309,6 +312,7 @@ class PagedAttentionKernel:
             _DTYPES[q.dtype],
             row_tile,
             torch.get_num_threads(),
+            None if lse is None else lse.data_ptr(),
         )
         if rc != 0:
             raise RuntimeError(f"kvs_paged_attention returned {rc} for dtype {q.dtype}")

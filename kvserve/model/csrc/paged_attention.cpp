@@ -8,11 +8,15 @@
 //   kv:   [2, Hk, num_blocks, block_size, D]   ([0] = K, [1] = V), float32 or bfloat16
 //   q:    [T, H, D] strided (row stride, head stride; the last dim contiguous)
 //   out:  [T, H, D] contiguous, same dtype as q
-//   seqs: [num_seqs, 4] int64 = (row_start, num_rows, num_tokens, cached_seq_len)
+//   seqs: [num_seqs, 5] int64 = (row_start, num_rows, num_tokens, cached_seq_len, prior_only)
+//   lse:  [T, H] fp32 or null: log-sum-exp of each row's scaled scores (-inf: no key)
 //   block_tables: [num_seqs, max_blocks] int64 (0 = null block)
 //
 // Query row j of a sequence (j < num_tokens) sits at position cached_seq_len + j and
-// attends to keys [0, cached_seq_len + j] (its own KV was written before the call).
+// attends to keys [0, cached_seq_len + j] (its own KV was written before the call),
+// or, with prior_only = 1, to the prior context [0, cached_seq_len) alone (the caller
+// attends the new tokens among themselves and merges with the returned lse; a row
+// with no key gets output 0 and lse -inf).
 // Rows j >= num_tokens are padding: their output is zero. The keys are walked in
 // parts: segments of `seg` tokens over the prior context [0, cached_seq_len) (the
 // last one partial, bounded at cached_seq_len; seg <= 0 means one segment), then the
@@ -102,6 +106,7 @@ struct Args {
   int64_t max_blocks;
   int seg;
   float scale;
+  float* lse;
 };
 
 struct Task {
@@ -115,8 +120,8 @@ template <typename T>
 void run_task(const Args& a, const Task& task, std::vector<float>& buf) {
   const int D = a.head_dim, bs = a.block_size;
   const int g = a.num_heads / a.num_kv_heads;
-  const int64_t* s = a.seqs + 4 * task.seq;
-  const int64_t row_start = s[0], num_tokens = s[2], ctx = s[3];
+  const int64_t* s = a.seqs + 5 * task.seq;
+  const int64_t row_start = s[0], num_tokens = s[2], ctx = s[3], prior_only = s[4];
   const int64_t* bt = a.block_tables + a.max_blocks * task.seq;
   const T* q = static_cast<const T*>(a.q);
   T* out = static_cast<T*>(a.out);
@@ -155,7 +160,7 @@ void run_task(const Args& a, const Task& task, std::vector<float>& buf) {
       std::fill(acc + m * D, acc + (m + 1) * D, 0.f);
       mx[m] = kNegInf;
       l[m] = 0.f;
-      const int64_t n = ctx + r + 1;
+      const int64_t n = prior_only ? ctx : ctx + r + 1;
       lim[m] = static_cast<float>(n);
       lmax = std::max(lmax, n);
     }
@@ -220,9 +225,11 @@ void run_task(const Args& a, const Task& task, std::vector<float>& buf) {
   for (int64_t r = task.r0; r < r_end; ++r)
     for (int j = 0; j < g; ++j) {
       const int m = static_cast<int>(r - task.r0) * g + j;
-      const float inv = 1.f / l[m];
-      T* o = out + (row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
+      const float inv = l[m] > 0.f ? 1.f / l[m] : 0.f;
+      const int64_t head = task.kvh * g + j;
+      T* o = out + (row_start + r) * a.num_heads * D + head * D;
       for (int d = 0; d < D; ++d) from_f32(acc[m * D + d] * inv, o + d);
+      if (a.lse) a.lse[(row_start + r) * a.num_heads + head] = l[m] > 0.f ? mx[m] + std::log(l[m]) : kNegInf;
     }
 }
 
@@ -375,8 +382,8 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   constexpr int MB = 4;  // queries per PV pass
   const int bs = a.block_size;
   const int g = a.num_heads / a.num_kv_heads;
-  const int64_t* s = a.seqs + 4 * task.seq;
-  const int64_t row_start = s[0], num_tokens = s[2], ctx = s[3];
+  const int64_t* s = a.seqs + 5 * task.seq;
+  const int64_t row_start = s[0], num_tokens = s[2], ctx = s[3], prior_only = s[4];
   const int64_t* bt = a.block_tables + a.max_blocks * task.seq;
   const T* q = static_cast<const T*>(a.q);
   T* out = static_cast<T*>(a.out);
@@ -418,7 +425,7 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
       std::fill(acc + m * D, acc + (m + 1) * D, 0.f);
       mx[m] = kNegInf;
       l[m] = 0.f;
-      lim[m] = ctx + r + 1;
+      lim[m] = prior_only ? ctx : ctx + r + 1;
       lmax = std::max(lmax, lim[m]);
     }
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -524,8 +531,10 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   for (int64_t r = task.r0; r < r_end; ++r)
     for (int j = 0; j < g; ++j) {
       const int m = static_cast<int>(r - task.r0) * g + j;
-      const float inv = 1.f / l[m];
-      T* o = out + (row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
+      const float inv = l[m] > 0.f ? 1.f / l[m] : 0.f;
+      const int64_t head = task.kvh * g + j;
+      if (a.lse) a.lse[(row_start + r) * a.num_heads + head] = l[m] > 0.f ? mx[m] + std::log(l[m]) : kNegInf;
+      T* o = out + (row_start + r) * a.num_heads * D + head * D;
       if constexpr (kBf16Dot) {
         for (int dv = 0; dv < DV; ++dv)
           for (int ln = 0; ln < 16; ++ln)
@@ -554,7 +563,7 @@ template <typename T>
 void run_all(const Args& a, int64_t num_seqs, int row_tile, int num_threads) {
   std::vector<Task> tasks;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t rows = a.seqs[4 * s + 1];
+    const int64_t rows = a.seqs[5 * s + 1];
     for (int64_t r0 = 0; r0 < rows; r0 += row_tile)
       for (int h = 0; h < a.num_kv_heads; ++h)
         tasks.push_back(Task{s, r0, std::min<int64_t>(r0 + row_tile, rows), h});
@@ -583,10 +592,10 @@ int kvs_paged_attention(const void* q, int64_t q_row_stride, int64_t q_head_stri
                         const void* kv, int64_t num_blocks, int block_size, int num_heads,
                         int num_kv_heads, int head_dim, const int64_t* seqs, int64_t num_seqs,
                         const int64_t* block_tables, int64_t max_blocks, int seg, float scale,
-                        int dtype, int row_tile, int num_threads) {
+                        int dtype, int row_tile, int num_threads, float* lse) {
   Args a{q,         q_row_stride, q_head_stride, out,          kv,         num_blocks, block_size,
          num_heads, num_kv_heads, head_dim,      seqs,         block_tables, max_blocks, seg,
-         scale};
+         scale,     lse};
   if (dtype == 0) {
     run_all<float>(a, num_seqs, row_tile, num_threads);
   } else if (dtype == 1) {
