@@ -569,14 +569,15 @@ void run_all(const Args& a, int64_t num_seqs, int row_tile, int num_threads) {
         tasks.push_back(Task{s, r0, std::min<int64_t>(r0 + row_tile, rows), h});
   }
   const int64_t n = static_cast<int64_t>(tasks.size());
+  // Scratch per thread, kept across calls (OpenMP pool threads persist): a fresh
+  // buffer per call would be page-faulted in every time.
+  static thread_local std::vector<float> buf;
   if (num_threads <= 1 || n <= 1) {
-    std::vector<float> buf;
     for (const Task& t : tasks) dispatch_task<T>(a, t, buf);
     return;
   }
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> buf;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) dispatch_task<T>(a, tasks[i], buf);
   }
