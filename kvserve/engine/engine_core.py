@@ -188,8 +188,11 @@ class EngineCore:
                 continue
             request = state.request
             detok = state.detokenizer
-            text = detok.update(out.new_token_ids) if out.new_token_ids else ""
             finish_reason = out.finish_reason
+            # The scheduler finishes as "stop" only on EOS or a stop token id, which is
+            # then the last new token: the detokenizer leaves its text out.
+            stop_terminated = finish_reason == "stop"
+            text = detok.update(out.new_token_ids, stop_terminated) if out.new_token_ids else ""
             stop_reason = out.stop_reason
             if finish_reason is None and detok.finished_by_stop:
                 self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED)
