@@ -19,6 +19,7 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None  # the step that produced the newest token
     finished_time: float | None = None
 
 

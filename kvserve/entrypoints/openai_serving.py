@@ -42,8 +42,9 @@ from kvserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
+    request_error_to_api,
 )
-from kvserve.request import SamplingParams
+from kvserve.request import RequestError, SamplingParams
 from kvserve.sched.output import Logprobs
 
 RETRY_AFTER_S = 1
@@ -234,66 +235,36 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def check_length(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int | None,
-        *,
-        prompt_param: str,
-        max_tokens_param: str,
-    ) -> None:
-        """400 for an empty or too-long prompt, or prompt + max_tokens over max_model_len."""
-        n, limit = len(prompt_ids), self.engine.max_model_len
-        if n == 0:
-            raise bad_request(
-                f"{prompt_param} is empty (0 tokens): send some text, e.g. "
-                '"prompt": "Once upon a time"',
-                param=prompt_param,
-            )
-        if n >= limit:
-            raise bad_request(
-                f"{prompt_param} has {n} tokens but this model's context is {limit} tokens "
-                f"(max_model_len): shorten it to at most {limit - 1} tokens",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        if max_tokens is not None and isinstance(max_tokens, int) and n + max_tokens > limit:
-            raise bad_request(
-                f"{prompt_param} has {n} tokens and {max_tokens_param}={max_tokens}, together "
-                f"{n + max_tokens} > max_model_len={limit}: set {max_tokens_param} to at most "
-                f"{limit - n} or shorten the prompt",
-                param=max_tokens_param,
-                code="context_length_exceeded",
-            )
-
     async def submit(
         self,
         req_id: str,
         inputs: list[tuple[str | None, list[int], SamplingParams]],
         cache_salt: str | None,
-        prompt_param: str,
+        names: dict[str, str],
     ) -> list[RequestStream]:
-        """Queue every prompt (all or none); map engine refusals to APIError."""
-        for _, ids, params in inputs:
-            try:
-                self.engine.validate_request(ids, params)
-            except ValueError as e:
-                raise bad_request(str(e), param=prompt_param) from None
-        streams: list[RequestStream] = []
+        """Queue every prompt, all or none: each is validated once (``make_request``)
+        before any is queued. Refusals become APIError naming the request's field
+        (``names``: engine field -> request field)."""
+        requests = []
         try:
             for i, (text, ids, params) in enumerate(inputs):
-                sub_id = req_id if len(inputs) == 1 else f"{req_id}-{i}"
-                streams.append(
-                    await self.engine.generate(
+                requests.append(
+                    self.engine.make_request(
                         ids,
                         params,
-                        request_id=sub_id,
+                        request_id=req_id if len(inputs) == 1 else f"{req_id}-{i}",
                         prompt=text,
                         cache_salt=cache_salt,
-                        # One check per HTTP request: a batch is admitted whole.
-                        max_waiting=self.max_queue_len if i == 0 else None,
                     )
                 )
+        except RequestError as e:
+            raise request_error_to_api(e, names) from None
+        streams: list[RequestStream] = []
+        try:
+            for i, request in enumerate(requests):
+                # One queue-length check per HTTP request: a batch is admitted whole.
+                max_waiting = self.max_queue_len if i == 0 else None
+                streams.append(await self.engine.submit(request, max_waiting=max_waiting))
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -313,8 +284,8 @@ class OpenAIServing:
                     code="engine_unavailable",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 ) from None
-            if isinstance(e, ValueError):
-                raise bad_request(str(e), param=prompt_param) from None
+            if isinstance(e, RequestError):
+                raise request_error_to_api(e, names) from None
             raise
         return streams
 
@@ -344,20 +315,17 @@ class OpenAIServing:
                 ids = list(self.tokenizer.encode(prompt))
             else:
                 text, ids = None, prompt
-            self.check_length(
-                ids, req.max_tokens, prompt_param="prompt", max_tokens_param="max_tokens"
-            )
             max_tokens = req.max_tokens
             if max_tokens is None:
-                max_tokens = min(
-                    COMPLETIONS_DEFAULT_MAX_TOKENS, self.engine.max_model_len - len(ids)
-                )
+                # Never below 1, so that a too-long prompt is refused for its length.
+                room = max(self.engine.max_model_len - len(ids), 1)
+                max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
             params = req.sampling_params(max_tokens, req.logprobs, max_tokens_param="max_tokens")
             inputs.append((text, ids, params))
             if req.echo:
                 echo_texts.append(text if text is not None else str(self.tokenizer.decode(ids)))
         req_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(req_id, inputs, req.cache_salt, "prompt")
+        streams = await self.submit(req_id, inputs, req.cache_salt, req.param_names("max_tokens"))
         return req_id, streams, echo_texts
 
     def completion_logprobs(
@@ -493,10 +461,10 @@ class OpenAIServing:
         req.check()
         text, ids = self.render_chat(req)
         max_tokens, max_param = req.requested_max_tokens
-        self.check_length(ids, max_tokens, prompt_param="messages", max_tokens_param=max_param)
         params = req.sampling_params(max_tokens, req.num_logprobs, max_tokens_param=max_param)
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(req_id, [(text, ids, params)], req.cache_salt, "messages")
+        names = req.param_names(max_param)
+        streams = await self.submit(req_id, [(text, ids, params)], req.cache_salt, names)
         return req_id, streams
 
     def chat_logprobs(

@@ -339,6 +339,10 @@ class LoadedModel:
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"float32"``/``"bfloat16"``/``"float16"`` (or a torch dtype) -> torch dtype."""

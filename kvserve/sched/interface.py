@@ -39,7 +39,7 @@ from typing import Protocol
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.block_pool import KVCacheBlock
 from kvserve.kv_cache.manager import KVCacheManager, cdiv
-from kvserve.request import Request, RequestStatus
+from kvserve.request import Request, RequestError, RequestStatus, check_prompt
 from kvserve.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -245,13 +245,15 @@ class Scheduler(abc.ABC):
         self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
-        """Raise ValueError when the id is taken, the request was already used, the
-        prompt exceeds ``max_model_len``, or the request could never fit in the whole
-        KV cache (it would wait forever). Changes nothing."""
+        """Raise ValueError when the id is taken or the request was already used, and
+        :class:`RequestError` when it breaks the length rule of
+        :func:`~kvserve.request.check_prompt` or could never fit in the whole KV cache
+        (it would wait forever). Changes nothing."""
         req_id = request.req_id
         if req_id in self.requests:
-            raise ValueError(
-                f"request id {req_id!r} is already queued: use a unique id per request"
+            raise RequestError(
+                f"request id {req_id!r} is already queued: use a unique id per request",
+                param="request_id",
             )
         if (
             request.status != RequestStatus.WAITING
@@ -261,22 +263,20 @@ class Scheduler(abc.ABC):
             raise ValueError(
                 f"request {req_id!r} is not fresh ({request!r}): add a new Request object"
             )
-        if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {req_id!r} has a {request.num_prompt_tokens}-token prompt but "
-                f"max_model_len={self.max_model_len}: shorten the prompt to at most "
-                f"{self.max_model_len} tokens or raise max_model_len"
-            )
+        # The engine checked max_tokens too; generating up to max_model_len finishes
+        # the request as "length", so here only the prompt must leave room.
+        check_prompt(request.prompt_token_ids, None, max_model_len=self.max_model_len)
         # Tokens that ever need KV: everything except the last sampled token.
         worst = min(request.num_prompt_tokens + request.max_tokens - 1, self.max_model_len)
         kv = self.kv_cache_manager
         if kv.max_concurrent_requests(worst) < 1:
             bs = kv.block_size
-            raise ValueError(
+            raise RequestError(
                 f"request {req_id!r} may need KV for {worst} tokens ({cdiv(worst, bs)} blocks of "
                 f"{bs}) but the KV cache has only {kv.num_blocks - 1} usable blocks: lower "
                 f"max_tokens or the prompt length, or give the cache more blocks "
-                f"(for example: num_kv_blocks={cdiv(worst, bs) + 1})"
+                f"(for example: num_kv_blocks={cdiv(worst, bs) + 1})",
+                param="max_tokens",
             )
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -458,6 +458,7 @@ class Scheduler(abc.ABC):
                     break
             if request.first_token_time is None:
                 request.first_token_time = now
+            request.last_token_time = now
             logprobs = model_runner_output.logprobs.get(req_id)
             finish_reason = request.finish_reason
             if request.is_finished:
@@ -468,7 +469,7 @@ class Scheduler(abc.ABC):
                     req_id=req_id,
                     new_token_ids=new_token_ids,
                     new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
-                    finish_reason=finish_reason.value if finish_reason else None,
+                    finish_reason=finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(0, request.num_cached_tokens),
                 )

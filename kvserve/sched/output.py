@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvserve.request import SamplingParams
+from kvserve.request import FinishReason, SamplingParams
 
 Phase = Literal["prefill", "decode", "mixed", "idle"]
 
@@ -128,6 +128,6 @@ class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
