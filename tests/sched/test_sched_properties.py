@@ -19,7 +19,7 @@ from kvserve.config import SchedulerConfig
 from kvserve.kv_cache import KVCacheManager, cdiv
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.sched import make_scheduler
-from kvserve.sched.interface import is_decode
+from kvserve.sched.base import is_decode
 from kvserve.sched.output import ModelRunnerOutput
 
 PREFIXES = [list(range(10_000 + 300 * i, 10_000 + 300 * i + 300)) for i in range(2)]

@@ -34,11 +34,11 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.block_pool import KVCacheBlock
 from kvserve.kv_cache.manager import KVCacheManager, cdiv
+from kvserve.kv_transfer.connector import KVConnector
 from kvserve.request import Request, RequestError, RequestStatus, check_prompt
 from kvserve.sched.output import (
     CachedRequestData,
@@ -63,35 +63,6 @@ class SchedulerState(enum.StrEnum):
     ACTIVE_DECODE = "ACTIVE_DECODE"
 
 
-class KVConnector(Protocol):
-    """Seam for disaggregated serving (GUIDE "Seams"); no implementation ships yet.
-
-    Scheduler side only. A connector lets an outside source (a prefill worker)
-    supply prompt KV and learns when a request's blocks are about to be freed. The
-    model-runner side (load KV before the forward pass, save a layer's KV after it)
-    belongs to the runner and is not part of this protocol.
-
-    - ``get_num_new_matched_tokens(request, num_computed_tokens)``: how many tokens
-      after the local prefix hit the outside source can supply (>= 0). The scheduler
-      allocates blocks for them without spending token budget and counts them as
-      computed; it never asks for the request's last token.
-    - ``update_state_after_alloc(request, block_ids, num_external_tokens)``: the
-      blocks are allocated; the connector must have their KV loaded before the
-      request's first forward pass.
-    - ``request_finished(request, block_ids)``: called right before the request's
-      blocks are freed (finish, abort or preemption). A connector that still needs
-      the KV must copy it out during this call.
-    """
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int: ...
-
-    def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
-    ) -> None: ...
-
-    def request_finished(self, request: Request, block_ids: list[int]) -> None: ...
-
-
 def is_decode(request: Request) -> bool:
     """True when the prompt is done and only the last sampled token is left to compute."""
     n = request.num_computed_tokens
@@ -106,8 +77,15 @@ def chunk_size(remaining: int, budget: int, cap: int = 0) -> int:
     return n
 
 
-class _StepBuilder:
-    """Collects one step's scheduled requests; turned into a SchedulerOutput at the end."""
+class StepBuilder:
+    """Collects one step's scheduled requests; a policy's ``schedule`` fills one and
+    hands it to ``Scheduler._build_output``.
+
+    Rules for callers: add each request at most once per step, after its blocks
+    for ``num_tokens`` tokens were allocated and before ``num_computed_tokens``
+    changes; ``add_new`` for a request just admitted (the runner gets its prompt and
+    all its blocks), ``add_running`` for one the runner already holds (only the
+    blocks added this step)."""
 
     def __init__(self) -> None:
         self.new_reqs: list[NewRequestData] = []
@@ -161,11 +139,12 @@ class _StepBuilder:
 class Scheduler(abc.ABC):
     """Base of both policies. Subclasses implement :meth:`schedule`.
 
-    ``config`` is resolved (validated, default buckets filled in) on construction;
-    a bad config, or one whose ``block_size``/``max_model_len`` disagree with the KV
-    cache manager, raises ValueError. ``clock`` returns the time stamped on requests
-    (``first_scheduled_time``, ``first_token_time``, ``finished_time``); the
-    simulator passes the step number. ``kv_connector``: see :class:`KVConnector`.
+        ``config`` is resolved (validated, default buckets filled in) on construction;
+        a bad config, or one whose ``block_size``/``max_model_len`` disagree with the KV
+        cache manager, raises ValueError. ``clock`` returns the time stamped on requests
+        (``first_scheduled_time``, ``first_token_time``, ``finished_time``); the
+        simulator passes the step number. ``kv_connector``: see
+    :class:`~kvserve.kv_transfer.connector.KVConnector`.
     """
 
     def __init__(
@@ -300,8 +279,7 @@ class Scheduler(abc.ABC):
                 self.waiting.remove(request)
             request.status = status
             self._free_finished(request)
-        if not self.has_unfinished_requests():
-            self._state = SchedulerState.IDLE
+        self._set_state(self._state)
 
     def _free_finished(self, request: Request) -> None:
         """Release a finished request (already out of both queues)."""
@@ -321,7 +299,7 @@ class Scheduler(abc.ABC):
     def schedule(self) -> SchedulerOutput:
         """Decide this step's requests and token counts; allocate their KV blocks."""
 
-    def _admit(self, request: Request, budget: int, cap: int, step: _StepBuilder) -> int | None:
+    def _admit(self, request: Request, budget: int, cap: int, step: StepBuilder) -> int | None:
         """Try to move ``request`` (the head of ``waiting``) to ``running`` with its
         first chunk: prefix lookup, then one ``allocate_slots``. Returns the tokens
         scheduled, or None when the blocks do not fit (nothing changed)."""
@@ -365,7 +343,7 @@ class Scheduler(abc.ABC):
         self._finished_req_ids.add(request.req_id)
 
     def _allocate_or_preempt(
-        self, request: Request, num_tokens: int, step: _StepBuilder
+        self, request: Request, num_tokens: int, step: StepBuilder
     ) -> list[KVCacheBlock] | None:
         """``allocate_slots`` for a running request, preempting the youngest running
         request not yet scheduled this step until it fits. Returns the new blocks, or
@@ -387,12 +365,25 @@ class Scheduler(abc.ABC):
             if victim is request:
                 return None
 
+    @abc.abstractmethod
+    def _active_state(self, step: StepBuilder) -> SchedulerState:
+        """The state a step reports while requests are unfinished (the policy's part
+        of :meth:`_set_state`)."""
+
+    def _set_state(self, active: SchedulerState) -> None:
+        """The one place the state changes: IDLE when nothing is unfinished, else
+        ``active``."""
+        self._state = active if self.has_unfinished_requests() else SchedulerState.IDLE
+
     def _build_output(
         self,
-        step: _StepBuilder,
+        step: StepBuilder,
         num_scheduled_tokens_padded: dict[str, int] | None = None,
         decode_batch_size_padded: int | None = None,
     ) -> SchedulerOutput:
+        """The step's SchedulerOutput; also sets the state and hands over the ids
+        finished since the last output."""
+        self._set_state(self._active_state(step))
         finished, self._finished_req_ids = self._finished_req_ids, set()
         self.num_steps += 1
         return SchedulerOutput(
@@ -474,8 +465,7 @@ class Scheduler(abc.ABC):
                     num_cached_tokens=max(0, request.num_cached_tokens),
                 )
             )
-        if not self.has_unfinished_requests():
-            self._state = SchedulerState.IDLE
+        self._set_state(self._state)
         return outputs
 
     def _check_stop(self, request: Request) -> bool:
