@@ -16,6 +16,10 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.kv_cache.hashing import BlockHash
 
 
 class RequestStatus(enum.Enum):
@@ -233,7 +237,7 @@ class Request:
         # Prefix-cache hit length at first admission; -1 until admitted.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
-        self.block_hashes: list[bytes] = []
+        self.block_hashes: list[BlockHash] = []
         self.stop_reason: int | str | None = None
         # Timing, seconds since the epoch (None until it happens).
         self.first_scheduled_time: float | None = None

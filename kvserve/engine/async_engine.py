@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.engine_core import EngineCore
-from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.outputs import EngineStats, RequestDelta
 from kvserve.metrics import EngineMetrics
 from kvserve.request import Request, RequestError, SamplingParams
 
@@ -150,7 +150,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards the fields below shared by both threads
         self._commands: deque[_Command] = deque()
         self._num_pending_adds = 0
-        self._stats: dict[str, Any] = dict(engine.stats())
+        self._stats: EngineStats = engine.stats()
         self._wake = threading.Event()
         self._stop = False
         self._dead: BaseException | None = None
@@ -207,16 +207,16 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ queries
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """The latest ``EngineCore.stats()`` snapshot (refreshed after every step)."""
         with self._lock:
-            return dict(self._stats)
+            return self._stats
 
     def num_waiting(self) -> int:
         """Requests queued but not yet scheduled: the scheduler's waiting queue plus
         adds not yet taken by the engine thread. Never undercounts."""
         with self._lock:
-            return int(self._stats.get("num_requests_waiting", 0)) + self._num_pending_adds
+            return self._stats.num_requests_waiting + self._num_pending_adds
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise :class:`~kvserve.request.RequestError` (with the fix) if the request
@@ -275,7 +275,7 @@ class AsyncEngine:
                 f"request id {req_id!r} is already in use: pick a unique id", param="request_id"
             )
         with self._lock:
-            waiting = int(self._stats.get("num_requests_waiting", 0)) + self._num_pending_adds
+            waiting = self._stats.num_requests_waiting + self._num_pending_adds
             if max_waiting is not None and waiting >= max_waiting:
                 self.metrics.count_rejected()
                 raise QueueFullError(
@@ -414,7 +414,7 @@ class AsyncEngine:
 
     def _refresh_stats(self, pending_delta: int = 0) -> None:
         try:
-            stats = dict(self.engine.stats())
+            stats: EngineStats | None = self.engine.stats()
         except Exception:  # stats must never take the engine down
             logger.exception("EngineCore.stats() failed")
             stats = None

@@ -28,7 +28,7 @@ from typing import Any
 from kvserve.config import EngineConfig
 from kvserve.engine.args import with_max_model_len
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.outputs import RequestDelta, RequestMetrics
+from kvserve.engine.outputs import EngineStats, RequestDelta, RequestMetrics
 from kvserve.engine.runner import ModelInfo, Runner
 from kvserve.kv_cache import KVCacheManager
 from kvserve.request import (
@@ -289,24 +289,24 @@ class EngineCore:
         )
 
     # ------------------------------------------------------------------ health
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """Numbers for /metrics and logs (plain data)."""
         kv = self.kv_cache_manager
         sched = self.scheduler
-        return {
-            "num_requests_running": sched.num_running,
-            "num_requests_waiting": sched.num_waiting,
-            "kv_cache_usage_perc": kv.usage,
-            "num_active_blocks": kv.num_active_blocks,
-            "num_reclaimable_blocks": kv.num_reclaimable_blocks,
-            "num_empty_blocks": kv.num_empty_blocks,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_preemptions": sched.num_preemptions,
-            "total_padding_tokens": sched.total_padding_tokens,
-            "scheduler_state": str(sched.state),
-            "num_failed_steps": self.num_failed_steps,
-        }
+        return EngineStats(
+            num_requests_running=sched.num_running,
+            num_requests_waiting=sched.num_waiting,
+            kv_cache_usage_perc=kv.usage,
+            num_active_blocks=kv.num_active_blocks,
+            num_reclaimable_blocks=kv.num_reclaimable_blocks,
+            num_empty_blocks=kv.num_empty_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=sched.num_preemptions,
+            total_padding_tokens=sched.total_padding_tokens,
+            scheduler_state=str(sched.state),
+            num_failed_steps=self.num_failed_steps,
+        )
 
     def check_no_leaks(self) -> None:
         """Raise RuntimeError if the KV cache's invariants are broken, or if blocks are

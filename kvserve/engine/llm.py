@@ -61,10 +61,10 @@ class LLM:
             texts = list(prompts)
             token_lists = [self._encode(t) for t in prompts]
         else:
-            assert prompt_token_ids is not None
-            if prompt_token_ids and isinstance(prompt_token_ids[0], int):
-                prompt_token_ids = [prompt_token_ids]  # type: ignore[list-item]
-            token_lists = [list(p) for p in prompt_token_ids]  # type: ignore[arg-type]
+            given: Sequence[Any] = prompt_token_ids or []
+            if given and isinstance(given[0], int):
+                given = [given]  # one prompt of token ids
+            token_lists = [list(p) for p in given]
             texts = [None] * len(token_lists)
         return self._run(texts, token_lists, sampling_params, use_tqdm, cache_salt)
 

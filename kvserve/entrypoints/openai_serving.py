@@ -44,7 +44,7 @@ from kvserve.entrypoints.openai_protocol import (
     bad_request,
     request_error_to_api,
 )
-from kvserve.request import RequestError, SamplingParams
+from kvserve.request import FinishReason, RequestError, SamplingParams
 from kvserve.sched.output import Logprobs
 
 RETRY_AFTER_S = 1
@@ -114,7 +114,7 @@ class _Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

@@ -51,10 +51,6 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
 
 @dataclass
 class SchedulerOutput:
@@ -80,10 +76,6 @@ class SchedulerOutput:
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
-
-    @property
-    def total_num_scheduled_tokens_padded(self) -> int:
-        return sum(self.num_scheduled_tokens_padded.values())
 
     @property
     def scheduled_req_ids(self) -> list[str]:
@@ -112,9 +104,6 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})
 
 
 @dataclass

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, check_int
 from kvserve.engine.engine_core import EngineCore
 from kvserve.kv_cache.manager import cdiv
 from kvserve.request import Request, RequestError, SamplingParams
@@ -67,15 +67,14 @@ def simulate(
     config = config.resolved()
     if num_kv_blocks is None:
         num_kv_blocks = default_num_kv_blocks(config)
-    if not isinstance(num_kv_blocks, int) or isinstance(num_kv_blocks, bool) or num_kv_blocks < 2:
-        raise ValueError(
-            f"invalid num_kv_blocks={num_kv_blocks!r}: must be an integer >= 2 (block 0 is the "
-            "null block) (for example: num_kv_blocks=1024)"
-        )
-    if not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(
-            f"invalid max_steps={max_steps!r}: must be a positive integer (for example: max_steps=100000)"
-        )
+    check_int(
+        "num_kv_blocks",
+        num_kv_blocks,
+        "num_kv_blocks=1024",
+        minimum=2,
+        why=" (block 0 is the null block)",
+    )
+    check_int("max_steps", max_steps, "max_steps=100000")
     runner = StandInRunner(num_kv_blocks)
     engine = EngineCore(
         EngineConfig(

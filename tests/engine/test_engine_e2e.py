@@ -133,9 +133,9 @@ def test_greedy_matches_hf(name: str, prompts, hf_reference) -> None:
         assert out.outputs[0].finish_reason == "length"
     stats = llm.engine.stats()
     if name == "tiny-kv-preempt":
-        assert stats["num_preemptions"] > 0, "the tiny KV cache was meant to force preemption"
+        assert stats.num_preemptions > 0, "the tiny KV cache was meant to force preemption"
     if name == "separated-buckets":
-        assert stats["total_padding_tokens"] > 0
+        assert stats.total_padding_tokens > 0
     llm.engine.check_no_leaks()
     assert llm.engine.kv_cache_manager.num_active_blocks == 0
 

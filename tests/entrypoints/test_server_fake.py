@@ -24,6 +24,7 @@ from kvserve.engine.async_engine import (
     RequestFailedError,
 )
 from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.outputs import EngineStats
 from kvserve.entrypoints.openai_server import build_app
 from kvserve.metrics import EngineMetrics
 from kvserve.request import SamplingParams
@@ -158,7 +159,7 @@ def test_leaving_a_stream_early_aborts_the_request(tokenizer: Any) -> None:
                 assert delta.new_token_ids
                 break
         assert await asyncio.to_thread(_wait, lambda: not core.has_unfinished_requests())
-        assert engine.stats()["num_active_blocks"] == 0
+        assert engine.stats().num_active_blocks == 0
         await engine.shutdown()
 
     asyncio.run(run())
@@ -202,7 +203,7 @@ def test_bad_request_is_refused_before_queueing(tokenizer: Any) -> None:
 def test_metrics_render_parses_with_engine_state() -> None:
     metrics = EngineMetrics("m")
     metrics.set_stats_source(
-        lambda: {"num_requests_running": 3, "num_active_blocks": 7, "scheduler_state": "IDLE"}
+        lambda: EngineStats(num_requests_running=3, num_active_blocks=7, scheduler_state="IDLE")
     )
     metrics.count_prompt_tokens(5)
     metrics.observe_ttft(0.2)
