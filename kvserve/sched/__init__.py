@@ -13,7 +13,7 @@ from collections.abc import Callable
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_transfer.connector import KVConnector
-from kvserve.sched.base import Scheduler, SchedulerState, StepBuilder, is_decode
+from kvserve.sched.base import Scheduler, SchedulerState
 from kvserve.sched.buckets import (
     default_num_batched_tokens_buckets,
     default_num_seqs_buckets,
@@ -22,6 +22,7 @@ from kvserve.sched.buckets import (
 )
 from kvserve.sched.scheduler import MixedScheduler
 from kvserve.sched.separated import SeparatedScheduler
+from kvserve.sched.step_builder import StepBuilder, is_decode
 
 POLICIES: dict[str, type[Scheduler]] = {
     "mixed": MixedScheduler,

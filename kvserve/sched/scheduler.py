@@ -26,14 +26,9 @@ the requester itself) frees its blocks and goes back to the front of ``waiting``
 from __future__ import annotations
 
 from kvserve.request import RequestStatus
-from kvserve.sched.base import (
-    Scheduler,
-    SchedulerState,
-    StepBuilder,
-    chunk_size,
-    is_decode,
-)
+from kvserve.sched.base import Scheduler, SchedulerState
 from kvserve.sched.output import SchedulerOutput
+from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
 
 
 class MixedScheduler(Scheduler):

@@ -37,15 +37,10 @@ from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_transfer.connector import KVConnector
 from kvserve.request import Request, RequestStatus
-from kvserve.sched.base import (
-    Scheduler,
-    SchedulerState,
-    StepBuilder,
-    chunk_size,
-    is_decode,
-)
+from kvserve.sched.base import Scheduler, SchedulerState
 from kvserve.sched.buckets import get_bucket
 from kvserve.sched.output import SchedulerOutput
+from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
 
 MAX_PREFILLS_PER_BATCH = 1
 

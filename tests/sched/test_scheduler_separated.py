@@ -11,8 +11,8 @@ from kvserve.config import SchedulerConfig
 from kvserve.kv_cache import KVCacheManager
 from kvserve.request import Request, SamplingParams
 from kvserve.sched import SchedulerState, SeparatedScheduler, make_scheduler
-from kvserve.sched.base import StepBuilder
 from kvserve.sched.output import ModelRunnerOutput
+from kvserve.sched.step_builder import StepBuilder
 from kvserve.sim.cli import main as simulate_main
 
 
