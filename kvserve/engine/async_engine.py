@@ -159,6 +159,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._requests: dict[str, _Live] = {}  # see the module docstring
+        # Validate and build a request for submit(), arriving now (any thread may call
+        # it; raises RequestError on bad input): EngineCore.make_request itself.
+        self.make_request = engine.make_request
         self.metrics.set_stats_source(self.stats)
 
     # ------------------------------------------------------------------ lifecycle
@@ -217,31 +220,6 @@ class AsyncEngine:
         adds not yet taken by the engine thread. Never undercounts."""
         with self._lock:
             return self._stats.num_requests_waiting + self._num_pending_adds
-
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise :class:`~kvserve.request.RequestError` (with the fix) if the request
-        can never be served."""
-        self.engine.validate_request(prompt_token_ids, params)
-
-    def make_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        prompt: str | None = None,
-        cache_salt: str | None = None,
-    ) -> Request:
-        """Validate and build a request for :meth:`submit` (``EngineCore.make_request``,
-        arriving now); raises :class:`~kvserve.request.RequestError` on bad input."""
-        return self.engine.make_request(
-            prompt_token_ids,
-            params,
-            request_id=request_id,
-            prompt=prompt,
-            cache_salt=cache_salt,
-            arrival_time=time.time(),
-        )
 
     # ------------------------------------------------------------------ requests
     async def generate(
