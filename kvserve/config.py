@@ -7,9 +7,10 @@ server all build an :class:`EngineConfig` and call :meth:`EngineConfig.validate`
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, TypeGuard
 
 SchedulerPolicy = Literal["mixed", "separated"]
+HashAlgo = Literal["sha256", "builtin"]
 VALID_KV_SEGMENT_SIZES = (0, 512, 1024, 2048, 4096)
 
 
@@ -18,9 +19,17 @@ def config_error(name: str, value: object, rule: str, example: str) -> ValueErro
     return ValueError(f"invalid {name}={value!r}: {rule} (for example: {example})")
 
 
-def _positive_int(name: str, value: object, example: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise config_error(name, value, "must be a positive integer", example)
+def is_int(value: object) -> TypeGuard[int]:
+    """An ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, example: str, *, minimum: int = 1, why: str = "") -> None:
+    """The one integer check: raise :func:`config_error` unless ``value`` is an int
+    (not a bool) ``>= minimum``; ``why`` is appended to the rule."""
+    if not is_int(value) or value < minimum:
+        rule = "must be a positive integer" if minimum == 1 else f"must be an integer >= {minimum}"
+        raise config_error(name, value, rule + why, example)
 
 
 @dataclass(frozen=True)
@@ -37,22 +46,21 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_gib: float = 1.0
     enable_prefix_caching: bool = True
-    hash_algo: str = "sha256"
+    hash_algo: HashAlgo = "sha256"
 
     def validate(self) -> None:
-        _positive_int("block_size", self.block_size, "block_size=16")
+        check_int("block_size", self.block_size, "block_size=16")
         if self.block_size & (self.block_size - 1):
             raise config_error(
                 "block_size", self.block_size, "must be a power of two", "16, 32 or 128"
             )
-        if self.num_kv_blocks is not None and (
-            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
-        ):
-            raise config_error(
+        if self.num_kv_blocks is not None:
+            check_int(
                 "num_kv_blocks",
                 self.num_kv_blocks,
-                "must be an integer >= 2 (block 0 is the null block)",
                 "num_kv_blocks=1024",
+                minimum=2,
+                why=" (block 0 is the null block)",
             )
         if not isinstance(self.kv_cache_memory_gib, int | float) or self.kv_cache_memory_gib <= 0:
             raise config_error(
@@ -101,12 +109,12 @@ class SchedulerConfig:
     def validate(self) -> None:
         from kvserve.sched.buckets import max_prefill_bucket, validate_buckets
 
-        _positive_int("max_num_seqs", self.max_num_seqs, "max_num_seqs=64")
-        _positive_int(
+        check_int("max_num_seqs", self.max_num_seqs, "max_num_seqs=64")
+        check_int(
             "max_num_batched_tokens", self.max_num_batched_tokens, "max_num_batched_tokens=2048"
         )
-        _positive_int("max_model_len", self.max_model_len, "max_model_len=8192")
-        _positive_int("block_size", self.block_size, "block_size=16")
+        check_int("max_model_len", self.max_model_len, "max_model_len=8192")
+        check_int("block_size", self.block_size, "block_size=16")
         if self.block_size & (self.block_size - 1):
             raise config_error(
                 "block_size", self.block_size, "must be a power of two", "16, 32 or 128"
@@ -118,14 +126,13 @@ class SchedulerConfig:
                 "must be 'mixed' or 'separated'",
                 "scheduler_policy='separated'",
             )
-        t = self.long_prefill_token_threshold
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise config_error(
-                "long_prefill_token_threshold",
-                t,
-                "must be an integer >= 0 (0 = off)",
-                "long_prefill_token_threshold=256",
-            )
+        check_int(
+            "long_prefill_token_threshold",
+            self.long_prefill_token_threshold,
+            "long_prefill_token_threshold=256",
+            minimum=0,
+            why=" (0 = off)",
+        )
         if not isinstance(self.enable_prefix_caching, bool):
             raise config_error(
                 "enable_prefix_caching",

@@ -15,18 +15,19 @@ Two kinds of series:
   cache queries and hits, preemptions, padding tokens, scheduler state.
 
 Rules a caller must keep: the stats source must be cheap and thread-safe (it is
-called on the scrape thread); it returns the dict shape of ``EngineCore.stats()``.
+called on the scrape thread); it returns an :class:`~kvserve.engine.outputs.EngineStats`.
 Nothing here is process-global, so several engines can live in one process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvserve.engine.outputs import EngineStats
 
 PREFIX = "kvserve:"
 
@@ -44,7 +45,7 @@ E2E_BUCKETS = (
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 
-# stats() key -> (metric name without prefix, help). Gauges are point-in-time values.
+# EngineStats field -> (metric name without prefix, help). Gauges are point-in-time values.
 _GAUGES: dict[str, tuple[str, str]] = {
     "num_requests_running": ("num_requests_running", "Requests in the running batch."),
     "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
@@ -56,7 +57,7 @@ _GAUGES: dict[str, tuple[str, str]] = {
     ),
     "num_empty_blocks": ("num_empty_blocks", "Free KV blocks holding nothing."),
 }
-# stats() key -> (metric name without prefix, help). Cumulative counts since start.
+# EngineStats field -> (metric name without prefix, help). Cumulative counts since start.
 _COUNTERS: dict[str, tuple[str, str]] = {
     "prefix_cache_queries": (
         "prefix_cache_queries",
@@ -77,28 +78,28 @@ class _EngineStateCollector(Collector):
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.source: Callable[[], Mapping[str, Any]] | None = None
+        self.source: Callable[[], EngineStats] | None = None
 
     def collect(self) -> Iterator[Metric]:
-        stats = dict(self.source()) if self.source is not None else {}
+        stats = self.source() if self.source is not None else None
         labels = ["model_name"]
         for key, (name, doc) in _GAUGES.items():
             family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            if isinstance(stats.get(key), int | float):
-                family.add_metric([self.model_name], float(stats[key]))
+            if stats is not None:
+                family.add_metric([self.model_name], float(getattr(stats, key)))
             yield family
         for key, (name, doc) in _COUNTERS.items():
             counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            if isinstance(stats.get(key), int | float):
-                counter.add_metric([self.model_name], float(stats[key]))
+            if stats is not None:
+                counter.add_metric([self.model_name], float(getattr(stats, key)))
             yield counter
         state = GaugeMetricFamily(
             PREFIX + "scheduler_state",
             "Scheduler state (1 for the current one), e.g. IDLE, ACTIVE_PREFILL, ACTIVE_DECODE.",
             labels=["model_name", "state"],
         )
-        if stats.get("scheduler_state") is not None:
-            state.add_metric([self.model_name, str(stats["scheduler_state"])], 1.0)
+        if stats is not None:
+            state.add_metric([self.model_name, stats.scheduler_state], 1.0)
         yield state
 
     def describe(self) -> Iterator[Metric]:
@@ -160,8 +161,8 @@ class EngineMetrics:
         self._state = _EngineStateCollector(model_name)
         reg.register(self._state)
 
-    def set_stats_source(self, source: Callable[[], Mapping[str, Any]]) -> None:
-        """Where engine-state series come from at scrape time (``EngineCore.stats()`` shape)."""
+    def set_stats_source(self, source: Callable[[], EngineStats]) -> None:
+        """Where engine-state series come from at scrape time (``EngineCore.stats()``)."""
         self._state.source = source
 
     # ------------------------------------------------------------------ events

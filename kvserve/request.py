@@ -16,6 +16,10 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.kv_cache.hashing import BlockHash
 
 
 class RequestStatus(enum.Enum):
@@ -32,6 +36,62 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+        )
+
+
+class RequestError(ValueError):
+    """A request that can never be served as sent. The message says what to change;
+    ``param`` names the field at fault in engine terms (``"prompt"``, ``"max_tokens"``,
+    a :class:`SamplingParams` field), so a front end can point at it without reading
+    the text; ``code`` is OpenAI's error code for it."""
+
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str = "invalid_value"
+    ) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def check_prompt(
+    prompt_token_ids: list[int],
+    max_tokens: int | None,
+    *,
+    max_model_len: int,
+    vocab_size: int | None = None,
+) -> None:
+    """The one rule for a request's tokens and length; raises :class:`RequestError`.
+
+    The prompt must be non-empty and shorter than ``max_model_len`` (room for at
+    least one output token), ``prompt + max_tokens <= max_model_len`` when
+    ``max_tokens`` is set, and, when ``vocab_size`` is given, every token id an
+    integer in ``[0, vocab_size)``.
+    """
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise RequestError("the prompt is empty: send at least one token of text", param="prompt")
+    if vocab_size is not None:
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(
+                f"prompt token id {bad[0]!r} is out of range: token ids must be integers in "
+                f"[0, {vocab_size})",
+                param="prompt",
+            )
+    if n >= max_model_len:
+        raise RequestError(
+            f"the prompt has {n} tokens but max_model_len is {max_model_len}: shorten the prompt "
+            f"to at most {max_model_len - 1} tokens or start the engine with a larger max_model_len",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and n + max_tokens > max_model_len:
+        raise RequestError(
+            f"the prompt has {n} tokens and max_tokens={max_tokens}, together "
+            f"{n + max_tokens} exceeds max_model_len={max_model_len}: lower max_tokens to at most "
+            f"{max_model_len - n} or shorten the prompt",
+            param="max_tokens",
+            code="context_length_exceeded",
         )
 
 
@@ -55,7 +115,8 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k (vLLM uses -1;
     both are accepted). ``seed`` makes sampling reproducible for this request
     whatever else is in the batch. ``logprobs=N`` returns the sampled token's
-    logprob and the top N. Raises ``ValueError`` with the fix in the message.
+    logprob and the top N. Raises :class:`RequestError` (a ValueError) with the fix in
+    the message and the field in ``param``.
     """
 
     n: int = 1
@@ -84,8 +145,10 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(name: str, value: object, rule: str) -> ValueError:
-            return ValueError(f"sampling parameter {name}={value!r} is invalid: {rule}")
+        def bad(name: str, value: object, rule: str) -> RequestError:
+            return RequestError(
+                f"sampling parameter {name}={value!r} is invalid: {rule}", param=name
+            )
 
         if self.n != 1:
             raise bad("n", self.n, "only n=1 is supported; send several requests instead")
@@ -174,11 +237,12 @@ class Request:
         # Prefix-cache hit length at first admission; -1 until admitted.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
-        self.block_hashes: list[bytes] = []
+        self.block_hashes: list[BlockHash] = []
         self.stop_reason: int | str | None = None
         # Timing, seconds since the epoch (None until it happens).
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.finished_time: float | None = None
 
     @property

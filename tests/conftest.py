@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from server_helpers import ServerProcess, serve_process
+from support.server_helpers import ServerProcess, serve_process
 
 # ---------------------------------------------------------------------- server tests
 SERVER_API_KEY = "test-key-123"

@@ -16,7 +16,6 @@ the spelling of ``kvserve serve``'s engine options.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
 import signal
@@ -26,180 +25,20 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
 from kvserve.bench.loadgen import LoadConfig, run_workload
 from kvserve.bench.metrics import SLO
+from kvserve.bench.presets import PRESETS, ComparePreset, Figure, Target, Variant, ratio
 from kvserve.bench.report import build_report, write_report
 from kvserve.bench.workloads import (
     WordVocabulary,
     Workload,
-    WorkloadSpec,
     build_workload,
     render_prompt,
 )
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One configuration: ``backend`` "kvserve" (a server with ``engine_args``) or
-    "hf" (the in-process transformers static-batching baseline)."""
-
-    name: str
-    engine_args: tuple[str, ...] = ()
-    backend: Literal["kvserve", "hf"] = "kvserve"
-
-
-@dataclass(frozen=True)
-class Figure:
-    """A table column: ``key`` is a summary key ("output_throughput") or
-    "<tag>/<key>" for a per-tag figure ("decode/p99_itl_ms")."""
-
-    key: str
-    label: str
-    higher_is_better: bool = False
-
-
-@dataclass(frozen=True)
-class Target:
-    """The preset's claim: figure(variant) / figure(reference) <= bound (``at_most``)
-    or >= bound (not ``at_most``)."""
-
-    figure: str
-    variant: str
-    reference: str
-    bound: float
-    at_most: bool
-
-    def describe(self) -> str:
-        op = "<=" if self.at_most else ">="
-        return f"{self.figure}: {self.variant} / {self.reference} {op} {self.bound}"
-
-    def check(self, values: dict[str, dict[str, float | None]]) -> tuple[float | None, bool | None]:
-        """(ratio, met) from a ``figure_values`` table; (None, None) when unmeasured."""
-        r = ratio(
-            values.get(self.variant, {}).get(self.figure),
-            values.get(self.reference, {}).get(self.figure),
-        )
-        if r is None:
-            return None, None
-        return r, (r <= self.bound if self.at_most else r >= self.bound)
-
-
-@dataclass(frozen=True)
-class ComparePreset:
-    name: str
-    description: str
-    workload: WorkloadSpec
-    variants: tuple[Variant, ...]
-    reference: str
-    figures: tuple[Figure, ...]
-    request_rate: float = math.inf
-    max_concurrency: int | None = None
-    target: Target | None = None
-    num_warmup: int = 1
-
-
-THROUGHPUT = Figure("output_throughput", "output tok/s", higher_is_better=True)
-REQ_THROUGHPUT = Figure("request_throughput", "req/s", higher_is_better=True)
-MEAN_TTFT = Figure("mean_ttft_ms", "mean TTFT ms")
-P99_TTFT = Figure("p99_ttft_ms", "p99 TTFT ms")
-MEAN_TPOT = Figure("mean_tpot_ms", "mean TPOT ms")
-P99_ITL = Figure("p99_itl_ms", "p99 ITL ms")
-HIT_RATE = Figure("prefix_cache_hit_rate", "prefix hit rate", higher_is_better=True)
-
-PRESETS: dict[str, ComparePreset] = {
-    "prefix": ComparePreset(
-        name="prefix",
-        description="shared-prefix workload (P=1024, U=64, O=64, 32 requests): prefix caching on vs off",
-        workload=WorkloadSpec(
-            kind="shared-prefix",
-            num_requests=32,
-            prefix_len=1024,
-            input_len=64,
-            output_len=64,
-            num_prefixes=2,
-        ),
-        variants=(
-            Variant("caching-off", ("--no-enable-prefix-caching",)),
-            Variant("caching-on", ("--enable-prefix-caching",)),
-        ),
-        reference="caching-off",
-        figures=(MEAN_TTFT, P99_TTFT, THROUGHPUT, HIT_RATE),
-        # Two in flight: the first request of each group computes its prefix in both
-        # variants; with more in flight at t=0 the later requests of the cold first
-        # wave queue behind those prefills and the mean mostly measures that wave.
-        max_concurrency=2,
-        target=Target("mean_ttft_ms", "caching-on", "caching-off", 0.2, at_most=True),
-    ),
-    "chunking": ComparePreset(
-        name="chunking",
-        description="8 streaming decodes while 2,048-token prompts arrive: chunked prefill (budget 256) vs monolithic",
-        workload=WorkloadSpec(
-            kind="interference",
-            num_decodes=8,
-            input_len=64,
-            output_len=256,
-            num_long_prompts=4,
-            long_prompt_len=2048,
-            long_prompt_start_s=0.5,
-            long_prompt_gap_s=1.5,
-        ),
-        variants=(
-            Variant(
-                "monolithic", ("--scheduler-policy", "mixed", "--max-num-batched-tokens", "4096")
-            ),
-            Variant(
-                "chunked-256", ("--scheduler-policy", "mixed", "--max-num-batched-tokens", "256")
-            ),
-        ),
-        reference="monolithic",
-        figures=(
-            Figure("decode/p99_itl_ms", "decode p99 ITL ms"),
-            Figure("decode/mean_itl_ms", "decode mean ITL ms"),
-            Figure("prefill/mean_ttft_ms", "long-prompt mean TTFT ms"),
-            THROUGHPUT,
-        ),
-        target=Target("decode/p99_itl_ms", "chunked-256", "monolithic", 0.35, at_most=True),
-    ),
-    "policy": ComparePreset(
-        name="policy",
-        description="random workload (512 in / 128 out, 32 requests at 4 req/s): mixed vs separated scheduling",
-        workload=WorkloadSpec(
-            kind="random", num_requests=32, input_len=512, output_len=128, range_ratio=0.25
-        ),
-        # max_model_len 1024 covers the workload (at most 640 + 160 tokens): the separated
-        # policy admits only as many requests as fit at max_model_len, so at the default
-        # 8192 its KV admission control would hold it to ~2 running requests.
-        variants=(
-            Variant("mixed", ("--scheduler-policy", "mixed", "--max-model-len", "1024")),
-            Variant("separated", ("--scheduler-policy", "separated", "--max-model-len", "1024")),
-        ),
-        reference="mixed",
-        figures=(THROUGHPUT, MEAN_TTFT, P99_TTFT, MEAN_TPOT, P99_ITL),
-        request_rate=4.0,
-        max_concurrency=16,
-    ),
-    "throughput": ComparePreset(
-        name="throughput",
-        description="random 512 in / 128 out, 32 requests, concurrency 16: kvserve vs HF transformers batch 8",
-        workload=WorkloadSpec(kind="random", num_requests=32, input_len=512, output_len=128),
-        variants=(Variant("hf-batch8", backend="hf"), Variant("kvserve")),
-        reference="hf-batch8",
-        figures=(THROUGHPUT, REQ_THROUGHPUT, MEAN_TTFT, MEAN_TPOT),
-        max_concurrency=16,
-        target=Target("output_throughput", "kvserve", "hf-batch8", 2.5, at_most=False),
-    ),
-}
-
-
-def ratio(value: float | None, reference: float | None) -> float | None:
-    """value / reference, or None when either is missing or the reference is 0."""
-    if value is None or reference is None or reference == 0:
-        return None
-    return value / reference
 
 
 def figure_value(report: dict[str, Any], key: str) -> float | None:

@@ -44,6 +44,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from kvserve.config import check_int
+
 WorkloadKind = Literal["random", "shared-prefix", "multi-turn", "long-doc", "interference"]
 WORKLOAD_KINDS: tuple[str, ...] = (
     "random",
@@ -202,10 +204,7 @@ class WorkloadSpec:
             positive["num_decodes"] = ("--num-decodes 8", self.num_decodes)
             positive["long_prompt_len"] = ("--long-prompt-len 2048", self.long_prompt_len)
         for name, (example, value) in positive.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(
-                    f"invalid {name}={value!r}: must be a positive integer (for example: {example})"
-                )
+            check_int(name, value, example)
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError(
                 f"invalid range_ratio={self.range_ratio!r}: must be in [0, 1) (for example: --range-ratio 0.25)"

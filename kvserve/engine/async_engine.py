@@ -2,18 +2,25 @@
 
     event loop thread                           engine thread (the only one touching EngineCore)
     ─────────────────                           ──────────────────────────────────────────────
-    generate() ── ("add", ...) ──▶ commands ──▶ add_request / abort_requests
+    generate() ── _Add / _Abort / _Stop ──▶ commands ──▶ EngineCore.add / abort_requests
        ▲                                            │
        │   per-request asyncio.Queue                ▼
        └──── call_soon_threadsafe(dispatch) ◀── step() -> list[RequestDelta]
                                                     │
-                                                 stats() snapshot, metrics (TTFT/ITL/e2e)
+                                                 stats() snapshot, metrics (TTFT/ITL/e2e
+                                                 from RequestDelta.metrics)
+
+One map, ``_requests``, holds the requests this front streams (added on the event
+loop thread before their add is queued, removed there when their stream ends); the
+engine thread only reads it and writes ``last_token_time``. EngineCore keeps its own
+state per request and builds every delta, abort deltas included.
 
 Rules a caller must keep:
 - Call :meth:`start` from the event loop that will consume the streams (or let the
   first :meth:`generate` do it). All streams are delivered on that loop.
 - ``generate`` raises before yielding anything when the request is refused:
-  ValueError (bad request, message says what to change), :class:`QueueFullError`
+  :class:`~kvserve.request.RequestError` (a ValueError: bad request, the message says
+  what to change, ``param`` names the field), :class:`QueueFullError`
   (waiting queue at its limit), :class:`EngineUnavailableError` (shutting down or
   the engine thread died).
 - ``generate`` returns a :class:`RequestStream`. A consumer that stops reading
@@ -29,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -38,9 +44,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.engine_core import EngineCore
-from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.outputs import EngineStats, RequestDelta
 from kvserve.metrics import EngineMetrics
-from kvserve.request import SamplingParams
+from kvserve.request import Request, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +64,32 @@ class RequestFailedError(RuntimeError):
 
 
 @dataclass
-class _Timing:
-    """Per-request timestamps kept on the engine thread for the latency histograms."""
+class _Add:
+    """Queue ``request`` (built and validated by ``EngineCore.make_request``)."""
 
-    arrival_time: float
+    request: Request
+    added: concurrent.futures.Future[str]
+
+
+@dataclass
+class _Abort:
+    req_ids: list[str]
+
+
+@dataclass
+class _Stop:
+    """Abort whatever is still live, end those streams with an abort delta, stop."""
+
+
+_Command = _Add | _Abort | _Stop
+
+
+@dataclass
+class _Live:
+    """One streamed request: its queue (event loop thread) and the time of its last
+    token (engine thread, for the inter-token latency)."""
+
+    queue: asyncio.Queue[_Item]
     last_token_time: float | None = None
 
 
@@ -120,9 +148,9 @@ class AsyncEngine:
         self.max_model_len: int = engine.max_model_len
 
         self._lock = threading.Lock()  # guards the fields below shared by both threads
-        self._commands: deque[tuple[str, Any]] = deque()
+        self._commands: deque[_Command] = deque()
         self._num_pending_adds = 0
-        self._stats: dict[str, Any] = dict(engine.stats())
+        self._stats: EngineStats = engine.stats()
         self._wake = threading.Event()
         self._stop = False
         self._dead: BaseException | None = None
@@ -130,10 +158,10 @@ class AsyncEngine:
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._streams: dict[str, asyncio.Queue[_Item]] = {}  # event loop thread only
-        self._ids = itertools.count()
-        # Engine thread only:
-        self._live: dict[str, _Timing] = {}
+        self._requests: dict[str, _Live] = {}  # see the module docstring
+        # Validate and build a request for submit(), arriving now (any thread may call
+        # it; raises RequestError on bad input): EngineCore.make_request itself.
+        self.make_request = engine.make_request
         self.metrics.set_stats_source(self.stats)
 
     # ------------------------------------------------------------------ lifecycle
@@ -164,7 +192,7 @@ class AsyncEngine:
     @property
     def num_in_flight(self) -> int:
         """Requests this front is streaming (event loop thread)."""
-        return len(self._streams)
+        return len(self._requests)
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop accepting requests, let in-flight ones finish for up to ``drain_timeout_s``
@@ -172,10 +200,9 @@ class AsyncEngine:
         the engine thread. Safe to call twice."""
         self._accepting = False
         deadline = time.monotonic() + drain_timeout_s
-        while self._streams and time.monotonic() < deadline and self._thread_alive():
+        while self._requests and time.monotonic() < deadline and self._thread_alive():
             await asyncio.sleep(0.05)
-        # "stop" aborts whatever is still live and ends those streams with an abort delta.
-        self._submit(("stop", None))
+        self._submit(_Stop())
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
 
@@ -183,20 +210,16 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ------------------------------------------------------------------ queries
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """The latest ``EngineCore.stats()`` snapshot (refreshed after every step)."""
         with self._lock:
-            return dict(self._stats)
+            return self._stats
 
     def num_waiting(self) -> int:
         """Requests queued but not yet scheduled: the scheduler's waiting queue plus
         adds not yet taken by the engine thread. Never undercounts."""
         with self._lock:
-            return int(self._stats.get("num_requests_waiting", 0)) + self._num_pending_adds
-
-    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (with the fix) if the request can never be served."""
-        self.engine.validate_request(prompt_token_ids, params)
+            return self._stats.num_requests_waiting + self._num_pending_adds
 
     # ------------------------------------------------------------------ requests
     async def generate(
@@ -214,44 +237,23 @@ class AsyncEngine:
         ``max_waiting``: refuse with :class:`QueueFullError` when :meth:`num_waiting`
         is already at least this many. See the module docstring for the errors.
         """
-        req_id, queue = await self.add_request(
-            prompt_token_ids,
-            params,
-            request_id=request_id,
-            prompt=prompt,
-            cache_salt=cache_salt,
-            max_waiting=max_waiting,
+        self._check_available()
+        request = self.make_request(
+            prompt_token_ids, params, request_id=request_id, prompt=prompt, cache_salt=cache_salt
         )
-        return RequestStream(self, req_id, queue)
+        return await self.submit(request, max_waiting=max_waiting)
 
-    async def add_request(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        prompt: str | None = None,
-        cache_salt: str | None = None,
-        max_waiting: int | None = None,
-    ) -> tuple[str, asyncio.Queue[_Item]]:
-        """Queue a request; return its id and the queue its deltas arrive on.
-
-        Prefer :meth:`generate`; a caller of this method must call :meth:`abort` if it
-        stops reading before the finished delta.
-        """
-        self.start()
-        if self._dead is not None:
-            raise EngineUnavailableError(
-                f"the engine stopped after an internal error: {self._dead}"
+    async def submit(self, request: Request, *, max_waiting: int | None = None) -> RequestStream:
+        """Queue a request built by :meth:`make_request` (it is not validated again);
+        return its stream. Raises as :meth:`generate` does."""
+        self._check_available()
+        req_id = request.req_id
+        if req_id in self._requests:
+            raise RequestError(
+                f"request id {req_id!r} is already in use: pick a unique id", param="request_id"
             )
-        if not self._accepting:
-            raise EngineUnavailableError("the server is shutting down; retry on another replica")
-        self.engine.validate_request(prompt_token_ids, params)
-        req_id = request_id if request_id is not None else f"async-{next(self._ids)}"
-        if req_id in self._streams:
-            raise ValueError(f"request id {req_id!r} is already in use: pick a unique id")
         with self._lock:
-            waiting = int(self._stats.get("num_requests_waiting", 0)) + self._num_pending_adds
+            waiting = self._stats.num_requests_waiting + self._num_pending_adds
             if max_waiting is not None and waiting >= max_waiting:
                 self.metrics.count_rejected()
                 raise QueueFullError(
@@ -259,30 +261,38 @@ class AsyncEngine:
                     "retry after a few seconds"
                 )
             self._num_pending_adds += 1
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._streams[req_id] = queue
+        live = _Live(asyncio.Queue())
+        self._requests[req_id] = live
         added: concurrent.futures.Future[str] = concurrent.futures.Future()
-        kwargs = {"prompt": prompt, "cache_salt": cache_salt, "arrival_time": time.time()}
-        self._submit(("add", (req_id, list(prompt_token_ids), params, kwargs, added)))
+        self._submit(_Add(request, added))
         try:
             await asyncio.wrap_future(added)
         except asyncio.CancelledError:
-            self._streams.pop(req_id, None)
-            self._submit(("abort", [req_id]))
+            self._requests.pop(req_id, None)
+            self._submit(_Abort([req_id]))
             raise
         except BaseException:
-            self._streams.pop(req_id, None)
+            self._requests.pop(req_id, None)
             raise
-        return req_id, queue
+        return RequestStream(self, req_id, live.queue)
+
+    def _check_available(self) -> None:
+        self.start()
+        if self._dead is not None:
+            raise EngineUnavailableError(
+                f"the engine stopped after an internal error: {self._dead}"
+            )
+        if not self._accepting:
+            raise EngineUnavailableError("the server is shutting down; retry on another replica")
 
     def abort(self, req_id: str) -> None:
         """Abort a request (no-op if unknown or finished); its stream ends without a
         further delta. Call from the event loop thread."""
-        if self._streams.pop(req_id, None) is not None:
-            self._submit(("abort", [req_id]))
+        if self._requests.pop(req_id, None) is not None:
+            self._submit(_Abort([req_id]))
 
     # ------------------------------------------------------------------ engine thread
-    def _submit(self, command: tuple[str, Any]) -> None:
+    def _submit(self, command: _Command) -> None:
         with self._lock:
             self._commands.append(command)
         self._wake.set()
@@ -302,7 +312,7 @@ class AsyncEngine:
         except BaseException as e:  # the thread must not die silently
             logger.exception("engine thread died")
             self._dead = e
-            self._fail(list(self._live), EngineUnavailableError(f"the engine thread died: {e}"))
+            self._fail(list(self._requests), EngineUnavailableError(f"the engine thread died: {e}"))
         finally:
             self._refresh_stats()
 
@@ -311,53 +321,33 @@ class AsyncEngine:
             with self._lock:
                 if not self._commands:
                     return
-                kind, payload = self._commands.popleft()
-            if kind == "add":
-                self._do_add(*payload)
-            elif kind == "abort":
-                live = [r for r in payload if r in self._live]
-                if live:
-                    self.engine.abort_requests(live)
-                    now = time.time()
-                    for r in live:
-                        timing = self._live.pop(r)
-                        self.metrics.count_finished("abort")
-                        self.metrics.observe_e2e(now - timing.arrival_time)
-                    self._refresh_stats()
-            elif kind == "stop":
-                self._stop = True
-                live = list(self._live)
-                if live:
-                    self.engine.abort_requests(live)
-                    self._deliver(
-                        [
-                            RequestDelta(
-                                request_id=r, new_token_ids=[], new_text="", finish_reason="abort"
-                            )
-                            for r in live
-                        ]
-                    )
-                    self._live.clear()
-                return
+                command = self._commands.popleft()
+            match command:
+                case _Add(request, added):
+                    self._do_add(request, added)
+                case _Abort(req_ids):
+                    aborted = self.engine.abort_requests(req_ids)
+                    if aborted:
+                        for delta in aborted:
+                            self._record(delta)
+                        self._refresh_stats()
+                case _Stop():
+                    self._stop = True
+                    aborted = self.engine.abort_requests(list(self._requests))
+                    if aborted:
+                        self._deliver(aborted)
+                    return
 
-    def _do_add(
-        self,
-        req_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        kwargs: dict[str, Any],
-        added: concurrent.futures.Future[str],
-    ) -> None:
+    def _do_add(self, request: Request, added: concurrent.futures.Future[str]) -> None:
         try:
-            self.engine.add_request(prompt_token_ids, params, request_id=req_id, **kwargs)
+            self.engine.add(request)
         except BaseException as e:
             with self._lock:
                 self._num_pending_adds -= 1
             added.set_exception(e)
             return
-        self._live[req_id] = _Timing(arrival_time=kwargs["arrival_time"])
         self._refresh_stats(pending_delta=-1)
-        added.set_result(req_id)
+        added.set_result(request.req_id)
 
     def _step(self) -> None:
         try:
@@ -365,42 +355,44 @@ class AsyncEngine:
         except Exception as e:
             # A scheduler bug: fail the requests we know about, keep the engine if it
             # can still abort them (which frees their blocks).
-            logger.exception("engine step failed; failing %d requests", len(self._live))
-            live = list(self._live)
-            self.engine.abort_requests(live)
+            logger.exception("engine step failed; failing the engine's requests")
+            failed = [d.request_id for d in self.engine.abort_requests(list(self._requests))]
             self._fail(
-                live, RequestFailedError(f"the engine failed while running this request: {e}")
+                failed, RequestFailedError(f"the engine failed while running this request: {e}")
             )
             self._refresh_stats()
             return
-        now = time.time()
         for delta in deltas:
-            self._record(delta, now)
+            self._record(delta)
         self._refresh_stats()
         if deltas:
             self._deliver(deltas)
 
-    def _record(self, delta: RequestDelta, now: float) -> None:
-        timing = self._live.get(delta.request_id)
-        if timing is None:
-            return
+    def _record(self, delta: RequestDelta) -> None:
+        """Latency histograms and counters from the delta's own timestamps (the
+        scheduler's clock): TTFT on the step of the first token, ITL from the
+        previous token step of the same request, e2e when it finishes."""
+        m = delta.metrics
         n = len(delta.new_token_ids)
-        if n:
-            if timing.last_token_time is None:
+        if n and m is not None and m.last_token_time is not None:
+            live = self._requests.get(delta.request_id)
+            if m.first_token_time == m.last_token_time:
                 self.metrics.count_prompt_tokens(delta.num_prompt_tokens)
-                self.metrics.observe_ttft(now - timing.arrival_time)
-            else:
-                self.metrics.observe_itl((now - timing.last_token_time) / n)
-            timing.last_token_time = now
+                self.metrics.observe_ttft(m.last_token_time - m.arrival_time)
+            elif live is not None and live.last_token_time is not None:
+                self.metrics.observe_itl((m.last_token_time - live.last_token_time) / n)
+            if live is not None:
+                live.last_token_time = m.last_token_time
+        if n:
             self.metrics.count_generation_tokens(n)
         if delta.finished:
-            del self._live[delta.request_id]
             self.metrics.count_finished(str(delta.finish_reason))
-            self.metrics.observe_e2e(now - timing.arrival_time)
+            if m is not None and m.finished_time is not None:
+                self.metrics.observe_e2e(m.finished_time - m.arrival_time)
 
     def _refresh_stats(self, pending_delta: int = 0) -> None:
         try:
-            stats = dict(self.engine.stats())
+            stats: EngineStats | None = self.engine.stats()
         except Exception:  # stats must never take the engine down
             logger.exception("EngineCore.stats() failed")
             stats = None
@@ -416,8 +408,7 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(self._dispatch, items)
 
     def _fail(self, req_ids: list[str], error: BaseException) -> None:
-        for r in req_ids:
-            self._live.pop(r, None)
+        for _ in req_ids:
             self.metrics.count_finished("error")
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -427,14 +418,14 @@ class AsyncEngine:
     # ------------------------------------------------------------------ event loop side
     def _dispatch(self, items: list[RequestDelta]) -> None:
         for delta in items:
-            queue = self._streams.get(delta.request_id)
-            if queue is not None:
-                queue.put_nowait(delta)
+            live = self._requests.get(delta.request_id)
+            if live is not None:
+                live.queue.put_nowait(delta)
                 if delta.finished:
-                    del self._streams[delta.request_id]
+                    del self._requests[delta.request_id]
 
     def _dispatch_error(self, req_ids: list[str], error: BaseException) -> None:
         for r in req_ids:
-            queue = self._streams.pop(r, None)
-            if queue is not None:
-                queue.put_nowait(error)
+            live = self._requests.pop(r, None)
+            if live is not None:
+                live.queue.put_nowait(error)

@@ -9,8 +9,9 @@
 Rules a caller must keep:
 - One thread drives an EngineCore (``step``, ``add_request``, ``abort_requests``);
   the async front (``async_engine.py``) serialises calls onto its loop thread.
-- ``add_request`` either accepts the request or raises ValueError and changes
-  nothing. ``abort_requests`` frees blocks at once. After every call, every KV block
+- A request is validated once, by :meth:`EngineCore.make_request` (or
+  ``add_request``, which calls it): it is accepted or :class:`RequestError` (a
+  ValueError naming the field) is raised and nothing changes. ``abort_requests`` frees blocks at once. After every call, every KV block
   is active (held by a live request), reclaimable or empty: ``check_no_leaks()``.
 """
 
@@ -19,17 +20,27 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.args import with_max_model_len
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.outputs import RequestDelta, RequestMetrics
+from kvserve.engine.outputs import EngineStats, RequestDelta, RequestMetrics
+from kvserve.engine.runner import ModelInfo, Runner
 from kvserve.kv_cache import KVCacheManager
-from kvserve.request import Request, RequestStatus, SamplingParams
+from kvserve.request import (
+    FinishReason,
+    Request,
+    RequestError,
+    RequestStatus,
+    SamplingParams,
+    check_prompt,
+)
 from kvserve.sched import make_scheduler
-from kvserve.sched.output import ModelRunnerOutput
+from kvserve.sched.output import Logprobs, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,26 +52,44 @@ class _RequestState:
 
 
 class EngineCore:
-    """Owns the model runner, the KV cache manager and the scheduler of one engine."""
+    """Owns the model runner, the KV cache manager and the scheduler of one engine.
 
-    def __init__(self, config: EngineConfig, *, loaded: Any | None = None) -> None:
-        # Imported here so that torch is only loaded by engines, not by the CLI's help.
-        from kvserve.model.loader import load_model
-        from kvserve.worker.model_runner import ModelRunner
+    ``loaded``: the model (default: load ``config.model.model``). ``runner``: the
+    model runner (default: a :class:`~kvserve.worker.model_runner.ModelRunner` on
+    ``loaded``); an injected runner must come with ``loaded``, the facts about the
+    model it runs (see :mod:`kvserve.engine.runner`). ``clock``: the time stamped on
+    requests (the simulator passes its step number).
+    """
 
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        loaded: ModelInfo | None = None,
+        runner: Runner | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if runner is not None and loaded is None:
+            raise TypeError(
+                "EngineCore(runner=...) needs loaded= too: the tokenizer, EOS ids and context "
+                "length of the model the runner runs"
+            )
         if loaded is None:
+            # Imported here so that torch is only loaded by engines, not by the CLI's help.
+            from kvserve.model.loader import load_model
+
             loaded = load_model(
                 config.model.model, dtype=config.model.dtype, device=config.model.device
             )
         config = with_max_model_len(config, loaded.max_model_len)
         self.config = config
         self.loaded = loaded
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer: Any = loaded.tokenizer
         self.model_name: str = loaded.name
         self.max_model_len: int = config.scheduler.max_model_len
         self.eos_token_ids: list[int] = list(loaded.eos_token_ids)
-        self.vocab_size: int = int(loaded.hf_config.vocab_size)
-        self.runner = ModelRunner(loaded, config.cache, config.scheduler)
+        self.vocab_size: int = loaded.vocab_size
+        self.runner: Runner = runner if runner is not None else _model_runner(config, loaded)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks,
             config.cache.block_size,
@@ -69,7 +98,7 @@ class EngineCore:
             hash_algo=config.cache.hash_algo,
             model_fingerprint=loaded.fingerprint,
         )
-        self.scheduler = make_scheduler(config.scheduler, self.kv_cache_manager)
+        self.scheduler = make_scheduler(config.scheduler, self.kv_cache_manager, clock=clock)
         fit = self.kv_cache_manager.max_concurrent_requests(self.max_model_len)
         if config.scheduler.scheduler_policy == "separated" and fit < config.scheduler.max_num_seqs:
             logger.warning(
@@ -87,28 +116,58 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (with the fix) if this request can never be served."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: send at least one token of text")
-        bad = [
-            t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size
-        ]
-        if bad:
-            raise ValueError(
-                f"prompt token id {bad[0]!r} is out of range: token ids must be integers in [0, {self.vocab_size})"
+        """Raise :class:`RequestError` (with the fix, and the field in ``param``) if this
+        request can never be served. Changes nothing."""
+        check_prompt(
+            prompt_token_ids,
+            params.max_tokens,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+        )
+
+    def make_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate (:meth:`validate_request`) and build a request for :meth:`add`:
+        an id when none is given, ``max_tokens`` filled in when None. Changes no
+        engine state, so any thread may call it."""
+        self.validate_request(prompt_token_ids, params)
+        if params.max_tokens is None:
+            params = dataclasses.replace(
+                params, max_tokens=self.max_model_len - len(prompt_token_ids)
             )
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens but max_model_len is {self.max_model_len}: shorten the prompt "
-                f"to at most {self.max_model_len - 1} tokens or start the engine with a larger max_model_len"
+        return Request(
+            request_id if request_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids,
+            params,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
+            prompt=prompt,
+        )
+
+    def add(self, request: Request) -> str:
+        """Queue a request built by :meth:`make_request` (not validated again); returns
+        its id. Raises :class:`RequestError` and changes nothing when the id is in use
+        or the request could never fit in the KV cache."""
+        if request.req_id in self._states:
+            raise RequestError(
+                f"request id {request.req_id!r} is already in use: pick a unique id",
+                param="request_id",
             )
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"the prompt has {n} tokens and max_tokens={params.max_tokens}, together "
-                f"{n + params.max_tokens} > max_model_len={self.max_model_len}: lower max_tokens to at most "
-                f"{self.max_model_len - n} or shorten the prompt"
-            )
+        detok = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.sampling_params
+        )
+        self.scheduler.add_request(request)
+        self._states[request.req_id] = _RequestState(request, detok)
+        return request.req_id
 
     def add_request(
         self,
@@ -120,36 +179,30 @@ class EngineCore:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError and changes nothing on bad input."""
-        self.validate_request(prompt_token_ids, params)
-        req_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if req_id in self._states:
-            raise ValueError(f"request id {req_id!r} is already in use: pick a unique id")
-        if params.max_tokens is None:
-            params = _replace_max_tokens(params, self.max_model_len - len(prompt_token_ids))
-        request = Request(
-            req_id,
-            prompt_token_ids,
-            params,
-            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-            arrival_time=arrival_time,
-            cache_salt=cache_salt,
-            prompt=prompt,
+        """:meth:`make_request` then :meth:`add`: queue a request and return its id.
+        Raises :class:`RequestError` (a ValueError) and changes nothing on bad input."""
+        return self.add(
+            self.make_request(
+                prompt_token_ids,
+                params,
+                request_id=request_id,
+                prompt=prompt,
+                cache_salt=cache_salt,
+                arrival_time=arrival_time,
+            )
         )
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-        self.scheduler.add_request(request)
-        self._states[req_id] = _RequestState(request, detok)
-        return req_id
 
-    def abort_requests(self, req_ids: list[str] | str) -> None:
-        """Finish these requests as aborted and free their blocks now; unknown ids are ignored."""
+    def abort_requests(self, req_ids: list[str] | str) -> list[RequestDelta]:
+        """Finish these requests as aborted and free their blocks now; unknown or
+        finished ids are ignored. Returns one finished delta (``finish_reason``
+        "abort", no new tokens) per request aborted."""
         if isinstance(req_ids, str):
             req_ids = [req_ids]
         live = [r for r in req_ids if r in self._states]
-        if live:
-            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-            for r in live:
-                del self._states[r]
+        if not live:
+            return []
+        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        return [self._delta(self._states.pop(r).request, FinishReason.ABORT) for r in live]
 
     def get_request(self, req_id: str) -> Request | None:
         state = self._states.get(req_id)
@@ -174,10 +227,7 @@ class EngineCore:
                 len(sched_out.num_scheduled_tokens),
             )
             self.num_failed_steps += 1
-            failed = list(sched_out.num_scheduled_tokens)
-            deltas = [self._abort_delta(r) for r in failed if r in self._states]
-            self.abort_requests(failed)
-            return deltas
+            return self.abort_requests(list(sched_out.num_scheduled_tokens))
         if sched_out.is_empty:
             runner_out = ModelRunnerOutput(sampled_token_ids={})
         core_outs = self.scheduler.update_from_output(sched_out, runner_out)
@@ -188,12 +238,15 @@ class EngineCore:
                 continue
             request = state.request
             detok = state.detokenizer
-            text = detok.update(out.new_token_ids) if out.new_token_ids else ""
             finish_reason = out.finish_reason
+            # The scheduler finishes as "stop" only on EOS or a stop token id, which is
+            # then the last new token: the detokenizer leaves its text out.
+            stop_terminated = finish_reason == FinishReason.STOP
+            text = detok.update(out.new_token_ids, stop_terminated) if out.new_token_ids else ""
             stop_reason = out.stop_reason
             if finish_reason is None and detok.finished_by_stop:
                 self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED)
-                finish_reason, stop_reason = "stop", detok.stop_reason
+                finish_reason, stop_reason = FinishReason.STOP, detok.stop_reason
             if finish_reason is not None:
                 if not detok.finished_by_stop:
                     text += detok.flush()
@@ -201,52 +254,59 @@ class EngineCore:
                     stop_reason = detok.stop_reason
                 del self._states[out.req_id]
             deltas.append(
-                RequestDelta(
-                    request_id=out.req_id,
-                    new_token_ids=list(out.new_token_ids),
+                self._delta(
+                    request,
+                    finish_reason,
+                    stop_reason,
+                    new_token_ids=out.new_token_ids,
                     new_text=text,
-                    new_logprobs=list(out.new_logprobs or []),
-                    finish_reason=finish_reason,
-                    stop_reason=stop_reason,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_cached_tokens=max(request.num_cached_tokens, 0),
-                    num_output_tokens=request.num_output_tokens,
-                    metrics=_metrics(request),
+                    new_logprobs=out.new_logprobs,
                 )
             )
         return deltas
 
-    def _abort_delta(self, req_id: str) -> RequestDelta:
-        request = self._states[req_id].request
+    def _delta(
+        self,
+        request: Request,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None = None,
+        *,
+        new_token_ids: list[int] | None = None,
+        new_text: str = "",
+        new_logprobs: list[Logprobs] | None = None,
+    ) -> RequestDelta:
         return RequestDelta(
-            request_id=req_id,
-            new_token_ids=[],
-            new_text="",
-            finish_reason="abort",
+            request_id=request.req_id,
+            new_token_ids=list(new_token_ids or []),
+            new_text=new_text,
+            new_logprobs=list(new_logprobs or []),
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_output_tokens=request.num_output_tokens,
+            metrics=_metrics(request),
         )
 
     # ------------------------------------------------------------------ health
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """Numbers for /metrics and logs (plain data)."""
         kv = self.kv_cache_manager
         sched = self.scheduler
-        return {
-            "num_requests_running": sched.num_running,
-            "num_requests_waiting": sched.num_waiting,
-            "kv_cache_usage_perc": kv.usage,
-            "num_active_blocks": kv.num_active_blocks,
-            "num_reclaimable_blocks": kv.num_reclaimable_blocks,
-            "num_empty_blocks": kv.num_empty_blocks,
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_preemptions": sched.num_preemptions,
-            "total_padding_tokens": sched.total_padding_tokens,
-            "scheduler_state": str(sched.state),
-            "num_failed_steps": self.num_failed_steps,
-        }
+        return EngineStats(
+            num_requests_running=sched.num_running,
+            num_requests_waiting=sched.num_waiting,
+            kv_cache_usage_perc=kv.usage,
+            num_active_blocks=kv.num_active_blocks,
+            num_reclaimable_blocks=kv.num_reclaimable_blocks,
+            num_empty_blocks=kv.num_empty_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=sched.num_preemptions,
+            total_padding_tokens=sched.total_padding_tokens,
+            scheduler_state=str(sched.state),
+            num_failed_steps=self.num_failed_steps,
+        )
 
     def check_no_leaks(self) -> None:
         """Raise RuntimeError if the KV cache's invariants are broken, or if blocks are
@@ -263,9 +323,19 @@ def _metrics(request: Request) -> RequestMetrics:
         arrival_time=request.arrival_time,
         first_scheduled_time=request.first_scheduled_time,
         first_token_time=request.first_token_time,
+        last_token_time=request.last_token_time,
         finished_time=request.finished_time,
     )
 
 
-def _replace_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    return dataclasses.replace(params, max_tokens=max_tokens)
+def _model_runner(config: EngineConfig, loaded: ModelInfo) -> Runner:
+    """The real model runner (imported here: torch only loads when an engine needs it)."""
+    from kvserve.model.loader import LoadedModel
+    from kvserve.worker.model_runner import ModelRunner
+
+    if not isinstance(loaded, LoadedModel):
+        raise TypeError(
+            f"EngineCore builds its ModelRunner from a LoadedModel, got {type(loaded).__name__}: "
+            "pass runner= for any other model"
+        )
+    return ModelRunner(loaded, config.cache, config.scheduler)

@@ -6,8 +6,9 @@
     llm.chat([{"role": "user", "content": "Hi"}])
 
 ``generate`` validates every prompt before queueing any, so one bad prompt raises
-ValueError and leaves the engine as it was. Requests are batched continuously by the
-scheduler (chunked prefill, prefix caching) and returned in input order.
+:class:`~kvserve.request.RequestError` (a ValueError) and leaves the engine as it
+was. Requests are batched continuously by the scheduler (chunked prefill, prefix
+caching) and returned in input order.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from tqdm.auto import tqdm
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.request import SamplingParams
+from kvserve.request import RequestError, SamplingParams
 
 Message = dict[str, str]
 
@@ -60,10 +61,10 @@ class LLM:
             texts = list(prompts)
             token_lists = [self._encode(t) for t in prompts]
         else:
-            assert prompt_token_ids is not None
-            if prompt_token_ids and isinstance(prompt_token_ids[0], int):
-                prompt_token_ids = [prompt_token_ids]  # type: ignore[list-item]
-            token_lists = [list(p) for p in prompt_token_ids]  # type: ignore[arg-type]
+            given: Sequence[Any] = prompt_token_ids or []
+            if given and isinstance(given[0], int):
+                given = [given]  # one prompt of token ids
+            token_lists = [list(p) for p in given]
             texts = [None] * len(token_lists)
         return self._run(texts, token_lists, sampling_params, use_tqdm, cache_salt)
 
@@ -118,23 +119,26 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(token_lists)} prompts: "
                     "pass one SamplingParams for all, or exactly one per prompt"
                 )
-        for i, (ids, params) in enumerate(zip(token_lists, params_list, strict=True)):
-            try:
-                self.engine.validate_request(ids, params)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-
         engine = self.engine
+        requests = []
+        for i, (text, ids, params) in enumerate(zip(texts, token_lists, params_list, strict=True)):
+            try:  # every prompt is validated before any is queued
+                requests.append(
+                    engine.make_request(ids, params, prompt=text, cache_salt=cache_salt)
+                )
+            except RequestError as e:
+                raise RequestError(f"prompt {i}: {e}", param=e.param, code=e.code) from None
+
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         try:
-            for text, ids, params in zip(texts, token_lists, params_list, strict=True):
-                req_id = engine.add_request(ids, params, prompt=text, cache_salt=cache_salt)
+            for request in requests:
+                req_id = engine.add(request)
                 order.append(req_id)
                 results[req_id] = RequestOutput(
                     request_id=req_id,
-                    prompt=text,
-                    prompt_token_ids=ids,
+                    prompt=request.prompt,
+                    prompt_token_ids=request.prompt_token_ids,
                     outputs=[CompletionOutput(index=0, text="", token_ids=[], logprobs=None)],
                     finished=False,
                     num_cached_tokens=0,

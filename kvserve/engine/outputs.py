@@ -1,14 +1,16 @@
-"""What the engine hands to users: per-step deltas for streaming and whole outputs.
+"""What the engine hands out: per-step deltas for streaming, whole outputs, stats.
 
 ``RequestDelta`` is what one engine step produced for one request (new token ids
 and the new text they decode to); ``RequestOutput`` is the vLLM-shaped
-accumulated result that ``LLM.generate`` returns.
+accumulated result that ``LLM.generate`` returns; ``EngineStats`` is the snapshot
+``/metrics`` and logs read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.request import FinishReason
 from kvserve.sched.output import Logprobs
 
 
@@ -19,6 +21,7 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None  # the step that produced the newest token
     finished_time: float | None = None
 
 
@@ -27,7 +30,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     logprobs: list[Logprobs] | None = None
 
@@ -55,7 +58,7 @@ class RequestDelta:
     new_token_ids: list[int]
     new_text: str
     new_logprobs: list[Logprobs] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -65,3 +68,22 @@ class RequestDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of one engine's state (``EngineCore.stats()``); plain data, safe to
+    read from any thread. Counts are since the engine started."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage_perc: float = 0.0  # 0 to 1; 1 = full
+    num_active_blocks: int = 0
+    num_reclaimable_blocks: int = 0
+    num_empty_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    total_padding_tokens: int = 0
+    scheduler_state: str = "IDLE"
+    num_failed_steps: int = 0

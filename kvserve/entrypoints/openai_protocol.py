@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvserve.request import SamplingParams
+from kvserve.request import RequestError, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
@@ -116,6 +116,20 @@ def validation_error_to_api(err: ValidationError) -> APIError:
     if example:
         text += f"; for example {example}"
     return bad_request(text, param=param, code=code)
+
+
+def request_error_to_api(err: RequestError, names: dict[str, str]) -> APIError:
+    """A refused request as a 400 naming the request's own field (``names`` maps
+    engine names such as ``"prompt"``/``"max_tokens"`` to the request's), with an
+    example when there is one."""
+    param = names.get(err.param, err.param) if err.param else None
+    text = str(err)
+    if param != err.param:
+        text += f" ({err.param} is this request's {param})"
+    example = example_for(param)
+    if example:
+        text += f"; for example {example}"
+    return bad_request(text, param=param, code=err.code)
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str:
@@ -239,18 +253,12 @@ class _SamplingRequest(_Strict):
                 kwargs[name] = value
         try:
             return SamplingParams(**kwargs)
-        except ValueError as e:
-            m = re.match(r"sampling parameter (\w+)=", str(e))
-            param = m.group(1) if m else None
-            if param == "max_tokens":
-                param = max_tokens_param
-            elif param == "logprobs" and isinstance(self, ChatCompletionRequest):
-                param = "top_logprobs"
-            text = str(e)
-            example = example_for(param)
-            if example:
-                text += f"; for example {example}"
-            raise bad_request(text, param=param) from None
+        except RequestError as e:
+            raise request_error_to_api(e, self.param_names(max_tokens_param)) from None
+
+    def param_names(self, max_tokens_param: str) -> dict[str, str]:
+        """Engine field name -> this request's field name, for :func:`request_error_to_api`."""
+        return {"max_tokens": max_tokens_param}
 
 
 class CompletionRequest(_SamplingRequest):
@@ -393,6 +401,9 @@ class ChatCompletionRequest(_SamplingRequest):
                 f"{MAX_LOGPROBS}; for example " + _EXAMPLES["top_logprobs"],
                 param="top_logprobs",
             )
+
+    def param_names(self, max_tokens_param: str) -> dict[str, str]:
+        return {"max_tokens": max_tokens_param, "prompt": "messages", "logprobs": "top_logprobs"}
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:

@@ -48,7 +48,7 @@ from kvserve.entrypoints.openai_protocol import (
     bad_request,
     validation_error_to_api,
 )
-from kvserve.entrypoints.openai_serving import OpenAIServing, abort_all
+from kvserve.entrypoints.openai_serving import Generation, OpenAIServing, abort_all
 from kvserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
@@ -159,30 +159,12 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
-        req_id, streams, echo = await serving.start_completion(req)
-        if req.stream:
-            events = serving.completion_events(req, req_id, streams, echo)
-            return _SSEResponse(events, on_close=abort_all(streams))
-        choices = await _until_disconnect(
-            request, serving.collect(streams), on_disconnect=abort_all(streams)
-        )
-        if choices is None:
-            return Response(status_code=499)
-        return JSONResponse(serving.completion_response(req, req_id, choices, echo))
+        return await _respond(request, serving, await serving.start_completion(req), req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
-        req_id, streams = await serving.start_chat(req)
-        if req.stream:
-            events = serving.chat_events(req, req_id, streams)
-            return _SSEResponse(events, on_close=abort_all(streams))
-        choices = await _until_disconnect(
-            request, serving.collect(streams), on_disconnect=abort_all(streams)
-        )
-        if choices is None:
-            return Response(status_code=499)
-        return JSONResponse(serving.chat_response(req, req_id, choices))
+        return await _respond(request, serving, await serving.start_chat(req), req.stream)
 
     # ------------------------------------------------------------------ tokenizer
     @app.post("/tokenize")
@@ -255,6 +237,21 @@ async def _parse(request: Request, model: type[M]) -> M:
 
 
 T = TypeVar("T")
+
+
+async def _respond(
+    request: Request, serving: OpenAIServing, gen: Generation, stream: bool
+) -> Response:
+    """Stream ``gen`` as Server-Sent Events, or wait for it and answer in one body;
+    a client that disconnects has its engine requests aborted (499 when not streamed)."""
+    if stream:
+        return _SSEResponse(serving.events(gen), on_close=abort_all(gen.streams))
+    choices = await _until_disconnect(
+        request, serving.collect(gen.streams), on_disconnect=abort_all(gen.streams)
+    )
+    if choices is None:
+        return Response(status_code=499)
+    return JSONResponse(serving.response(gen, choices))
 
 
 async def _until_disconnect(

@@ -5,27 +5,21 @@ This module turns parsed requests (``openai_protocol``) into engine requests on 
 response and Server-Sent-Event chunk shapes. ``openai_server`` owns HTTP (routing,
 auth, error bodies, disconnects); nothing here touches the transport.
 
-Shapes (what the official ``openai`` client parses):
-- completion: ``{"id": "cmpl-…", "object": "text_completion", "choices": [{"index",
-  "text", "logprobs": {"tokens", "token_logprobs", "top_logprobs", "text_offset"},
-  "finish_reason"}], "usage": {..., "prompt_tokens_details": {"cached_tokens"}}}``
-- chat: ``{"id": "chatcmpl-…", "object": "chat.completion", "choices": [{"index",
-  "message": {"role": "assistant", "content"}, "logprobs": {"content": [{"token",
-  "logprob", "bytes", "top_logprobs"}]}, "finish_reason"}], "usage": …}``
-- streams: chunks ``text_completion`` / ``chat.completion.chunk`` with
-  ``"usage": null`` when ``stream_options.include_usage`` (then one last chunk with
-  empty ``choices`` and the usage), and ``data: [DONE]``.
+One streaming skeleton serves both endpoints (:meth:`OpenAIServing.events` and
+:meth:`OpenAIServing.response`): the envelope ``{"id", "object", "created", "model",
+"choices"}``, ``"usage"`` (``null`` on chunks when ``stream_options.include_usage``,
+then one last chunk with empty ``choices`` and the usage) and ``data: [DONE]``; the
+per-choice shapes come from the endpoint's renderer (``openai_render``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.async_engine import (
@@ -42,106 +36,22 @@ from kvserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
+    request_error_to_api,
 )
-from kvserve.request import SamplingParams
-from kvserve.sched.output import Logprobs
+from kvserve.entrypoints.openai_render import (
+    ChatRenderer,
+    Choice,
+    CompletionRenderer,
+    Renderer,
+    usage,
+)
+from kvserve.entrypoints.token_texts import TokenTexts
+from kvserve.request import RequestError, SamplingParams
 
 RETRY_AFTER_S = 1
 
 
-# --------------------------------------------------------------------- token text
-class TokenTexts:
-    """Per-token strings and bytes for logprobs (cached; one per tokenizer).
-
-    For byte-level BPE tokenizers (GPT-2 style, the default model) the bytes are the
-    token's exact bytes, so a character split across tokens is reported as the
-    pieces OpenAI would send; the string is their UTF-8 decoding (U+FFFD where a
-    piece is not a whole character).
-    """
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, bytes]] = {}
-        decoder = _byte_decoder()
-        probe = tokenizer.convert_ids_to_tokens(tokenizer.encode(" a b", add_special_tokens=False))
-        self._byte_decoder = decoder if any("\u0120" in (t or "") for t in probe) else None
-
-    def get(self, token_id: int) -> tuple[str, bytes]:
-        hit = self._cache.get(token_id)
-        if hit is not None:
-            return hit
-        raw: bytes | None = None
-        if self._byte_decoder is not None:
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if isinstance(piece, str) and all(c in self._byte_decoder for c in piece):
-                raw = bytes(self._byte_decoder[c] for c in piece)
-        if raw is None:
-            raw = self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
-        out = (raw.decode("utf-8", errors="replace"), raw)
-        if len(self._cache) < 1 << 17:
-            self._cache[token_id] = out
-        return out
-
-    def text(self, token_id: int) -> str:
-        return self.get(token_id)[0]
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's reversible byte <-> printable-character map, inverted."""
-    bs = list(range(ord("!"), ord("~") + 1))
-    bs += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-def _finite(x: float) -> float:
-    return x if math.isfinite(x) else -9999.0
-
-
-# --------------------------------------------------------------------- accumulation
-@dataclass
-class _Choice:
-    """Everything one prompt's stream produced so far."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-
-    def add(self, delta: RequestDelta) -> None:
-        self.text += delta.new_text
-        self.token_ids.extend(delta.new_token_ids)
-        self.logprobs.extend(delta.new_logprobs)
-        self.num_prompt_tokens = delta.num_prompt_tokens
-        self.num_cached_tokens = delta.num_cached_tokens
-        self.num_output_tokens = delta.num_output_tokens
-        if delta.finished:
-            self.finish_reason = delta.finish_reason
-            self.stop_reason = delta.stop_reason
-
-
-def usage(choices: list[_Choice]) -> dict[str, Any]:
-    prompt = sum(c.num_prompt_tokens for c in choices)
-    completion = sum(c.num_output_tokens for c in choices)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in choices)},
-    }
-
-
+# --------------------------------------------------------------------- streams
 def _check_finish(delta: RequestDelta) -> None:
     if delta.finish_reason == "abort":
         # The client did not ask for this abort (it would not be reading any more):
@@ -205,6 +115,21 @@ def error_event(e: BaseException) -> str:
 
 
 # --------------------------------------------------------------------- serving
+@dataclass
+class Generation:
+    """One HTTP request's queued engine requests (one stream per choice) and the
+    renderer of its endpoint. The caller must drain or abort every stream."""
+
+    req_id: str
+    streams: list[RequestStream]
+    renderer: Renderer
+    include_usage: bool
+
+
+def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
 class OpenAIServing:
     """Completions and chat on one engine. Methods raise :class:`APIError` for any
     request that cannot be served; once they return, the engine holds the request(s)
@@ -234,66 +159,36 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def check_length(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int | None,
-        *,
-        prompt_param: str,
-        max_tokens_param: str,
-    ) -> None:
-        """400 for an empty or too-long prompt, or prompt + max_tokens over max_model_len."""
-        n, limit = len(prompt_ids), self.engine.max_model_len
-        if n == 0:
-            raise bad_request(
-                f"{prompt_param} is empty (0 tokens): send some text, e.g. "
-                '"prompt": "Once upon a time"',
-                param=prompt_param,
-            )
-        if n >= limit:
-            raise bad_request(
-                f"{prompt_param} has {n} tokens but this model's context is {limit} tokens "
-                f"(max_model_len): shorten it to at most {limit - 1} tokens",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        if max_tokens is not None and isinstance(max_tokens, int) and n + max_tokens > limit:
-            raise bad_request(
-                f"{prompt_param} has {n} tokens and {max_tokens_param}={max_tokens}, together "
-                f"{n + max_tokens} > max_model_len={limit}: set {max_tokens_param} to at most "
-                f"{limit - n} or shorten the prompt",
-                param=max_tokens_param,
-                code="context_length_exceeded",
-            )
-
     async def submit(
         self,
         req_id: str,
         inputs: list[tuple[str | None, list[int], SamplingParams]],
         cache_salt: str | None,
-        prompt_param: str,
+        names: dict[str, str],
     ) -> list[RequestStream]:
-        """Queue every prompt (all or none); map engine refusals to APIError."""
-        for _, ids, params in inputs:
-            try:
-                self.engine.validate_request(ids, params)
-            except ValueError as e:
-                raise bad_request(str(e), param=prompt_param) from None
-        streams: list[RequestStream] = []
+        """Queue every prompt, all or none: each is validated once (``make_request``)
+        before any is queued. Refusals become APIError naming the request's field
+        (``names``: engine field -> request field)."""
+        requests = []
         try:
             for i, (text, ids, params) in enumerate(inputs):
-                sub_id = req_id if len(inputs) == 1 else f"{req_id}-{i}"
-                streams.append(
-                    await self.engine.generate(
+                requests.append(
+                    self.engine.make_request(
                         ids,
                         params,
-                        request_id=sub_id,
+                        request_id=req_id if len(inputs) == 1 else f"{req_id}-{i}",
                         prompt=text,
                         cache_salt=cache_salt,
-                        # One check per HTTP request: a batch is admitted whole.
-                        max_waiting=self.max_queue_len if i == 0 else None,
                     )
                 )
+        except RequestError as e:
+            raise request_error_to_api(e, names) from None
+        streams: list[RequestStream] = []
+        try:
+            for i, request in enumerate(requests):
+                # One queue-length check per HTTP request: a batch is admitted whole.
+                max_waiting = self.max_queue_len if i == 0 else None
+                streams.append(await self.engine.submit(request, max_waiting=max_waiting))
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -313,14 +208,14 @@ class OpenAIServing:
                     code="engine_unavailable",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
                 ) from None
-            if isinstance(e, ValueError):
-                raise bad_request(str(e), param=prompt_param) from None
+            if isinstance(e, RequestError):
+                raise request_error_to_api(e, names) from None
             raise
         return streams
 
-    async def collect(self, streams: list[RequestStream]) -> list[_Choice]:
+    async def collect(self, streams: list[RequestStream]) -> list[Choice]:
         """Drain the streams into one choice each; engine failures become a 500."""
-        choices = [_Choice(index=i) for i in range(len(streams))]
+        choices = [Choice(index=i) for i in range(len(streams))]
         try:
             async for i, delta in merge(streams):
                 _check_finish(delta)
@@ -330,10 +225,8 @@ class OpenAIServing:
         return choices
 
     # ------------------------------------------------------------------ completions
-    async def start_completion(
-        self, req: CompletionRequest
-    ) -> tuple[str, list[RequestStream], list[str]]:
-        """Validate and queue; returns (id, streams, prompt texts for echo)."""
+    async def start_completion(self, req: CompletionRequest) -> Generation:
+        """Validate and queue every prompt (all or none)."""
         self.check_model(req.model)
         req.check()
         inputs: list[tuple[str | None, list[int], SamplingParams]] = []
@@ -344,131 +237,19 @@ class OpenAIServing:
                 ids = list(self.tokenizer.encode(prompt))
             else:
                 text, ids = None, prompt
-            self.check_length(
-                ids, req.max_tokens, prompt_param="prompt", max_tokens_param="max_tokens"
-            )
             max_tokens = req.max_tokens
             if max_tokens is None:
-                max_tokens = min(
-                    COMPLETIONS_DEFAULT_MAX_TOKENS, self.engine.max_model_len - len(ids)
-                )
+                # Never below 1, so that a too-long prompt is refused for its length.
+                room = max(self.engine.max_model_len - len(ids), 1)
+                max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
             params = req.sampling_params(max_tokens, req.logprobs, max_tokens_param="max_tokens")
             inputs.append((text, ids, params))
             if req.echo:
                 echo_texts.append(text if text is not None else str(self.tokenizer.decode(ids)))
         req_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(req_id, inputs, req.cache_salt, "prompt")
-        return req_id, streams, echo_texts
-
-    def completion_logprobs(
-        self, token_ids: list[int], logprobs: list[Logprobs], offset: int
-    ) -> dict[str, Any]:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, lp in zip(token_ids, logprobs, strict=False):
-            tok = self.token_texts.text(tid)
-            top = {
-                self.token_texts.text(t): _finite(v)
-                for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=False)
-            }
-            top.setdefault(tok, _finite(lp.sampled_logprob))
-            tokens.append(tok)
-            token_lps.append(_finite(lp.sampled_logprob))
-            tops.append(top)
-            offsets.append(offset)
-            offset += len(tok)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_lps,
-            "top_logprobs": tops,
-            "text_offset": offsets,
-        }
-
-    def completion_response(
-        self, req: CompletionRequest, req_id: str, choices: list[_Choice], echo: list[str]
-    ) -> dict[str, Any]:
-        out = []
-        for c in choices:
-            lp = None
-            if req.logprobs is not None:
-                lp = self.completion_logprobs(c.token_ids, c.logprobs, 0)
-            out.append(
-                {
-                    "index": c.index,
-                    "text": (echo[c.index] if echo else "") + c.text,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
-        return {
-            "id": req_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.served_model_name,
-            "choices": out,
-            "usage": usage(choices),
-            "system_fingerprint": None,
-        }
-
-    async def completion_events(
-        self, req: CompletionRequest, req_id: str, streams: list[RequestStream], echo: list[str]
-    ) -> AsyncIterator[str]:
-        created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        choices = [_Choice(index=i) for i in range(len(streams))]
-        offsets = [0] * len(streams)
-
-        def chunk(choice: dict[str, Any]) -> str:
-            body: dict[str, Any] = {
-                "id": req_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.served_model_name,
-                "choices": [choice],
-            }
-            if include_usage:
-                body["usage"] = None
-            return sse(body)
-
-        try:
-            for i, text in enumerate(echo):
-                yield chunk({"index": i, "text": text, "logprobs": None, "finish_reason": None})
-            async for i, delta in merge(streams):
-                _check_finish(delta)
-                choices[i].add(delta)
-                if not (delta.new_text or delta.finished or delta.new_token_ids):
-                    continue
-                lp = None
-                if req.logprobs is not None:
-                    lp = self.completion_logprobs(
-                        delta.new_token_ids, delta.new_logprobs, offsets[i]
-                    )
-                    offsets[i] += sum(len(t) for t in lp["tokens"])
-                elif not delta.new_text and not delta.finished:
-                    continue
-                yield chunk(
-                    {
-                        "index": i,
-                        "text": delta.new_text,
-                        "logprobs": lp,
-                        "finish_reason": delta.finish_reason,
-                        "stop_reason": delta.stop_reason,
-                    }
-                )
-            if include_usage:
-                yield sse(
-                    {
-                        "id": req_id,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": self.served_model_name,
-                        "choices": [],
-                        "usage": usage(choices),
-                    }
-                )
-        except (RequestFailedError, EngineUnavailableError, APIError) as e:
-            yield error_event(e)
-        yield sse("[DONE]")
+        streams = await self.submit(req_id, inputs, req.cache_salt, req.param_names("max_tokens"))
+        renderer = CompletionRenderer(req, self.token_texts, echo_texts, len(streams))
+        return Generation(req_id, streams, renderer, _include_usage(req))
 
     # ------------------------------------------------------------------ chat
     def render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -488,123 +269,65 @@ class OpenAIServing:
             ) from None
         return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    async def start_chat(self, req: ChatCompletionRequest) -> tuple[str, list[RequestStream]]:
+    async def start_chat(self, req: ChatCompletionRequest) -> Generation:
+        """Validate and queue the conversation."""
         self.check_model(req.model)
         req.check()
         text, ids = self.render_chat(req)
         max_tokens, max_param = req.requested_max_tokens
-        self.check_length(ids, max_tokens, prompt_param="messages", max_tokens_param=max_param)
         params = req.sampling_params(max_tokens, req.num_logprobs, max_tokens_param=max_param)
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self.submit(req_id, [(text, ids, params)], req.cache_salt, "messages")
-        return req_id, streams
+        names = req.param_names(max_param)
+        streams = await self.submit(req_id, [(text, ids, params)], req.cache_salt, names)
+        return Generation(req_id, streams, ChatRenderer(req, self.token_texts), _include_usage(req))
 
-    def chat_logprobs(
-        self, token_ids: list[int], logprobs: list[Logprobs], num_top: int
+    # ------------------------------------------------------------------ responses
+    def _envelope(
+        self, gen: Generation, obj: str, created: int, choices: list[dict[str, Any]]
     ) -> dict[str, Any]:
-        content = []
-        for tid, lp in zip(token_ids, logprobs, strict=False):
-            tok, raw = self.token_texts.get(tid)
-            top = []
-            for t, v in list(zip(lp.top_token_ids, lp.top_logprobs, strict=False))[:num_top]:
-                t_text, t_raw = self.token_texts.get(t)
-                top.append({"token": t_text, "logprob": _finite(v), "bytes": list(t_raw)})
-            content.append(
-                {
-                    "token": tok,
-                    "logprob": _finite(lp.sampled_logprob),
-                    "bytes": list(raw),
-                    "top_logprobs": top,
-                }
-            )
-        return {"content": content, "refusal": None}
-
-    def chat_response(
-        self, req: ChatCompletionRequest, req_id: str, choices: list[_Choice]
-    ) -> dict[str, Any]:
-        out = []
-        for c in choices:
-            lp = None
-            if req.logprobs:
-                lp = self.chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
-            out.append(
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-            )
         return {
-            "id": req_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
+            "id": gen.req_id,
+            "object": obj,
+            "created": created,
             "model": self.served_model_name,
-            "choices": out,
-            "usage": usage(choices),
-            "system_fingerprint": None,
+            "choices": choices,
         }
 
-    async def chat_events(
-        self, req: ChatCompletionRequest, req_id: str, streams: list[RequestStream]
-    ) -> AsyncIterator[str]:
+    def response(self, gen: Generation, choices: list[Choice]) -> dict[str, Any]:
+        """The non-streamed response from the collected choices."""
+        body = self._envelope(
+            gen,
+            gen.renderer.response_object,
+            int(time.time()),
+            [gen.renderer.choice(c) for c in choices],
+        )
+        return {**body, "usage": usage(choices), "system_fingerprint": None}
+
+    async def events(self, gen: Generation) -> AsyncIterator[str]:
+        """The Server-Sent Events of a streamed response: the renderer's opening
+        chunks, one chunk per delta it renders, the usage chunk when asked for,
+        then ``[DONE]``. An engine failure becomes an error event before ``[DONE]``."""
         created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        choices = [_Choice(index=i) for i in range(len(streams))]
+        obj = gen.renderer.chunk_object
+        choices = [Choice(index=i) for i in range(len(gen.streams))]
 
         def chunk(choice: dict[str, Any]) -> str:
-            body: dict[str, Any] = {
-                "id": req_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.served_model_name,
-                "choices": [choice],
-            }
-            if include_usage:
+            body = self._envelope(gen, obj, created, [choice])
+            if gen.include_usage:
                 body["usage"] = None
             return sse(body)
 
         try:
-            for i in range(len(streams)):
-                yield chunk(
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
-            async for i, delta in merge(streams):
+            for opening in gen.renderer.opening_chunks(len(gen.streams)):
+                yield chunk(opening)
+            async for i, delta in merge(gen.streams):
                 _check_finish(delta)
                 choices[i].add(delta)
-                lp = None
-                if req.logprobs and delta.new_token_ids:
-                    lp = self.chat_logprobs(
-                        delta.new_token_ids, delta.new_logprobs, req.top_logprobs or 0
-                    )
-                if not (delta.new_text or delta.finished or lp):
-                    continue
-                choice: dict[str, Any] = {
-                    "index": i,
-                    "delta": {"content": delta.new_text} if delta.new_text or lp else {},
-                    "logprobs": lp,
-                    "finish_reason": delta.finish_reason,
-                }
-                if delta.finished:
-                    choice["stop_reason"] = delta.stop_reason
-                yield chunk(choice)
-            if include_usage:
-                yield sse(
-                    {
-                        "id": req_id,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": self.served_model_name,
-                        "choices": [],
-                        "usage": usage(choices),
-                    }
-                )
+                rendered = gen.renderer.chunk(i, delta)
+                if rendered is not None:
+                    yield chunk(rendered)
+            if gen.include_usage:
+                yield sse({**self._envelope(gen, obj, created, []), "usage": usage(choices)})
         except (RequestFailedError, EngineUnavailableError, APIError) as e:
             yield error_event(e)
         yield sse("[DONE]")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from kvserve.config import check_int
 from kvserve.kv_cache.hashing import BlockHash
 
 
@@ -133,11 +134,13 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
-            raise ValueError(
-                f"invalid num_blocks={num_blocks!r}: must be an integer >= 2 "
-                "(block 0 is the null block) (for example: num_blocks=1024)"
-            )
+        check_int(
+            "num_blocks",
+            num_blocks,
+            "num_blocks=1024",
+            minimum=2,
+            why=" (block 0 is the null block)",
+        )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]

@@ -24,11 +24,13 @@ import functools
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import NewType
+from typing import NewType, get_args
+
+from kvserve.config import HashAlgo
 
 BlockHash = NewType("BlockHash", bytes)
 
-HASH_ALGOS = ("sha256", "builtin")
+HASH_ALGOS: tuple[HashAlgo, ...] = get_args(HashAlgo)
 
 # Parent of the first block: a fixed 32-byte value, never the hash of a real block.
 _ROOT = hashlib.sha256(b"kvserve.block-hash-chain.root.v1").digest()
@@ -129,7 +131,7 @@ def hash_block_tokens(
     parent: BlockHash | None,
     token_ids: Sequence[int],
     extra_keys: tuple = (),
-    algo: str = "sha256",
+    algo: HashAlgo = "sha256",
 ) -> BlockHash:
     """Hash one full block given its parent's hash (None for the first block).
 

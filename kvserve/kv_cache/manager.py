@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from kvserve.config import HashAlgo, check_int
 from kvserve.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.kv_cache.hashing import (
     HASH_ALGOS,
@@ -42,13 +43,6 @@ STATS_WINDOW = 1000  # admissions in the recent hit-rate window
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _check_positive(name: str, value: object, example: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(
-            f"invalid {name}={value!r}: must be a positive integer (for example: {example})"
-        )
 
 
 class KVCacheManager:
@@ -66,12 +60,12 @@ class KVCacheManager:
         max_model_len: int,
         *,
         enable_caching: bool = True,
-        hash_algo: str = "sha256",
+        hash_algo: HashAlgo = "sha256",
         model_fingerprint: str = "",
     ) -> None:
-        _check_positive("num_blocks", num_blocks, "num_blocks=1024")
-        _check_positive("block_size", block_size, "block_size=16")
-        _check_positive("max_model_len", max_model_len, "max_model_len=8192")
+        check_int("num_blocks", num_blocks, "num_blocks=1024")
+        check_int("block_size", block_size, "block_size=16")
+        check_int("max_model_len", max_model_len, "max_model_len=8192")
         if hash_algo not in HASH_ALGOS:
             raise ValueError(
                 f"invalid hash_algo={hash_algo!r}: must be one of {HASH_ALGOS} (for example: hash_algo='sha256')"
@@ -132,11 +126,11 @@ class KVCacheManager:
     def max_concurrent_requests(self, max_model_len: int | None = None) -> int:
         """How many requests fit at once if each grows to ``max_model_len`` tokens."""
         length = self.max_model_len if max_model_len is None else max_model_len
-        _check_positive("max_model_len", length, "max_model_len=8192")
+        check_int("max_model_len", length, "max_model_len=8192")
         return self.block_pool.num_usable_blocks // cdiv(length, self.block_size)
 
     # -- hashing ------------------------------------------------------------------
-    def _update_block_hashes(self, request: Request) -> list[bytes]:
+    def _update_block_hashes(self, request: Request) -> list[BlockHash]:
         """Extend ``request.block_hashes`` to cover every full block of its tokens."""
         hashes = request.block_hashes
         bs = self.block_size
@@ -145,7 +139,7 @@ class KVCacheManager:
         i = len(hashes)
         if i >= num_full:
             return hashes
-        parent: BlockHash | None = BlockHash(hashes[-1]) if hashes else None
+        parent: BlockHash | None = hashes[-1] if hashes else None
         algo = self.hash_algo
         while i < num_full:
             extra = (
@@ -178,9 +172,7 @@ class KVCacheManager:
         pool = self.block_pool
         hits: list[KVCacheBlock] = []
         for i in range(max_hit_blocks):
-            block = pool.get_cached_block(
-                BlockHash(hashes[i]), tuple(tokens[i * bs : (i + 1) * bs])
-            )
+            block = pool.get_cached_block(hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
             if block is None:
                 break
             hits.append(block)
@@ -299,7 +291,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         pool = self.block_pool
         for i in range(start, end):
-            pool.cache_block(blocks[i], BlockHash(hashes[i]), tuple(tokens[i * bs : (i + 1) * bs]))
+            pool.cache_block(blocks[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
         self.num_cached_blocks[request.req_id] = end
 
     def free(self, request: Request) -> None:

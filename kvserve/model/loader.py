@@ -339,6 +339,10 @@ class LoadedModel:
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes in bfloat16 natively (``avx512_bf16`` or ``amx_bf16``).

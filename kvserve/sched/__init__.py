@@ -12,15 +12,17 @@ from collections.abc import Callable
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_transfer.connector import KVConnector
+from kvserve.sched.base import Scheduler, SchedulerState
 from kvserve.sched.buckets import (
     default_num_batched_tokens_buckets,
     default_num_seqs_buckets,
     get_bucket,
     validate_buckets,
 )
-from kvserve.sched.interface import KVConnector, Scheduler, SchedulerState, is_decode
 from kvserve.sched.scheduler import MixedScheduler
 from kvserve.sched.separated import SeparatedScheduler
+from kvserve.sched.step_builder import StepBuilder, is_decode
 
 POLICIES: dict[str, type[Scheduler]] = {
     "mixed": MixedScheduler,
@@ -49,6 +51,7 @@ __all__ = [
     "Scheduler",
     "SchedulerState",
     "SeparatedScheduler",
+    "StepBuilder",
     "default_num_batched_tokens_buckets",
     "default_num_seqs_buckets",
     "get_bucket",

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvserve.config import is_int
+
 DEFAULT_MIN_PREFILL_BUCKET = 128
 
 
@@ -76,7 +78,7 @@ def validate_buckets(
             f"invalid {name}=[]: must hold at least one bucket (for example: {name}=[{example}])"
         )
     for b in buckets:
-        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+        if not is_int(b) or b < 1:
             raise ValueError(
                 f"invalid {name}={value!r}: every bucket must be a positive integer, got {b!r} "
                 f"(for example: {name}=[{example}])"

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvserve.request import SamplingParams
+from kvserve.request import FinishReason, SamplingParams
 
 Phase = Literal["prefill", "decode", "mixed", "idle"]
 
@@ -51,10 +51,6 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
 
 @dataclass
 class SchedulerOutput:
@@ -80,10 +76,6 @@ class SchedulerOutput:
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
-
-    @property
-    def total_num_scheduled_tokens_padded(self) -> int:
-        return sum(self.num_scheduled_tokens_padded.values())
 
     @property
     def scheduled_req_ids(self) -> list[str]:
@@ -114,9 +106,6 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
 
 
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(sampled_token_ids={})
-
-
 @dataclass
 class EngineCoreOutput:
     """What ``update_from_output`` reports per request that advanced this step.
@@ -128,6 +117,6 @@ class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

@@ -26,21 +26,16 @@ the requester itself) frees its blocks and goes back to the front of ``waiting``
 from __future__ import annotations
 
 from kvserve.request import RequestStatus
-from kvserve.sched.interface import (
-    Scheduler,
-    SchedulerState,
-    _StepBuilder,
-    chunk_size,
-    is_decode,
-)
+from kvserve.sched.base import Scheduler, SchedulerState
 from kvserve.sched.output import SchedulerOutput
+from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
 
 
 class MixedScheduler(Scheduler):
     """One token budget, no phases; prefill chunks and decodes share steps."""
 
     def schedule(self) -> SchedulerOutput:
-        step = _StepBuilder()
+        step = StepBuilder()
         budget = self.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         cap = threshold if self.get_num_unfinished_requests() > 1 else 0
@@ -69,7 +64,7 @@ class MixedScheduler(Scheduler):
                     break
                 budget -= admitted
 
-        self._state = (
-            SchedulerState.ACTIVE if self.has_unfinished_requests() else SchedulerState.IDLE
-        )
         return self._build_output(step)
+
+    def _active_state(self, step: StepBuilder) -> SchedulerState:
+        return SchedulerState.ACTIVE  # no phases

@@ -35,17 +35,12 @@ from collections.abc import Callable
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_transfer.connector import KVConnector
 from kvserve.request import Request, RequestStatus
+from kvserve.sched.base import Scheduler, SchedulerState
 from kvserve.sched.buckets import get_bucket
-from kvserve.sched.interface import (
-    KVConnector,
-    Scheduler,
-    SchedulerState,
-    _StepBuilder,
-    chunk_size,
-    is_decode,
-)
 from kvserve.sched.output import SchedulerOutput
+from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
 
 MAX_PREFILLS_PER_BATCH = 1
 
@@ -88,7 +83,7 @@ class SeparatedScheduler(Scheduler):
         )
 
     def schedule(self) -> SchedulerOutput:
-        step = _StepBuilder()
+        step = StepBuilder()
         budget = self.max_num_batched_tokens
 
         prefill = self._prefill_in_running()
@@ -112,16 +107,16 @@ class SeparatedScheduler(Scheduler):
                 if new_blocks is not None:
                     step.add_running(request, 1, new_blocks)
 
-        output = self._pad(step)
-        if not self.has_unfinished_requests():
-            self._state = SchedulerState.IDLE
-        elif step.prefill_ids:
-            self._state = SchedulerState.ACTIVE_PREFILL
-        elif step.decode_ids:
-            self._state = SchedulerState.ACTIVE_DECODE
-        return output
+        return self._pad(step)
 
-    def _pad(self, step: _StepBuilder) -> SchedulerOutput:
+    def _active_state(self, step: StepBuilder) -> SchedulerState:
+        if step.prefill_ids:
+            return SchedulerState.ACTIVE_PREFILL
+        if step.decode_ids:
+            return SchedulerState.ACTIVE_DECODE
+        return self.state  # nothing ran (a prefill waits for blocks): unchanged
+
+    def _pad(self, step: StepBuilder) -> SchedulerOutput:
         """Pad prefill chunks and the decode batch to their buckets; refuse mixing."""
         if step.prefill_ids and step.decode_ids:
             raise RuntimeError(

@@ -1,16 +1,18 @@
-"""Drive the real scheduler and KV cache manager with a stand-in executor.
+"""Drive the real engine step loop with a stand-in executor instead of a model.
 
-The same :func:`kvserve.sched.make_scheduler` and
-:class:`kvserve.kv_cache.KVCacheManager` the engine uses, one step per iteration::
+The engine's own :class:`~kvserve.engine.engine_core.EngineCore` (scheduler, KV
+cache manager, request validation, leak check) on a :class:`StandInRunner`, one
+``EngineCore.step()`` per iteration, the step number as the clock::
 
     step k: requests with arrival_step <= k are added (in workload order)
-            scheduler.schedule()            -> record the step
+            scheduler.schedule()            -> the stand-in runner records the step
             stand-in executor               -> a fixed token for every request whose
                                                computed tokens reach its num_tokens
-            scheduler.update_from_output()  -> record first token / finish steps
+            scheduler.update_from_output()  -> first token / finish steps stamped
 
 Requests never stop early (no EOS), so each produces exactly ``max_tokens`` tokens;
-a workload where ``prompt_len + max_tokens > max_model_len`` is refused up front.
+a workload that breaks the engine's length rule (``prompt_len + max_tokens >
+max_model_len``) is refused up front with :class:`~kvserve.request.RequestError`.
 A step that schedules nothing while requests are unfinished means nothing can ever
 be scheduled again: :class:`SimulationError`, not a hang.
 """
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.config import SchedulerConfig
-from kvserve.kv_cache.manager import KVCacheManager, cdiv
-from kvserve.request import Request, SamplingParams
-from kvserve.sched import make_scheduler
-from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, check_int
+from kvserve.engine.engine_core import EngineCore
+from kvserve.kv_cache.manager import cdiv
+from kvserve.request import Request, RequestError, SamplingParams
+from kvserve.sched.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from kvserve.sim.workload import VOCAB_SIZE, WorkloadRequest
 
 DEFAULT_MAX_STEPS = 100_000
@@ -64,73 +67,67 @@ def simulate(
     config = config.resolved()
     if num_kv_blocks is None:
         num_kv_blocks = default_num_kv_blocks(config)
-    if not isinstance(num_kv_blocks, int) or isinstance(num_kv_blocks, bool) or num_kv_blocks < 2:
-        raise ValueError(
-            f"invalid num_kv_blocks={num_kv_blocks!r}: must be an integer >= 2 (block 0 is the "
-            "null block) (for example: num_kv_blocks=1024)"
-        )
-    if not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(
-            f"invalid max_steps={max_steps!r}: must be a positive integer (for example: max_steps=100000)"
-        )
-    kv = KVCacheManager(
+    check_int(
+        "num_kv_blocks",
         num_kv_blocks,
-        config.block_size,
-        config.max_model_len,
-        enable_caching=config.enable_prefix_caching,
+        "num_kv_blocks=1024",
+        minimum=2,
+        why=" (block 0 is the null block)",
     )
-    clock = _StepClock()
-    scheduler = make_scheduler(config, kv, clock=clock)
+    check_int("max_steps", max_steps, "max_steps=100000")
+    runner = StandInRunner(num_kv_blocks)
+    engine = EngineCore(
+        EngineConfig(
+            model=ModelConfig(max_model_len=config.max_model_len),
+            cache=CacheConfig(
+                block_size=config.block_size,
+                num_kv_blocks=num_kv_blocks,
+                enable_prefix_caching=config.enable_prefix_caching,
+            ),
+            scheduler=config,
+        ),
+        loaded=SimulatedModel(config.max_model_len),
+        runner=runner,
+        clock=runner.clock,
+    )
+    runner.engine = engine
+    scheduler, kv = engine.scheduler, engine.kv_cache_manager
 
-    requests: dict[str, Request] = {}
+    # Every request is validated up front, so a bad workload fails before step 0.
     for w in workload:
-        if w.prompt_len + w.max_tokens > config.max_model_len:
-            raise ValueError(
-                f"request {w.req_id!r}: prompt_len + max_tokens = {w.prompt_len} + {w.max_tokens} = "
-                f"{w.prompt_len + w.max_tokens} exceeds max_model_len={config.max_model_len}, so it "
-                f"could not produce max_tokens tokens: raise --max-model-len to at least "
-                f"{w.prompt_len + w.max_tokens} or lower max_tokens"
+        try:
+            request = engine.make_request(
+                list(w.prompt_token_ids),
+                SamplingParams(max_tokens=w.max_tokens, temperature=0.0),
+                request_id=w.req_id,
+                arrival_time=float(w.arrival_step),
+                cache_salt=w.cache_salt,
             )
-        request = Request(
-            w.req_id,
-            list(w.prompt_token_ids),
-            SamplingParams(max_tokens=w.max_tokens, temperature=0.0),
-            arrival_time=float(w.arrival_step),
-            cache_salt=w.cache_salt,
-        )
-        scheduler.check_request(request)
-        requests[w.req_id] = request
+            scheduler.check_request(request)
+        except RequestError as e:
+            raise RequestError(f"request {w.req_id!r}: {e}", param=e.param, code=e.code) from None
+        runner.requests[w.req_id] = request
 
     pending = sorted(workload, key=lambda w: w.arrival_step)  # stable: file order kept
     next_arrival = 0
     steps: list[dict[str, Any]] = []
     step = 0
-    while next_arrival < len(pending) or scheduler.has_unfinished_requests():
+    while next_arrival < len(pending) or engine.has_unfinished_requests():
         if step >= max_steps:
             raise SimulationError(
                 f"the workload did not finish within max_steps={max_steps} "
                 f"({scheduler.get_num_unfinished_requests()} requests unfinished, "
                 f"{len(pending) - next_arrival} not yet arrived): raise --max-steps"
             )
-        clock.step = step
+        runner.step = step
         while next_arrival < len(pending) and pending[next_arrival].arrival_step <= step:
-            scheduler.add_request(requests[pending[next_arrival].req_id])
+            engine.add(runner.requests[pending[next_arrival].req_id])
             next_arrival += 1
-        output = scheduler.schedule()
-        steps.append(
-            {
-                "step": step,
-                "phase": output.phase,
-                "num_scheduled_tokens": dict(output.num_scheduled_tokens),
-                "num_scheduled_tokens_padded": dict(output.num_scheduled_tokens_padded),
-                "num_computed_tokens": dict(output.cached_seq_len),
-                "decode_batch_padded": output.decode_batch_size_padded,
-                "num_running": scheduler.num_running,
-                "num_waiting": scheduler.num_waiting,
-                "kv_usage": _round(kv.usage),
-            }
-        )
-        if output.is_empty and scheduler.has_unfinished_requests():
+        runner.record = None
+        engine.step()  # the stand-in runner records the step it is given
+        record = runner.record if runner.record is not None else _idle_record(step, engine)
+        steps.append(record)
+        if not record["num_scheduled_tokens"] and engine.has_unfinished_requests():
             stuck = ", ".join(sorted(r.req_id for r in scheduler.waiting)[:5])
             raise SimulationError(
                 f"step {step}: nothing could be scheduled although "
@@ -139,12 +136,12 @@ def simulate(
                 "blocks free): this configuration can never make progress; give the KV cache "
                 "more blocks or lower max_num_seqs"
             )
-        scheduler.update_from_output(output, stand_in_execute(output, requests))
         step += 1
 
-    kv.check_invariants()
-    if kv.num_active_blocks:
-        raise SimulationError(f"KV leak: {kv.num_active_blocks} blocks still active at the end")
+    try:
+        engine.check_no_leaks()
+    except RuntimeError as e:
+        raise SimulationError(str(e)) from None
     queries = kv.prefix_cache_queries
     return {
         "config": {
@@ -162,7 +159,7 @@ def simulate(
             "max_steps": max_steps,
         },
         "steps": steps,
-        "requests": {w.req_id: _request_summary(requests[w.req_id]) for w in workload},
+        "requests": {w.req_id: _request_summary(runner.requests[w.req_id]) for w in workload},
         "summary": {
             "num_steps": step,
             "total_padding_tokens": scheduler.total_padding_tokens,
@@ -182,6 +179,85 @@ def stand_in_execute(output: SchedulerOutput, requests: dict[str, Request]) -> M
     return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
+class StandInRunner:
+    """The engine's model runner in the simulator (``kvserve.engine.runner.Runner``):
+    :func:`stand_in_execute` on ``requests`` (every request of the workload, by id),
+    recording each step it is given. Its :meth:`clock` is the current step number."""
+
+    def __init__(self, num_kv_blocks: int) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.requests: dict[str, Request] = {}
+        self.step = 0
+        self.record: dict[str, Any] | None = None
+        self.engine: EngineCore | None = None
+
+    def clock(self) -> float:
+        return float(self.step)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.engine is not None, "set StandInRunner.engine before stepping"
+        self.record = _step_record(self.step, scheduler_output, self.engine)
+        return stand_in_execute(scheduler_output, self.requests)
+
+
+def _step_record(step: int, output: SchedulerOutput, engine: EngineCore) -> dict[str, Any]:
+    """One entry of the result's ``steps``: the schedule and the queues right after it."""
+    return {
+        "step": step,
+        "phase": output.phase,
+        "num_scheduled_tokens": dict(output.num_scheduled_tokens),
+        "num_scheduled_tokens_padded": dict(output.num_scheduled_tokens_padded),
+        "num_computed_tokens": dict(output.cached_seq_len),
+        "decode_batch_padded": output.decode_batch_size_padded,
+        "num_running": engine.scheduler.num_running,
+        "num_waiting": engine.scheduler.num_waiting,
+        "kv_usage": _round(engine.kv_cache_manager.usage),
+    }
+
+
+def _idle_record(step: int, engine: EngineCore) -> dict[str, Any]:
+    """The entry of a step that scheduled nothing (the engine did not call the runner)."""
+    return _step_record(
+        step,
+        SchedulerOutput(
+            phase="idle",
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={},
+            num_scheduled_tokens_padded={},
+            scheduled_token_ids={},
+            cached_seq_len={},
+            kv_segment_size=engine.config.scheduler.kv_segment_size,
+        ),
+        engine,
+    )
+
+
+class _NoText:
+    """The simulator's tokenizer: token ids have no text."""
+
+    def decode(
+        self,
+        token_ids: list[int],
+        skip_special_tokens: bool = True,
+        clean_up_tokenization_spaces: bool | None = None,
+    ) -> str:
+        return ""
+
+
+@dataclass
+class SimulatedModel:
+    """The model facts the engine reads (``kvserve.engine.runner.ModelInfo``): no EOS,
+    so every request produces exactly ``max_tokens`` tokens."""
+
+    max_model_len: int
+    name: str = "simulated"
+    fingerprint: str = ""
+    vocab_size: int = VOCAB_SIZE
+    eos_token_ids: list[int] = field(default_factory=list)
+    tokenizer: Any = field(default_factory=_NoText)
+
+
 def _request_summary(request: Request) -> dict[str, Any]:
     def step_of(t: float | None) -> int | None:
         return None if t is None else int(t)
@@ -195,13 +271,3 @@ def _request_summary(request: Request) -> dict[str, Any]:
         "finish_step": step_of(request.finished_time),
         "num_preemptions": request.num_preemptions,
     }
-
-
-class _StepClock:
-    """The scheduler's clock in the simulator: the current step number."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def __call__(self) -> float:
-        return float(self.step)

@@ -26,7 +26,9 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
+
+from kvserve.config import is_int
 
 VOCAB_SIZE = 32000  # generated token ids lie in [1, VOCAB_SIZE)
 
@@ -73,10 +75,6 @@ def unique_tokens(req_id: str, n: int) -> list[int]:
     return _stream(f"kvserve.sim.request:{req_id}", n)
 
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _parse_request(i: int, item: object, source: str) -> WorkloadRequest:
     if not isinstance(item, dict):
         raise ValueError(f"{source}: requests[{i}] must be an object, got {item!r}")
@@ -96,10 +94,10 @@ def _parse_request(i: int, item: object, source: str) -> WorkloadRequest:
     if not isinstance(req_id, str) or not req_id:
         raise bad("id", "must be a non-empty string", '"id": "A"')
     arrival = item.get("arrival_step", 0)
-    if not _is_int(arrival) or arrival < 0:
+    if not is_int(arrival) or arrival < 0:
         raise bad("arrival_step", "must be an integer >= 0", '"arrival_step": 0')
     max_tokens = item.get("max_tokens")
-    if not _is_int(max_tokens) or max_tokens < 1:
+    if not is_int(max_tokens) or max_tokens < 1:
         raise bad("max_tokens", "is required and must be a positive integer", '"max_tokens": 16')
     salt = item.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
@@ -111,7 +109,7 @@ def _parse_request(i: int, item: object, source: str) -> WorkloadRequest:
         if (
             not isinstance(explicit, list)
             or not explicit
-            or not all(_is_int(t) and t >= 0 for t in explicit)
+            or not all(is_int(t) and t >= 0 for t in explicit)
         ):
             raise bad(
                 "prompt_token_ids",
@@ -131,7 +129,7 @@ def _parse_request(i: int, item: object, source: str) -> WorkloadRequest:
             )
         tokens = list(explicit)
     else:
-        if not _is_int(prompt_len) or prompt_len < 1:
+        if not is_int(prompt_len) or prompt_len < 1:
             raise bad(
                 "prompt_len",
                 "is required (or prompt_token_ids) and must be a positive integer",
@@ -146,7 +144,7 @@ def _parse_request(i: int, item: object, source: str) -> WorkloadRequest:
                 or set(shared) != {"id", "len"}
                 or not isinstance(shared["id"], str)
                 or not shared["id"]
-                or not _is_int(shared["len"])
+                or not is_int(shared["len"])
                 or not 0 <= shared["len"] <= prompt_len
             ):
                 raise bad(
@@ -165,7 +163,7 @@ def _parse_request(i: int, item: object, source: str) -> WorkloadRequest:
         if (
             not isinstance(pair, list)
             or len(pair) != 2
-            or not all(_is_int(v) for v in pair)
+            or not all(is_int(v) for v in pair)
             or not 0 <= pair[0] < len(tokens)
             or pair[1] < 0
         ):

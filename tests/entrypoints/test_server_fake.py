@@ -1,5 +1,6 @@
-"""The async engine and the HTTP layer over a small EngineCore double (no model weights):
-fault isolation, shutdown, queue accounting, early-exit aborts, metrics rendering."""
+"""The async engine and the HTTP layer over the real EngineCore on a fake model runner
+(no model weights): fault isolation, shutdown, queue accounting, early-exit aborts,
+metrics rendering."""
 
 from __future__ import annotations
 
@@ -12,11 +13,18 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from fake_engine import POISON_TOKEN, FakeEngineCore
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import scrape, serve_thread
+from support.fake_runner import POISON_TOKEN, fake_engine
+from support.server_helpers import scrape, serve_thread
 
-from kvserve.engine.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
+from kvserve.engine.async_engine import (
+    AsyncEngine,
+    EngineUnavailableError,
+    QueueFullError,
+    RequestFailedError,
+)
+from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.outputs import EngineStats
 from kvserve.entrypoints.openai_server import build_app
 from kvserve.metrics import EngineMetrics
 from kvserve.request import SamplingParams
@@ -30,9 +38,9 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture
-def fake_server(tokenizer: Any) -> Iterator[tuple[str, FakeEngineCore]]:
-    core = FakeEngineCore(tokenizer)
-    with serve_thread(build_app(AsyncEngine(core))) as url:  # type: ignore[arg-type]
+def fake_server(tokenizer: Any) -> Iterator[tuple[str, EngineCore]]:
+    core, _ = fake_engine(tokenizer)
+    with serve_thread(build_app(AsyncEngine(core))) as url:
         yield url, core
 
 
@@ -46,7 +54,7 @@ def _wait(cond: Any, timeout_s: float = 10.0) -> bool:
 
 
 def test_failing_request_does_not_take_the_engine_down(
-    fake_server: tuple[str, FakeEngineCore],
+    fake_server: tuple[str, EngineCore],
 ) -> None:
     url, core = fake_server
     bad = {"prompt": [5, POISON_TOKEN], "max_tokens": 4}
@@ -61,11 +69,36 @@ def test_failing_request_does_not_take_the_engine_down(
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
     assert httpx.get(url + "/health").status_code == 200
     stats = scrape(url)
-    assert stats["kvserve:request_success_total{finished_reason=error}"] == 2
-    assert stats["kvserve:num_active_blocks"] == 0 and not core.reqs
+    # The runner failed: the engine aborted the requests of those steps and went on.
+    assert stats["kvserve:request_success_total{finished_reason=abort}"] == 2
+    assert stats["kvserve:num_active_blocks"] == 0 and core.num_failed_steps == 2
+    core.check_no_leaks()
 
 
-def test_openai_client_batch_prompts_and_echo(fake_server: tuple[str, FakeEngineCore]) -> None:
+def test_failing_engine_step_fails_its_requests_only(tokenizer: Any) -> None:
+    core, _ = fake_engine(tokenizer)
+    engine = AsyncEngine(core)
+    real_step = core.step
+
+    def broken_step() -> Any:
+        core.step = real_step  # type: ignore[method-assign]
+        raise RuntimeError("scheduler bug")
+
+    async def run() -> None:
+        stream = await engine.generate([5, 6], SamplingParams(max_tokens=200))
+        core.step = broken_step  # type: ignore[method-assign]
+        with pytest.raises(RequestFailedError, match="scheduler bug"):
+            _ = [d async for d in stream]
+        deltas = [d async for d in await engine.generate([7, 8], SamplingParams(max_tokens=3))]
+        assert deltas[-1].finish_reason == "length" and engine.is_healthy
+        await engine.shutdown()
+
+    asyncio.run(run())
+    assert 'finished_reason="error"' in engine.metrics.render().decode()
+    core.check_no_leaks()
+
+
+def test_openai_client_batch_prompts_and_echo(fake_server: tuple[str, EngineCore]) -> None:
     url, _ = fake_server
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     out = client.completions.create(
@@ -91,20 +124,21 @@ def test_openai_client_batch_prompts_and_echo(fake_server: tuple[str, FakeEngine
 
 
 def test_queue_full_counts_adds_not_yet_taken(tokenizer: Any) -> None:
-    core = FakeEngineCore(tokenizer, max_num_seqs=1)
-    engine = AsyncEngine(core)  # type: ignore[arg-type]
+    core, runner = fake_engine(tokenizer, max_num_seqs=1)
+    engine = AsyncEngine(core)
     params = SamplingParams(max_tokens=2)
 
     async def run() -> None:
         first = await engine.generate([5, 6], SamplingParams(max_tokens=250))
-        core.gate.clear()  # the engine thread blocks in its next step
+        await first.__anext__()  # running, and the stats snapshot says so
+        runner.gate.clear()  # the engine thread blocks in its next step
         await asyncio.sleep(0.05)
         second = asyncio.create_task(engine.generate([7, 8], params, max_waiting=1))
         await asyncio.sleep(0)  # its add is queued but not taken by the blocked thread
         assert engine.num_waiting() == 1
         with pytest.raises(QueueFullError, match="limit is 1"):
             await engine.generate([9, 10], params, max_waiting=1)
-        core.gate.set()
+        runner.gate.set()
         first.abort()
         deltas = [d async for d in await second]
         assert deltas[-1].finish_reason == "length"
@@ -115,8 +149,8 @@ def test_queue_full_counts_adds_not_yet_taken(tokenizer: Any) -> None:
 
 
 def test_leaving_a_stream_early_aborts_the_request(tokenizer: Any) -> None:
-    core = FakeEngineCore(tokenizer, step_s=0.01)
-    engine = AsyncEngine(core)  # type: ignore[arg-type]
+    core, _ = fake_engine(tokenizer, step_s=0.01)
+    engine = AsyncEngine(core)
 
     async def run() -> None:
         stream = await engine.generate([5, 6], SamplingParams(max_tokens=200))
@@ -124,8 +158,8 @@ def test_leaving_a_stream_early_aborts_the_request(tokenizer: Any) -> None:
             async for delta in stream:
                 assert delta.new_token_ids
                 break
-        assert await asyncio.to_thread(_wait, lambda: not core.reqs)
-        assert engine.stats()["num_active_blocks"] == 0
+        assert await asyncio.to_thread(_wait, lambda: not core.has_unfinished_requests())
+        assert engine.stats().num_active_blocks == 0
         await engine.shutdown()
 
     asyncio.run(run())
@@ -136,8 +170,8 @@ def test_leaving_a_stream_early_aborts_the_request(tokenizer: Any) -> None:
 
 
 def test_shutdown_aborts_in_flight_and_refuses_new(tokenizer: Any) -> None:
-    core = FakeEngineCore(tokenizer, step_s=0.01)
-    engine = AsyncEngine(core)  # type: ignore[arg-type]
+    core, _ = fake_engine(tokenizer, step_s=0.01)
+    engine = AsyncEngine(core)
 
     async def run() -> None:
         stream = await engine.generate([5, 6], SamplingParams(max_tokens=200))
@@ -146,7 +180,7 @@ def test_shutdown_aborts_in_flight_and_refuses_new(tokenizer: Any) -> None:
         await engine.shutdown(drain_timeout_s=0.05)
         rest = [d async for d in stream]
         assert rest[-1].finish_reason == "abort"
-        assert not core.reqs and not engine.is_healthy
+        assert not core.has_unfinished_requests() and not engine.is_healthy
         with pytest.raises(EngineUnavailableError, match="shutting down"):
             await engine.generate([5, 6], SamplingParams(max_tokens=2))
 
@@ -154,8 +188,8 @@ def test_shutdown_aborts_in_flight_and_refuses_new(tokenizer: Any) -> None:
 
 
 def test_bad_request_is_refused_before_queueing(tokenizer: Any) -> None:
-    core = FakeEngineCore(tokenizer, max_model_len=64)
-    engine = AsyncEngine(core)  # type: ignore[arg-type]
+    core, _ = fake_engine(tokenizer, max_model_len=64)
+    engine = AsyncEngine(core)
 
     async def run() -> None:
         with pytest.raises(ValueError, match="lower max_tokens to at most 62"):
@@ -169,7 +203,7 @@ def test_bad_request_is_refused_before_queueing(tokenizer: Any) -> None:
 def test_metrics_render_parses_with_engine_state() -> None:
     metrics = EngineMetrics("m")
     metrics.set_stats_source(
-        lambda: {"num_requests_running": 3, "num_active_blocks": 7, "scheduler_state": "IDLE"}
+        lambda: EngineStats(num_requests_running=3, num_active_blocks=7, scheduler_state="IDLE")
     )
     metrics.count_prompt_tokens(5)
     metrics.observe_ttft(0.2)
@@ -189,7 +223,7 @@ def test_metrics_render_parses_with_engine_state() -> None:
     assert 'prompt_tokens_total{model_name="m"} 0.0' in other.render().decode()
 
 
-def test_tokenize_and_detokenize_shapes(fake_server: tuple[str, FakeEngineCore]) -> None:
+def test_tokenize_and_detokenize_shapes(fake_server: tuple[str, EngineCore]) -> None:
     url, _ = fake_server
     r = httpx.post(url + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True})
     body = r.json()

@@ -133,9 +133,9 @@ def test_greedy_matches_hf(name: str, prompts, hf_reference) -> None:
         assert out.outputs[0].finish_reason == "length"
     stats = llm.engine.stats()
     if name == "tiny-kv-preempt":
-        assert stats["num_preemptions"] > 0, "the tiny KV cache was meant to force preemption"
+        assert stats.num_preemptions > 0, "the tiny KV cache was meant to force preemption"
     if name == "separated-buckets":
-        assert stats["total_padding_tokens"] > 0
+        assert stats.total_padding_tokens > 0
     llm.engine.check_no_leaks()
     assert llm.engine.kv_cache_manager.num_active_blocks == 0
 
@@ -279,6 +279,30 @@ def test_stops_and_text(llm: LLM) -> None:
     )[0].outputs[0]
     assert len(at_least.token_ids) >= 10
     llm.engine.check_no_leaks()
+
+
+def test_stop_token_text_is_trimmed(llm: LLM, tokenizer) -> None:
+    """A stop token (or EOS) that finishes a request is not part of its text, unless
+    include_stop_str_in_output (the detokenizer's ``stop_terminated`` rule)."""
+    prompt = ["The capital of France is"]
+    base = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    ids = base[0].outputs[0].token_ids
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i] and tokenizer.decode([ids[i]]))
+    stop = ids[k]
+    for include, expected in ((False, ids[:k]), (True, ids[: k + 1])):
+        params = SamplingParams(
+            max_tokens=8, temperature=0.0, stop_token_ids=[stop], include_stop_str_in_output=include
+        )
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ids[: k + 1] and out.stop_reason == stop
+        assert out.text == tokenizer.decode(expected, clean_up_tokenization_spaces=False)
+    # EOS shown with skip_special_tokens=False is trimmed the same way.
+    eos = llm.engine.eos_token_ids[0]
+    chat = [{"role": "user", "content": "Say hi."}]
+    shown = SamplingParams(max_tokens=64, temperature=0.0, skip_special_tokens=False)
+    out = llm.chat(chat, shown, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == eos
+    assert tokenizer.decode([eos]) not in out.text
 
 
 def test_chat_and_text_prompt(llm: LLM) -> None:

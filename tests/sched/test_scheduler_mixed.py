@@ -361,7 +361,7 @@ def test_add_request_refusals_change_nothing():
     sched.add_request(req("a", 10))
     with pytest.raises(ValueError, match="already queued"):
         sched.add_request(req("a", 10))
-    with pytest.raises(ValueError, match="129-token prompt but max_model_len=128"):
+    with pytest.raises(ValueError, match="prompt has 129 tokens but max_model_len is 128"):
         sched.add_request(req("long", 129))
     with pytest.raises(ValueError, match="only 4 usable blocks.*num_kv_blocks=8"):
         sched.add_request(req("big", 60, max_tokens=40))  # 99 tokens of KV = 7 blocks

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from server_helpers import ServerProcess, scrape, serve_process
+from support.server_helpers import ServerProcess, scrape, serve_process
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

@@ -31,7 +31,7 @@ from kvserve.bench.compare import (
 from kvserve.bench.metrics import summarize
 from kvserve.bench.workloads import WordVocabulary, WorkloadSpec, build_workload
 
-FAKE_SERVER = str(Path(__file__).with_name("bench_fake_server.py"))
+FAKE_SERVER = str(Path(__file__).parent.parent / "support" / "bench_fake_server.py")
 
 
 def test_ratio_and_target_check() -> None:

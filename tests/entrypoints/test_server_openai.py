@@ -9,7 +9,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from server_helpers import ServerProcess, scrape, wait_for_metric
+from support.server_helpers import ServerProcess, scrape, wait_for_metric
 
 pytestmark = pytest.mark.model
 

@@ -11,8 +11,8 @@ from kvserve.config import SchedulerConfig
 from kvserve.kv_cache import KVCacheManager
 from kvserve.request import Request, SamplingParams
 from kvserve.sched import SchedulerState, SeparatedScheduler, make_scheduler
-from kvserve.sched.interface import _StepBuilder
 from kvserve.sched.output import ModelRunnerOutput
+from kvserve.sched.step_builder import StepBuilder
 from kvserve.sim.cli import main as simulate_main
 
 
@@ -259,7 +259,7 @@ def test_decode_batch_never_exceeds_the_token_budget():
 def test_a_mixed_step_is_refused():
     kv = KVCacheManager(100, 16, 256)
     sched = SeparatedScheduler(SchedulerConfig(scheduler_policy="separated", max_model_len=256), kv)
-    step = _StepBuilder()
+    step = StepBuilder()
     step.prefill_ids.append("p")
     step.decode_ids.append("d")
     with pytest.raises(RuntimeError, match="prefill.*and decode.*same step"):

@@ -34,20 +34,14 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.block_pool import KVCacheBlock
 from kvserve.kv_cache.manager import KVCacheManager, cdiv
-from kvserve.request import Request, RequestStatus
-from kvserve.sched.output import (
-    CachedRequestData,
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    NewRequestData,
-    Phase,
-    SchedulerOutput,
-)
+from kvserve.kv_transfer.connector import KVConnector
+from kvserve.request import Request, RequestError, RequestStatus, check_prompt
+from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvserve.sched.step_builder import StepBuilder, chunk_size
 
 
 class SchedulerState(enum.StrEnum):
@@ -63,109 +57,15 @@ class SchedulerState(enum.StrEnum):
     ACTIVE_DECODE = "ACTIVE_DECODE"
 
 
-class KVConnector(Protocol):
-    """Seam for disaggregated serving (GUIDE "Seams"); no implementation ships yet.
-
-    Scheduler side only. A connector lets an outside source (a prefill worker)
-    supply prompt KV and learns when a request's blocks are about to be freed. The
-    model-runner side (load KV before the forward pass, save a layer's KV after it)
-    belongs to the runner and is not part of this protocol.
-
-    - ``get_num_new_matched_tokens(request, num_computed_tokens)``: how many tokens
-      after the local prefix hit the outside source can supply (>= 0). The scheduler
-      allocates blocks for them without spending token budget and counts them as
-      computed; it never asks for the request's last token.
-    - ``update_state_after_alloc(request, block_ids, num_external_tokens)``: the
-      blocks are allocated; the connector must have their KV loaded before the
-      request's first forward pass.
-    - ``request_finished(request, block_ids)``: called right before the request's
-      blocks are freed (finish, abort or preemption). A connector that still needs
-      the KV must copy it out during this call.
-    """
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int: ...
-
-    def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
-    ) -> None: ...
-
-    def request_finished(self, request: Request, block_ids: list[int]) -> None: ...
-
-
-def is_decode(request: Request) -> bool:
-    """True when the prompt is done and only the last sampled token is left to compute."""
-    n = request.num_computed_tokens
-    return n >= request.num_prompt_tokens and n == request.num_tokens - 1
-
-
-def chunk_size(remaining: int, budget: int, cap: int = 0) -> int:
-    """``min(remaining, budget)``, further capped by ``cap`` when ``cap > 0``."""
-    n = min(remaining, budget)
-    if cap > 0:
-        n = min(n, cap)
-    return n
-
-
-class _StepBuilder:
-    """Collects one step's scheduled requests; turned into a SchedulerOutput at the end."""
-
-    def __init__(self) -> None:
-        self.new_reqs: list[NewRequestData] = []
-        self.cached_reqs = CachedRequestData()
-        self.num_scheduled_tokens: dict[str, int] = {}
-        self.scheduled_token_ids: dict[str, list[int]] = {}
-        self.cached_seq_len: dict[str, int] = {}
-        self.prefill_ids: list[str] = []
-        self.decode_ids: list[str] = []
-
-    def _add(self, request: Request, num_tokens: int) -> None:
-        req_id = request.req_id
-        start = request.num_computed_tokens
-        self.num_scheduled_tokens[req_id] = num_tokens
-        self.scheduled_token_ids[req_id] = request.all_token_ids[start : start + num_tokens]
-        self.cached_seq_len[req_id] = start
-        (self.decode_ids if is_decode(request) else self.prefill_ids).append(req_id)
-
-    def add_new(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
-        self.new_reqs.append(
-            NewRequestData(
-                req_id=request.req_id,
-                prompt_token_ids=list(request.prompt_token_ids),
-                output_token_ids=list(request.output_token_ids),
-                block_ids=block_ids,
-                num_computed_tokens=request.num_computed_tokens,
-                sampling_params=request.sampling_params,
-            )
-        )
-        self._add(request, num_tokens)
-
-    def add_running(
-        self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]
-    ) -> None:
-        self.cached_reqs.req_ids.append(request.req_id)
-        self.cached_reqs.new_block_ids.append([b.block_id for b in new_blocks])
-        self.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
-        self._add(request, num_tokens)
-
-    @property
-    def phase(self) -> Phase:
-        if self.prefill_ids and self.decode_ids:
-            return "mixed"
-        if self.prefill_ids:
-            return "prefill"
-        if self.decode_ids:
-            return "decode"
-        return "idle"
-
-
 class Scheduler(abc.ABC):
     """Base of both policies. Subclasses implement :meth:`schedule`.
 
-    ``config`` is resolved (validated, default buckets filled in) on construction;
-    a bad config, or one whose ``block_size``/``max_model_len`` disagree with the KV
-    cache manager, raises ValueError. ``clock`` returns the time stamped on requests
-    (``first_scheduled_time``, ``first_token_time``, ``finished_time``); the
-    simulator passes the step number. ``kv_connector``: see :class:`KVConnector`.
+        ``config`` is resolved (validated, default buckets filled in) on construction;
+        a bad config, or one whose ``block_size``/``max_model_len`` disagree with the KV
+        cache manager, raises ValueError. ``clock`` returns the time stamped on requests
+        (``first_scheduled_time``, ``first_token_time``, ``finished_time``); the
+        simulator passes the step number. ``kv_connector``: see
+    :class:`~kvserve.kv_transfer.connector.KVConnector`.
     """
 
     def __init__(
@@ -245,13 +145,15 @@ class Scheduler(abc.ABC):
         self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
-        """Raise ValueError when the id is taken, the request was already used, the
-        prompt exceeds ``max_model_len``, or the request could never fit in the whole
-        KV cache (it would wait forever). Changes nothing."""
+        """Raise ValueError when the id is taken or the request was already used, and
+        :class:`RequestError` when it breaks the length rule of
+        :func:`~kvserve.request.check_prompt` or could never fit in the whole KV cache
+        (it would wait forever). Changes nothing."""
         req_id = request.req_id
         if req_id in self.requests:
-            raise ValueError(
-                f"request id {req_id!r} is already queued: use a unique id per request"
+            raise RequestError(
+                f"request id {req_id!r} is already queued: use a unique id per request",
+                param="request_id",
             )
         if (
             request.status != RequestStatus.WAITING
@@ -261,22 +163,20 @@ class Scheduler(abc.ABC):
             raise ValueError(
                 f"request {req_id!r} is not fresh ({request!r}): add a new Request object"
             )
-        if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {req_id!r} has a {request.num_prompt_tokens}-token prompt but "
-                f"max_model_len={self.max_model_len}: shorten the prompt to at most "
-                f"{self.max_model_len} tokens or raise max_model_len"
-            )
+        # The engine checked max_tokens too; generating up to max_model_len finishes
+        # the request as "length", so here only the prompt must leave room.
+        check_prompt(request.prompt_token_ids, None, max_model_len=self.max_model_len)
         # Tokens that ever need KV: everything except the last sampled token.
         worst = min(request.num_prompt_tokens + request.max_tokens - 1, self.max_model_len)
         kv = self.kv_cache_manager
         if kv.max_concurrent_requests(worst) < 1:
             bs = kv.block_size
-            raise ValueError(
+            raise RequestError(
                 f"request {req_id!r} may need KV for {worst} tokens ({cdiv(worst, bs)} blocks of "
                 f"{bs}) but the KV cache has only {kv.num_blocks - 1} usable blocks: lower "
                 f"max_tokens or the prompt length, or give the cache more blocks "
-                f"(for example: num_kv_blocks={cdiv(worst, bs) + 1})"
+                f"(for example: num_kv_blocks={cdiv(worst, bs) + 1})",
+                param="max_tokens",
             )
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -300,8 +200,7 @@ class Scheduler(abc.ABC):
                 self.waiting.remove(request)
             request.status = status
             self._free_finished(request)
-        if not self.has_unfinished_requests():
-            self._state = SchedulerState.IDLE
+        self._set_state(self._state)
 
     def _free_finished(self, request: Request) -> None:
         """Release a finished request (already out of both queues)."""
@@ -321,7 +220,7 @@ class Scheduler(abc.ABC):
     def schedule(self) -> SchedulerOutput:
         """Decide this step's requests and token counts; allocate their KV blocks."""
 
-    def _admit(self, request: Request, budget: int, cap: int, step: _StepBuilder) -> int | None:
+    def _admit(self, request: Request, budget: int, cap: int, step: StepBuilder) -> int | None:
         """Try to move ``request`` (the head of ``waiting``) to ``running`` with its
         first chunk: prefix lookup, then one ``allocate_slots``. Returns the tokens
         scheduled, or None when the blocks do not fit (nothing changed)."""
@@ -365,7 +264,7 @@ class Scheduler(abc.ABC):
         self._finished_req_ids.add(request.req_id)
 
     def _allocate_or_preempt(
-        self, request: Request, num_tokens: int, step: _StepBuilder
+        self, request: Request, num_tokens: int, step: StepBuilder
     ) -> list[KVCacheBlock] | None:
         """``allocate_slots`` for a running request, preempting the youngest running
         request not yet scheduled this step until it fits. Returns the new blocks, or
@@ -387,12 +286,25 @@ class Scheduler(abc.ABC):
             if victim is request:
                 return None
 
+    @abc.abstractmethod
+    def _active_state(self, step: StepBuilder) -> SchedulerState:
+        """The state a step reports while requests are unfinished (the policy's part
+        of :meth:`_set_state`)."""
+
+    def _set_state(self, active: SchedulerState) -> None:
+        """The one place the state changes: IDLE when nothing is unfinished, else
+        ``active``."""
+        self._state = active if self.has_unfinished_requests() else SchedulerState.IDLE
+
     def _build_output(
         self,
-        step: _StepBuilder,
+        step: StepBuilder,
         num_scheduled_tokens_padded: dict[str, int] | None = None,
         decode_batch_size_padded: int | None = None,
     ) -> SchedulerOutput:
+        """The step's SchedulerOutput; also sets the state and hands over the ids
+        finished since the last output."""
+        self._set_state(self._active_state(step))
         finished, self._finished_req_ids = self._finished_req_ids, set()
         self.num_steps += 1
         return SchedulerOutput(
@@ -458,6 +370,7 @@ class Scheduler(abc.ABC):
                     break
             if request.first_token_time is None:
                 request.first_token_time = now
+            request.last_token_time = now
             logprobs = model_runner_output.logprobs.get(req_id)
             finish_reason = request.finish_reason
             if request.is_finished:
@@ -468,13 +381,12 @@ class Scheduler(abc.ABC):
                     req_id=req_id,
                     new_token_ids=new_token_ids,
                     new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
-                    finish_reason=finish_reason.value if finish_reason else None,
+                    finish_reason=finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(0, request.num_cached_tokens),
                 )
             )
-        if not self.has_unfinished_requests():
-            self._state = SchedulerState.IDLE
+        self._set_state(self._state)
         return outputs
 
     def _check_stop(self, request: Request) -> bool:

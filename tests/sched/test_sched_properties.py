@@ -19,8 +19,8 @@ from kvserve.config import SchedulerConfig
 from kvserve.kv_cache import KVCacheManager, cdiv
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.sched import make_scheduler
-from kvserve.sched.interface import is_decode
 from kvserve.sched.output import ModelRunnerOutput
+from kvserve.sched.step_builder import is_decode
 
 PREFIXES = [list(range(10_000 + 300 * i, 10_000 + 300 * i + 300)) for i in range(2)]
 

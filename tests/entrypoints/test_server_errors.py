@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import ServerProcess, scrape
+from support.server_helpers import ServerProcess, scrape
 
 pytestmark = pytest.mark.model
 

@@ -1,6 +1,6 @@
 """The load generator, report and CLI against a fake OpenAI-compatible SSE server.
 
-The fake server (tests/bench_fake_server.py) is a test double for the HTTP protocol
+The fake server (tests/support/bench_fake_server.py) is a test double for the HTTP protocol
 only; a test against the real `kvserve serve` belongs with the server.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bench_fake_server import FakeState, ThreadServer, start_in_thread
+from support.bench_fake_server import FakeState, ThreadServer, start_in_thread
 
 from kvserve.bench.loadgen import SKIPPED, LoadConfig, run_workload
 from kvserve.bench.metrics import SLO

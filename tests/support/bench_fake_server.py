@@ -8,7 +8,7 @@ prompt length to the queries and, to the hits, the number of leading words it
 shares with the longest-matching earlier prompt (the same figure goes into
 ``usage.prompt_tokens_details.cached_tokens``). A prompt containing "FAIL" gets a
 400. Used in-process (:func:`start_in_thread`) or as a subprocess
-(``python tests/bench_fake_server.py --port P``; unknown engine flags are ignored).
+(``python tests/support/bench_fake_server.py --port P``; unknown engine flags are ignored).
 """
 
 from __future__ import annotations

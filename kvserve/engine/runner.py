@@ -1,0 +1,57 @@
+"""What :class:`~kvserve.engine.engine_core.EngineCore` needs from its model and its
+model runner, as protocols, so that a runner can be injected (as vLLM takes an
+executor class): the real :class:`~kvserve.worker.model_runner.ModelRunner` on a
+:class:`~kvserve.model.loader.LoadedModel`, the simulator's stand-in executor, or a
+test double. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
+
+
+class ModelInfo(Protocol):
+    """The facts about a model that the engine uses (a ``LoadedModel`` has them all).
+
+    ``max_model_len`` is the model's own context length; ``fingerprint`` salts the
+    prefix-cache block hashes; ``tokenizer`` needs ``decode`` (the detokenizer) and,
+    for the HTTP server, ``encode`` and ``apply_chat_template``.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> list[int]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+
+class Runner(Protocol):
+    """Executes scheduled steps.
+
+    Rules the engine keeps: every ``SchedulerOutput`` is passed exactly once, in
+    order (outputs carry diffs and ``finished_req_ids``). Rules the runner keeps:
+    it returns at least one sampled token for every request whose computed tokens
+    reach its ``num_tokens`` in that step, and none for a request mid-prefill;
+    block ids it is given never reach ``num_kv_blocks`` (block 0 is the null
+    block). An exception fails only the requests of that step: the engine aborts
+    them and goes on.
+    """
+
+    @property
+    def num_kv_blocks(self) -> int: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...

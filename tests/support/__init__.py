@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (importable as ``support.*``: ``tests/`` is on pytest's pythonpath)."""
