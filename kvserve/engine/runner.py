@@ -38,6 +38,11 @@ class ModelInfo(Protocol):
     @property
     def fingerprint(self) -> str: ...
 
+    @property
+    def dtype_name(self) -> str:
+        """The weights' and KV cache's dtype, e.g. ``"bfloat16"`` (for startup lines)."""
+        ...
+
 
 class Runner(Protocol):
     """Executes scheduled steps.
@@ -53,5 +58,10 @@ class Runner(Protocol):
 
     @property
     def num_kv_blocks(self) -> int: ...
+
+    @property
+    def attention_backend(self) -> str:
+        """Which attention implementation runs, e.g. ``"native"`` (for startup lines)."""
+        ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...

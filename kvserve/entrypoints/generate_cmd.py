@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     engine = EngineCore(config)
     print(
         f"kvserve generate: {engine.model_name} "
-        f"(dtype={str(engine.loaded.dtype).removeprefix('torch.')}, "
+        f"(dtype={engine.loaded.dtype_name}, "
         f"attention={engine.runner.attention_backend})",
         file=sys.stderr,
     )

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         "serving on http://%s:%d%s",
         engine.model_name,
         load_s,
-        str(engine.loaded.dtype).removeprefix("torch."),
+        engine.loaded.dtype_name,
         engine.runner.attention_backend,
         engine.max_model_len,
         engine.kv_cache_manager.num_blocks,

@@ -343,6 +343,10 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU computes in bfloat16 natively (``avx512_bf16`` or ``amx_bf16``).

@@ -184,6 +184,8 @@ class StandInRunner:
     :func:`stand_in_execute` on ``requests`` (every request of the workload, by id),
     recording each step it is given. Its :meth:`clock` is the current step number."""
 
+    attention_backend = "simulated"
+
     def __init__(self, num_kv_blocks: int) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.requests: dict[str, Request] = {}
@@ -256,6 +258,7 @@ class SimulatedModel:
     vocab_size: int = VOCAB_SIZE
     eos_token_ids: list[int] = field(default_factory=list)
     tokenizer: Any = field(default_factory=_NoText)
+    dtype_name: str = "none"
 
 
 def _request_summary(request: Request) -> dict[str, Any]:

@@ -24,6 +24,7 @@ class FakeModel:
     max_model_len: int = 256
     name: str = "fake-model"
     fingerprint: str = "fake"
+    dtype_name: str = "none"
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -40,6 +41,8 @@ class FakeRunner:
     request whose prompt contains ``POISON_TOKEN`` raises, as a broken model would.
     Each step sleeps ``step_s``; clear ``gate`` to block the engine thread in its
     next step."""
+
+    attention_backend = "none"
 
     def __init__(self, *, step_s: float = 0.002, num_kv_blocks: int = NUM_KV_BLOCKS) -> None:
         self.num_kv_blocks = num_kv_blocks
