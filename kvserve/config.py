@@ -204,6 +204,7 @@ class ModelConfig:
     dtype: str = "auto"  # bfloat16 where the CPU has native bf16, else float32
     device: str = "cpu"
     max_model_len: int | None = None  # None: min(model's context, 8192)
+    compile: bool = False  # decode steps as torch.compile graphs, one per decode bucket
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,13 @@ OPTIONS: tuple[_Option, ...] = (
         "float32, bfloat16 or float16",
     ),
     _Option("device", "model", str, "torch device, default cpu"),
+    _Option(
+        "compile",
+        "model",
+        bool,
+        "compile decode steps with torch.compile, one graph per decode bucket, all warmed "
+        "at startup (default off)",
+    ),
     _Option("max_model_len", "shared", int, "longest prompt + output a request may have"),
     _Option("block_size", "shared", int, "tokens per KV block (power of two)"),
     _Option("enable_prefix_caching", "shared", bool, "reuse KV of shared prompt prefixes"),

@@ -338,4 +338,4 @@ def _model_runner(config: EngineConfig, loaded: ModelInfo) -> Runner:
             f"EngineCore builds its ModelRunner from a LoadedModel, got {type(loaded).__name__}: "
             "pass runner= for any other model"
         )
-    return ModelRunner(loaded, config.cache, config.scheduler)
+    return ModelRunner(loaded, config.cache, config.scheduler, compile=config.model.compile)

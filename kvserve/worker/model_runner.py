@@ -21,6 +21,7 @@ from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
 from kvserve.sched.output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from kvserve.worker.compiled_step import CompiledDecode
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.sampler import Sampler
 
@@ -70,6 +71,7 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         *,
         sampler: Sampler | None = None,
+        compile: bool = False,
     ) -> None:
         self.loaded = loaded
         self.model: LlamaForCausalLM = loaded.model
@@ -105,6 +107,17 @@ class ModelRunner:
             attention_backend=self.attention_backend,
         )
         self.sampler = sampler if sampler is not None else Sampler()
+        self.compiled: CompiledDecode | None = None
+        if compile:
+            policy = scheduler_config.scheduler_policy
+            self.compiled = CompiledDecode(
+                self.model,
+                buckets=scheduler_config.num_seqs_buckets if policy == "separated" else None,
+                max_model_len=scheduler_config.max_model_len,
+                block_size=self.block_size,
+                attention_backend=self.attention_backend,
+            )
+            self.compiled.warm_up(self.kv_caches, scheduler_config.kv_segment_size)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -120,7 +133,11 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = batch.prepare_inputs(so)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_meta)
+        meta = inputs.attn_meta
+        if self.compiled is not None and self.compiled.supports(meta):
+            hidden = self.compiled(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
         sampled: dict[str, list[int]] = {req_id: [] for req_id in so.scheduled_req_ids}
         logprobs: dict[str, list[Logprobs]] = {}

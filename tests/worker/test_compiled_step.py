@@ -1,0 +1,52 @@
+"""``--compile``: decode steps through compiled graphs give the eager engine's tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvserve.model.loader import load_tokenizer
+
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.mark.slow
+def test_compiled_decode_buckets_match_eager(tokenizer) -> None:
+    common = dict(
+        dtype="float32",
+        max_model_len=256,
+        scheduler_policy="separated",
+        max_num_seqs=2,
+        num_seqs_buckets=(1, 2),
+        max_num_batched_tokens=128,
+        num_batched_tokens_buckets=(64, 128),
+    )
+    prompts = [
+        tokenizer.encode("The capital of France is"),
+        tokenizer.encode("def fibonacci(n):\n    if n < 2:"),
+        tokenizer.encode("Once upon a time"),
+    ]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eager = LLM(**common).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    llm = LLM(compile=True, **common)
+    compiled = llm.engine.runner.compiled  # type: ignore[attr-defined]
+    assert compiled is not None and compiled.buckets == (1, 2)
+    warm = compiled.num_calls
+    assert warm == 2, "every decode bucket is compiled and run at startup"
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert compiled.num_calls > warm, "decode steps ran through the compiled graphs"
+    for a, b in zip(eager, outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    llm.engine.check_no_leaks()
+
+
+def test_compile_needs_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve.model.native import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, "portable")
+    with pytest.raises(ValueError, match="--compile needs the native attention kernel"):
+        LLM(compile=True, dtype="float32", max_model_len=256)
