@@ -119,8 +119,9 @@ class CompiledDecode:
                     backend="native",
                     kv_dtype=kv_caches[0].dtype,
                 )
-                zeros = torch.zeros(num_rows, dtype=torch.long)
-                self(zeros, zeros, kv_caches, meta)
+                ids = torch.zeros(num_rows, dtype=torch.long)
+                positions = torch.zeros(num_rows, dtype=torch.long)
+                self(ids, positions, kv_caches, meta)
         self.warmup_s = time.perf_counter() - t0
         logger.info("compiled %d decode shape(s) in %.1f s", len(sizes), self.warmup_s)
         return self.warmup_s

@@ -205,7 +205,7 @@ def test_bad_dtype(default_model_dir: Path) -> None:
 
 def test_auto_dtype_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """dtype="auto": bfloat16 exactly where the CPU has avx512_bf16 or AMX, else float32."""
-    from kvserve.model import loader
+    from kvserve.model import dtypes as loader
 
     assert loader.cpu_has_native_bf16("flags\t\t: fpu avx512f avx512_bf16 sse\n")
     assert loader.cpu_has_native_bf16("flags\t\t: fpu amx_bf16 amx_tile\n")
