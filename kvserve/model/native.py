@@ -32,10 +32,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [
-    Path(__file__).with_name("csrc") / n
-    for n in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp")
-]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / n for n in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp")]
+_HEADERS = [_CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_VAR = "KVSERVE_ATTENTION"  # "native" (default when it builds) or "portable"
@@ -67,7 +66,12 @@ def _library_path(cxx: str) -> Path:
     key = hashlib.sha256(
         b"\0".join(
             x.encode()
-            for x in (*(p.read_text() for p in _SOURCES), " ".join(_FLAGS), version, _cpu_flags())
+            for x in (
+                *(p.read_text() for p in (*_SOURCES, *_HEADERS)),
+                " ".join(_FLAGS),
+                version,
+                _cpu_flags(),
+            )
         )
     ).hexdigest()[:16]
     return _cache_dir() / key / "libkvserve_native.so"

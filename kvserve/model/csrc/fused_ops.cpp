@@ -9,31 +9,25 @@
 #include <cstring>
 
 #include <omp.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "kvs_common.h"
 
 namespace {
 
-using bf16_t = uint16_t;
+using kvs::bf16_t;
+#if defined(__AVX512F__)
+using kvs::exp512;
+using kvs::load16;
+using kvs::store16;
+#endif
 
-inline float ld(const float* p, int64_t i) { return p[i]; }
-inline float ld(const bf16_t* p, int64_t i) {
-  uint32_t u = static_cast<uint32_t>(p[i]) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+template <typename T>
+inline float ld(const T* p, int64_t i) {
+  return kvs::to_f32(p[i]);
 }
-inline void st(float* p, int64_t i, float x) { p[i] = x; }
-inline void st(bf16_t* p, int64_t i, float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    p[i] = static_cast<bf16_t>((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  p[i] = static_cast<bf16_t>(u >> 16);
+template <typename T>
+inline void st(T* p, int64_t i, float x) {
+  kvs::from_f32(x, p + i);
 }
 
 // residual[t] += x[t] (x may be null); out[t] = residual[t] * rsqrt(mean(residual[t]^2) + eps) * w
@@ -62,38 +56,6 @@ void add_rms_norm(float* residual, const T* x, int64_t x_stride, const T* w, T* 
     for (int64_t i = 0; i < hidden; ++i) st(o, i, r[i] * inv * ld(w, i));
   }
 }
-
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(bf16_t* p, __m512 x) {  // round to nearest even, as PyTorch does
-  __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-}
-// exp(x), x clamped to [-87, 88]: 2^n * e^r with a degree-7 polynomial (rel. error < 2e-7)
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // out[t, i] = silu(gu[t, i]) * gu[t, inter + i]
 template <typename T>

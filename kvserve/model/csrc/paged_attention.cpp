@@ -32,32 +32,18 @@
 #include <vector>
 
 #include <omp.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "kvs_common.h"
 
 namespace {
 
-using bf16_t = uint16_t;
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(bf16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline void from_f32(float x, float* dst) { *dst = x; }
-inline void from_f32(float x, bf16_t* dst) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *dst = static_cast<bf16_t>((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even, as PyTorch does
-  *dst = static_cast<bf16_t>(u >> 16);
-}
+using kvs::bf16_t;
+using kvs::from_f32;
+using kvs::to_f32;
+#if defined(__AVX512F__)
+using kvs::exp512;
+using kvs::load16;
+#endif
 
 template <typename T>
 inline void load_row(const T* __restrict src, float* __restrict dst, int d) {
@@ -240,12 +226,6 @@ void run_task(const Args& a, const Task& task, std::vector<float>& buf) {
 // 16 dot products of a query become one vector (a transpose-add reduction), the
 // softmax update runs on that vector, then V is accumulated with broadcast weights.
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // lanes of the result: sum of the lanes of v[0], ..., v[15]
 inline __m512 hsum16(const __m512* v) {
   __m512 t[8], w[4], z[2];
@@ -260,24 +240,6 @@ inline __m512 hsum16(const __m512* v) {
                          _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
   return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// exp(x) for x <= 0, same polynomial as exp_nonpos
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 #if defined(__AVX512BF16__)
@@ -428,7 +390,6 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
       lim[m] = prior_only ? ctx : ctx + r + 1;
       lmax = std::max(lmax, lim[m]);
     }
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   const __m512 scale = _mm512_set1_ps(a.scale);
 
