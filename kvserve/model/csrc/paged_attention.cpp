@@ -102,28 +102,53 @@ struct Task {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// What every task reads: its request's rows, block table, and K/V base pointers;
+// the constructor zeroes the output of the task's padding rows.
+template <typename T>
+struct TaskView {
+  int D, bs, g;
+  int64_t row_start, num_tokens, ctx, prior_only, r_end;
+  int M;  // queries: real rows of the tile x query heads of the KV head
+  const int64_t* bt;
+  const T* q;
+  T* out;
+  const T* kbase;
+  const T* vbase;
+
+  TaskView(const Args& a, const Task& task) {
+    D = a.head_dim;
+    bs = a.block_size;
+    g = a.num_heads / a.num_kv_heads;
+    const int64_t* s = a.seqs + 5 * task.seq;
+    row_start = s[0];
+    num_tokens = s[2];
+    ctx = s[3];
+    prior_only = s[4];
+    bt = a.block_tables + a.max_blocks * task.seq;
+    q = static_cast<const T*>(a.q);
+    out = static_cast<T*>(a.out);
+    const T* kv = static_cast<const T*>(a.kv);
+    const int64_t head_stride = a.num_blocks * bs * D;  // elements per (K|V, head)
+    kbase = kv + static_cast<int64_t>(task.kvh) * head_stride;
+    vbase = kv + (static_cast<int64_t>(a.num_kv_heads) + task.kvh) * head_stride;
+    r_end = std::min<int64_t>(task.r1, num_tokens);
+    M = static_cast<int>(std::max<int64_t>(0, r_end - task.r0)) * g;
+    for (int64_t r = std::max(task.r0, num_tokens); r < task.r1; ++r)
+      for (int j = 0; j < g; ++j) {
+        T* o = out + (row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
+        for (int i = 0; i < D; ++i) from_f32(0.f, o + i);
+      }
+  }
+};
+
 template <typename T>
 void run_task(const Args& a, const Task& task, std::vector<float>& buf) {
-  const int D = a.head_dim, bs = a.block_size;
-  const int g = a.num_heads / a.num_kv_heads;
-  const int64_t* s = a.seqs + 5 * task.seq;
-  const int64_t row_start = s[0], num_tokens = s[2], ctx = s[3], prior_only = s[4];
-  const int64_t* bt = a.block_tables + a.max_blocks * task.seq;
-  const T* q = static_cast<const T*>(a.q);
-  T* out = static_cast<T*>(a.out);
-  const T* kv = static_cast<const T*>(a.kv);
-  const int64_t head_stride = a.num_blocks * bs * D;  // elements per (K|V, head)
-  const T* kbase = kv + static_cast<int64_t>(task.kvh) * head_stride;
-  const T* vbase = kv + (static_cast<int64_t>(a.num_kv_heads) + task.kvh) * head_stride;
-
-  const int64_t r_end = std::min<int64_t>(task.r1, num_tokens);
-  const int M = static_cast<int>(std::max<int64_t>(0, r_end - task.r0)) * g;
-  // padding rows: zero output
-  for (int64_t r = std::max(task.r0, num_tokens); r < task.r1; ++r)
-    for (int j = 0; j < g; ++j) {
-      T* o = out + (row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
-      for (int i = 0; i < D; ++i) from_f32(0.f, o + i);
-    }
+  const TaskView<T> v(a, task);
+  const int D = v.D, bs = v.bs, g = v.g, M = v.M;
+  const int64_t row_start = v.row_start, ctx = v.ctx, prior_only = v.prior_only, r_end = v.r_end;
+  const int64_t* bt = v.bt;
+  const T *q = v.q, *kbase = v.kbase, *vbase = v.vbase;
+  T* out = v.out;
   if (M == 0) return;
 
   const size_t need = static_cast<size_t>(M) * (2 * D + bs + 3) + 2 * D;
@@ -342,25 +367,12 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   constexpr int D = 16 * DV;
   constexpr bool kBf16Dot = kHaveDpbf16 && std::is_same_v<T, bf16_t>;
   constexpr int MB = 4;  // queries per PV pass
-  const int bs = a.block_size;
-  const int g = a.num_heads / a.num_kv_heads;
-  const int64_t* s = a.seqs + 5 * task.seq;
-  const int64_t row_start = s[0], num_tokens = s[2], ctx = s[3], prior_only = s[4];
-  const int64_t* bt = a.block_tables + a.max_blocks * task.seq;
-  const T* q = static_cast<const T*>(a.q);
-  T* out = static_cast<T*>(a.out);
-  const T* kv = static_cast<const T*>(a.kv);
-  const int64_t head_stride = a.num_blocks * bs * D;
-  const T* kbase = kv + static_cast<int64_t>(task.kvh) * head_stride;
-  const T* vbase = kv + (static_cast<int64_t>(a.num_kv_heads) + task.kvh) * head_stride;
-
-  const int64_t r_end = std::min<int64_t>(task.r1, num_tokens);
-  const int M = static_cast<int>(std::max<int64_t>(0, r_end - task.r0)) * g;
-  for (int64_t r = std::max(task.r0, num_tokens); r < task.r1; ++r)
-    for (int j = 0; j < g; ++j) {
-      T* o = out + (row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
-      for (int i = 0; i < D; ++i) from_f32(0.f, o + i);
-    }
+  const TaskView<T> v(a, task);
+  const int bs = v.bs, g = v.g, M = v.M;
+  const int64_t row_start = v.row_start, ctx = v.ctx, prior_only = v.prior_only, r_end = v.r_end;
+  const int64_t* bt = v.bt;
+  const T *q = v.q, *kbase = v.kbase, *vbase = v.vbase;
+  T* out = v.out;
   if (M == 0) return;
 
   constexpr int64_t PS = kMaxPart + 32;  // row stride of the score buffers
