@@ -137,6 +137,27 @@ class PagedAttentionKernel:
         self._sample = lib.kvs_sample_rows
         self._sample.argtypes = [vp, i64, i64, vp, vp, vp, i32]
         self._sample.restype = None
+        self._softmax = lib.kvs_softmax_rows
+        self._softmax.argtypes = [vp, i64, i64, vp, vp, i32]
+        self._softmax.restype = None
+
+    def softmax_rows(self, logits: torch.Tensor, inv_temperature: torch.Tensor) -> torch.Tensor:
+        """``softmax(logits * inv_temperature[:, None], -1)``; contiguous fp32 [B, V] CPU.
+
+        ``inv_temperature`` fp32 [B], every entry > 0.
+        """
+        rows, cols = logits.shape
+        inv_temperature = inv_temperature.to(torch.float32).contiguous()
+        out = torch.empty(rows, cols, dtype=torch.float32)
+        self._softmax(
+            logits.data_ptr(),
+            rows,
+            cols,
+            inv_temperature.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
 
     def sample_rows(
         self, probs: torch.Tensor, threshold: torch.Tensor, uniforms: torch.Tensor

@@ -143,7 +143,8 @@ class Sampler:
 
         logits = logits.float()  # [B, V]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
-        logits = logits.clone()
+        if need_min_tokens or need_rep or need_freq_pres:
+            logits = logits.clone()  # the penalties below work in place on a private copy
         if need_min_tokens:
             _apply_min_tokens(logits, states)
         if need_rep:
@@ -172,7 +173,7 @@ class Sampler:
         vocab_size = logits.shape[1]
         params = [s.params for s in states]
         greedy_mask = torch.tensor(is_greedy, device=device)  # [B]
-        greedy_tokens = _argmax(logits)  # [B]
+        greedy_tokens = _argmax(logits) if any(is_greedy) else None  # [B]
 
         # Greedy rows get temperature 1 and no truncation; their sample is discarded.
         temps = torch.tensor(
@@ -180,20 +181,23 @@ class Sampler:
             device=device,
             dtype=logits.dtype,
         )
-        logits = logits / temps.unsqueeze(1)  # [B, V]
-
         min_ps = [0.0 if g else p.min_p for g, p in zip(is_greedy, params, strict=True)]
-        if any(m > 0.0 for m in min_ps):
-            logits = _apply_min_p(logits, torch.tensor(min_ps, device=device, dtype=logits.dtype))
-
         top_ks = [
             p.top_k if (not g and 0 < p.top_k < vocab_size) else vocab_size
             for g, p in zip(is_greedy, params, strict=True)
         ]
-        if any(k < vocab_size for k in top_ks):
-            logits = _apply_top_k(logits, torch.tensor(top_ks, device=device))
-
-        probs = torch.softmax(logits, dim=-1)  # [B, V]
+        truncate = any(m > 0.0 for m in min_ps) or any(k < vocab_size for k in top_ks)
+        kernel = get_kernel() if _native_rows(logits) else None
+        if kernel is not None and not truncate:  # temperature and softmax in one pass
+            probs = kernel.softmax_rows(logits.contiguous(), 1.0 / temps)
+        else:
+            logits = logits / temps.unsqueeze(1)  # [B, V]
+            if any(m > 0.0 for m in min_ps):
+                min_p = torch.tensor(min_ps, device=device, dtype=logits.dtype)
+                logits = _apply_min_p(logits, min_p)
+            if any(k < vocab_size for k in top_ks):
+                logits = _apply_top_k(logits, torch.tensor(top_ks, device=device))
+            probs = torch.softmax(logits, dim=-1)  # [B, V]
         top_ps = [1.0 if g else p.top_p for g, p in zip(is_greedy, params, strict=True)]
         top_p = torch.tensor(top_ps, device=device, dtype=probs.dtype)
         uniforms = self._uniforms(states, is_greedy)
@@ -210,6 +214,8 @@ class Sampler:
                 probs = _apply_top_p(probs, top_p)
             uniforms = uniforms.to(device=device, dtype=probs.dtype)
             random_tokens = _inverse_cdf_sample(probs, uniforms)  # [B]
+        if greedy_tokens is None:
+            return random_tokens
         return torch.where(greedy_mask, greedy_tokens, random_tokens)
 
     def _uniforms(self, states: list[SamplingRequestState], is_greedy: list[bool]) -> torch.Tensor:

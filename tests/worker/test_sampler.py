@@ -418,3 +418,10 @@ def test_native_top_p_and_draw_match_portable(
     assert torch.equal(native > 0, portable > 0)
     assert torch.equal(drawn, _inverse_cdf_sample(portable, uniforms))
     assert torch.equal(kernel.argmax_rows(logits), logits.argmax(-1))
+    temps = torch.linspace(0.3, 1.7, 40)
+    torch.testing.assert_close(
+        kernel.softmax_rows(logits[:, :2999].contiguous(), 1.0 / temps),  # a vector tail
+        torch.softmax(logits[:, :2999] / temps.unsqueeze(1), -1),
+        atol=1e-6,
+        rtol=1e-4,
+    )

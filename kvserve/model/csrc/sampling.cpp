@@ -1,10 +1,15 @@
 // Row-wise sampling helpers over fp32 [rows, vocab] tensors (same library and C ABI as
 // paged_attention.cpp). Each row is independent; rows are spread over threads.
 #include <algorithm>
+#include <cstring>
 #include <cstdint>
 #include <vector>
 
 #include <omp.h>
+
+#include <cmath>
+
+#include "kvs_common.h"
 
 extern "C" {
 
@@ -53,8 +58,33 @@ void kvs_top_p_threshold(const float* probs, int64_t rows, int64_t cols, const f
         continue;
       }
       const float* row = probs + r * cols;
-      cand.assign(row, row + cols);
+      // Bucket by float exponent (ordered like the values, a factor 2 per bucket):
+      // every bucket above the one where the running mass reaches p is kept whole,
+      // so only that bucket's tokens need selecting.
+      double hist[256] = {0.0};
+      float smallest = row[0];
+      for (int64_t i = 0; i < cols; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, row + i, 4);
+        hist[(bits >> 23) & 0xffu] += row[i];
+        smallest = row[i] < smallest ? row[i] : smallest;
+      }
       double above = 0.0;  // mass of the tokens ranked above every candidate
+      int bucket = 255;
+      for (; bucket >= 0; --bucket) {
+        if (above + hist[bucket] >= p) break;
+        above += hist[bucket];
+      }
+      if (bucket < 0) {  // rounding left the total below p: the whole row is kept
+        out[r] = smallest;
+        continue;
+      }
+      cand.clear();
+      for (int64_t i = 0; i < cols; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, row + i, 4);
+        if (static_cast<int>((bits >> 23) & 0xffu) == bucket) cand.push_back(row[i]);
+      }
       float threshold = 0.f;
       uint64_t seed = 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(r);
       while (!cand.empty()) {
@@ -126,6 +156,41 @@ void kvs_sample_rows(const float* probs, int64_t rows, int64_t cols, const float
       }
     }
     out[r] = pick >= 0 ? pick : last;
+  }
+}
+}
+
+extern "C" {
+
+// out[r] = softmax(x[r] * inv_temp[r]) (inv_temp > 0), in fp32; rows of -inf-only
+// logits give NaN, as torch.softmax does.
+void kvs_softmax_rows(const float* x, int64_t rows, int64_t cols, const float* inv_temp,
+                      float* out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = x + r * cols;
+    float* o = out + r * cols;
+    const float it = inv_temp[r];
+    float mx = row[0];
+    for (int64_t i = 1; i < cols; ++i) mx = row[i] > mx ? row[i] : mx;
+    double sum = 0.0;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 vmx = _mm512_set1_ps(mx), vit = _mm512_set1_ps(it);
+    __m512 vsum = _mm512_setzero_ps();
+    for (; i + 16 <= cols; i += 16) {
+      const __m512 e = kvs::exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), vmx), vit));
+      _mm512_storeu_ps(o + i, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; i < cols; ++i) {
+      o[i] = std::exp((row[i] - mx) * it);
+      sum += o[i];
+    }
+    const float inv = static_cast<float>(1.0 / sum);
+    for (int64_t k = 0; k < cols; ++k) o[k] *= inv;
   }
 }
 }
