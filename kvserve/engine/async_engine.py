@@ -146,6 +146,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.vocab_size
 
         self._lock = threading.Lock()  # guards the fields below shared by both threads
         self._commands: deque[_Command] = deque()
@@ -214,6 +215,10 @@ class AsyncEngine:
         """The latest ``EngineCore.stats()`` snapshot (refreshed after every step)."""
         with self._lock:
             return self._stats
+
+    async def render_metrics(self) -> bytes:
+        """This engine's series in Prometheus text format (``/metrics``)."""
+        return self.metrics.render()
 
     def num_waiting(self) -> int:
         """Requests queued but not yet scheduled: the scheduler's waiting queue plus

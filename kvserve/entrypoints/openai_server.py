@@ -38,7 +38,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.client import EngineClient
 from kvserve.entrypoints.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -58,13 +58,14 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def build_app(
-    async_engine: AsyncEngine,
+    async_engine: EngineClient,
     *,
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_queue_len: int | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``async_engine``.
+    """The FastAPI app serving ``async_engine`` (an ``AsyncEngine``, or the scale-out
+    ingress's ``RemoteEngine``: anything with :class:`~kvserve.engine.client.EngineClient`).
 
     ``served_model_name`` (default: the engine's model name) is the one name
     ``model`` may take. ``max_queue_len``: past this many waiting requests, new ones
@@ -126,7 +127,7 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await async_engine.render_metrics(), media_type=CONTENT_TYPE)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -200,7 +201,7 @@ def build_app(
     async def detokenize(request: Request) -> dict[str, Any]:
         req = await _parse(request, DetokenizeRequest)
         serving.check_model(req.model)
-        vocab = async_engine.engine.vocab_size
+        vocab = async_engine.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine.async_engine import (
-    AsyncEngine,
     EngineUnavailableError,
     QueueFullError,
     RequestFailedError,
-    RequestStream,
 )
+from kvserve.engine.client import DeltaStream, EngineClient
 from kvserve.engine.outputs import RequestDelta
 from kvserve.entrypoints.openai_protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -61,7 +60,7 @@ def _check_finish(delta: RequestDelta) -> None:
         )
 
 
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+async def merge(streams: list[DeltaStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
     """Interleave several streams as (index, delta) in arrival order."""
     if len(streams) == 1:
         async for delta in streams[0]:
@@ -69,7 +68,7 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
         return
     queue: asyncio.Queue[tuple[int, RequestDelta | None, BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: RequestStream) -> None:
+    async def pump(i: int, stream: DeltaStream) -> None:
         try:
             async for delta in stream:
                 queue.put_nowait((i, delta, None))
@@ -121,7 +120,7 @@ class Generation:
     renderer of its endpoint. The caller must drain or abort every stream."""
 
     req_id: str
-    streams: list[RequestStream]
+    streams: list[DeltaStream]
     renderer: Renderer
     include_usage: bool
 
@@ -137,7 +136,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         *,
         served_model_name: str,
         max_queue_len: int | None = None,
@@ -165,7 +164,7 @@ class OpenAIServing:
         inputs: list[tuple[str | None, list[int], SamplingParams]],
         cache_salt: str | None,
         names: dict[str, str],
-    ) -> list[RequestStream]:
+    ) -> list[DeltaStream]:
         """Queue every prompt, all or none: each is validated once (``make_request``)
         before any is queued. Refusals become APIError naming the request's field
         (``names``: engine field -> request field)."""
@@ -183,7 +182,7 @@ class OpenAIServing:
                 )
         except RequestError as e:
             raise request_error_to_api(e, names) from None
-        streams: list[RequestStream] = []
+        streams: list[DeltaStream] = []
         try:
             for i, request in enumerate(requests):
                 # One queue-length check per HTTP request: a batch is admitted whole.
@@ -213,7 +212,7 @@ class OpenAIServing:
             raise
         return streams
 
-    async def collect(self, streams: list[RequestStream]) -> list[Choice]:
+    async def collect(self, streams: list[DeltaStream]) -> list[Choice]:
         """Drain the streams into one choice each; engine failures become a 500."""
         choices = [Choice(index=i) for i in range(len(streams))]
         try:
@@ -333,7 +332,7 @@ class OpenAIServing:
         yield sse("[DONE]")
 
 
-def abort_all(streams: list[RequestStream]) -> Callable[[], None]:
+def abort_all(streams: list[DeltaStream]) -> Callable[[], None]:
     """A callback that aborts every unfinished stream (idempotent)."""
 
     def _abort() -> None:

@@ -76,7 +76,87 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="log one line per HTTP request (default on)",
     )
+    scale = parser.add_argument_group(
+        "scale-out (Ray Serve; needs the 'ray' extra: pip install -e '.[ray]')"
+    )
+    scale.add_argument(
+        "--replicas",
+        type=_non_negative_int,
+        default=None,
+        help="run N >= 2 engine replicas on Ray Serve behind this endpoint (default: one "
+        "engine in this process)",
+    )
+    scale.add_argument(
+        "--ray-address",
+        default=None,
+        help="join this Ray cluster (e.g. 10.0.0.5:6379 after 'ray start --head'); default: "
+        "start a local one on 127.0.0.1",
+    )
+    scale.add_argument(
+        "--threads-per-replica",
+        type=_non_negative_int,
+        default=None,
+        help="torch threads of each replica (default: this machine's cores / N)",
+    )
+    scale.add_argument(
+        "--routing",
+        default="prefix-aware",
+        choices=["prefix-aware", "round-robin", "least-loaded"],
+        help="request routing across replicas (default prefix-aware)",
+    )
+    scale.add_argument(
+        "--prefill-replicas", type=_non_negative_int, default=None, help=argparse.SUPPRESS
+    )
+    scale.add_argument(
+        "--decode-replicas", type=_non_negative_int, default=None, help=argparse.SUPPRESS
+    )
     add_engine_arguments(parser)
+
+
+def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
+    """``--replicas N``: the Ray Serve app (``kvserve.cluster``, imported only here)."""
+    if args.prefill_replicas is not None or args.decode_replicas is not None:
+        print(
+            "kvserve serve: --prefill-replicas/--decode-replicas are not available yet: the "
+            "disaggregated prefill and decode roles (--kv-role) have not landed in this build; "
+            "use --replicas N for N identical engine replicas",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        from kvserve.cluster.app import ClusterOptions
+        from kvserve.cluster.launcher import run_cluster
+        from kvserve.cluster.policy import RoutingConfig
+    except ImportError as e:
+        print(
+            f"kvserve serve: --replicas needs Ray Serve ({e}); install it with "
+            "pip install -e '.[ray]' (make setup does)",
+            file=sys.stderr,
+        )
+        return 2
+    n = args.replicas
+    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // max(n, 1))
+    try:
+        options = engine_kwargs_from_args(args)
+        if options.get("hash_algo") == "builtin":
+            raise ValueError(
+                "--hash-algo builtin gives different hashes in every process, so the router "
+                "cannot predict the replicas' caches: use --hash-algo sha256 with --replicas"
+            )
+        build_engine_config(**options)
+        opts = ClusterOptions(
+            num_replicas=n,
+            threads_per_replica=threads,
+            engine_options=options,
+            routing=RoutingConfig(policy=args.routing),
+            served_model_name=args.served_model_name,
+            api_key=api_key,
+            max_queue_len=args.max_queue_len,
+        )
+    except (ValueError, TypeError) as e:
+        print(f"kvserve serve: {e}", file=sys.stderr)
+        return 2
+    return run_cluster(opts, host=args.host, port=args.port, ray_address=args.ray_address)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,6 +168,12 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     api_key = args.api_key or os.environ.get("KVSERVE_API_KEY") or None
+    if (
+        args.replicas is not None
+        or args.prefill_replicas is not None
+        or args.decode_replicas is not None
+    ):
+        return _run_replicas(args, api_key)
     t0 = time.perf_counter()
     try:
         config = build_engine_config(**engine_kwargs_from_args(args))

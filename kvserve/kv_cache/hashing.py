@@ -153,3 +153,32 @@ def hash_block_tokens(
     raise ValueError(
         f"unknown hash_algo={algo!r}: must be one of {HASH_ALGOS} (for example: hash_algo='sha256')"
     )
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: tuple,
+    algo: HashAlgo = "sha256",
+) -> list[BlockHash]:
+    """Append to ``hashes`` the chained hash of every full block of ``token_ids`` that
+    it does not cover yet, and return it (the same list).
+
+    The one place the chain is walked: the KV cache manager calls it for its
+    requests, and the scale-out ingress (``kvserve.cluster``) calls it to compute the
+    very same hashes before routing. Callers must keep these rules: ``hashes`` holds
+    the hashes of the first ``len(hashes)`` blocks of ``token_ids`` (or is empty);
+    ``extra_keys`` are the request's (:func:`request_extra_keys`), used for block 0.
+    """
+    num_full = len(token_ids) // block_size
+    i = len(hashes)
+    parent: BlockHash | None = hashes[-1] if hashes else None
+    while i < num_full:
+        extra = extra_keys if i == 0 else ()
+        parent = hash_block_tokens(
+            parent, token_ids[i * block_size : (i + 1) * block_size], extra, algo
+        )
+        hashes.append(parent)
+        i += 1
+    return hashes

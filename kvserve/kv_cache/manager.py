@@ -33,7 +33,7 @@ from kvserve.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.kv_cache.hashing import (
     HASH_ALGOS,
     BlockHash,
-    hash_block_tokens,
+    extend_block_hashes,
     request_extra_keys,
 )
 from kvserve.request import Request
@@ -139,18 +139,17 @@ class KVCacheManager:
         i = len(hashes)
         if i >= num_full:
             return hashes
-        parent: BlockHash | None = hashes[-1] if hashes else None
-        algo = self.hash_algo
-        while i < num_full:
-            extra = (
-                request_extra_keys(self.model_fingerprint, request.adapter_id, request.cache_salt)
-                if i == 0
-                else ()
-            )
-            parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra, algo)
-            hashes.append(parent)
-            i += 1
+        extra = request_extra_keys(self.model_fingerprint, request.adapter_id, request.cache_salt)
+        extend_block_hashes(hashes, tokens, bs, extra, self.hash_algo)
         return hashes
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """The hashes of every block the prefix cache holds now (held or reclaimable).
+
+        One copy of the pool's hash map, which is atomic under CPython's GIL, so
+        another thread may call this while the engine thread steps (the scale-out
+        replica reports it to the router; ``kvserve.cluster``)."""
+        return list(self.block_pool.cached.copy())
 
     # -- the scheduler API ----------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -1,0 +1,101 @@
+"""``/metrics`` of the scale-out endpoint: every replica's ``kvserve:*`` series with
+a ``replica`` label, and the router's own series.
+
+Router series (``RouterMetrics``):
+- ``kvserve:router_decisions_total{policy, reason}``: one per routed request; reasons
+  in ``kvserve.cluster.policy.REASONS``.
+- ``kvserve:router_matched_prefix_fraction``: histogram of the fraction of the
+  request's full blocks that the chosen replica probably held (prefix-aware only).
+- ``kvserve:router_resubmitted_total``: requests sent again because their replica
+  died before accepting them (nothing had been queued).
+- ``kvserve:router_replicas``: replicas heard from (gauge).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from kvserve.cluster.policy import Decision
+
+FRACTION_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class RouterMetrics:
+    """The router's series on their own registry (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._decisions = Counter(
+            "kvserve:router_decisions",
+            "Routing decisions by policy and reason.",
+            ["policy", "reason"],
+            registry=self.registry,
+        )
+        self._fraction = Histogram(
+            "kvserve:router_matched_prefix_fraction",
+            "Fraction of a routed request's full blocks the chosen replica probably held.",
+            buckets=FRACTION_BUCKETS,
+            registry=self.registry,
+        )
+        self._resubmitted = Counter(
+            "kvserve:router_resubmitted",
+            "Requests sent again because their replica died before accepting them.",
+            registry=self.registry,
+        )
+        self._replicas = Gauge(
+            "kvserve:router_replicas", "Engine replicas heard from.", registry=self.registry
+        )
+
+    def observe(self, decision: Decision) -> None:
+        self._decisions.labels(decision.policy, decision.reason).inc()
+        if decision.policy == "prefix-aware":
+            self._fraction.observe(decision.matched_fraction)
+
+    def count_resubmitted(self) -> None:
+        self._resubmitted.inc()
+
+    def set_num_replicas(self, n: int) -> None:
+        self._replicas.set(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Families:
+    """A collector yielding fixed metric families (to render merged ones)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+def label_replicas(texts: Mapping[str, str]) -> bytes:
+    """Merge replicas' Prometheus texts into one, every sample labelled
+    ``replica="<name>"``; families of the same name are merged (the text format
+    allows each name once). Raises ValueError when a text does not parse."""
+    merged: dict[str, Metric] = {}
+    for replica, text in sorted(texts.items()):
+        try:
+            families = list(text_string_to_metric_families(text))
+        except Exception as e:  # the parser raises bare ValueError/TypeError/KeyError
+            raise ValueError(f"replica {replica}: /metrics text does not parse: {e}") from e
+        for family in families:
+            out = merged.get(family.name)
+            if out is None:
+                out = merged[family.name] = Metric(family.name, family.documentation, family.type)
+            for s in family.samples:
+                labels = {**s.labels, "replica": replica}
+                out.samples.append(Sample(s.name, labels, s.value, s.timestamp, s.exemplar))
+    registry = CollectorRegistry()
+    registry.register(_Families(list(merged.values())))
+    return generate_latest(registry)

@@ -1,0 +1,62 @@
+"""KVServeIngress: the OpenAI-compatible endpoint of the scale-out app.
+
+The same FastAPI app as the single-process server (``entrypoints/openai_server``:
+routes, streaming, errors, ``cache_salt``, ``usage``), built over a
+:class:`RemoteEngine` instead of an in-process engine, plus
+``GET /cluster/replicas`` (each replica's name, pid and seconds since its last
+metrics push). The tokenizer runs here, so every prompt is tokenized and hashed once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+
+from kvserve.cluster.protocol import EngineFacts
+from kvserve.cluster.remote_engine import RemoteEngine
+
+
+@serve.ingress()
+class KVServeIngress:
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
+        self,
+        engine: Any,
+        hub: Any,
+        model: str | None,
+        served_model_name: str | None = None,
+        api_key: str | None = None,
+        max_queue_len: int | None = None,
+    ) -> None:
+        from kvserve.model.loader import DEFAULT_MODEL_NAME, load_tokenizer
+
+        facts: EngineFacts = await engine.info.remote()
+        tokenizer = load_tokenizer(model or DEFAULT_MODEL_NAME)
+        self.client = RemoteEngine(engine, hub, facts, tokenizer)
+        self._served_model_name = served_model_name
+        self._api_key = api_key
+        self._max_queue_len = max_queue_len
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        from kvserve.entrypoints.openai_server import build_app
+
+        app = build_app(
+            self.client,
+            api_key=self._api_key,
+            served_model_name=self._served_model_name,
+            max_queue_len=self._max_queue_len,
+        )
+        client = self.client
+
+        @app.get("/cluster/replicas")
+        async def replicas() -> dict[str, Any]:
+            snap = await client.snapshot_replicas()
+            return {
+                "replicas": [
+                    {"replica": r, "pid": v["pid"], "age_s": round(v["age_s"], 3)}
+                    for r, v in sorted(snap.items())
+                ]
+            }
+
+        return app

@@ -1,0 +1,84 @@
+"""``kvserve serve --replicas N``: start or join a Ray cluster and run the Serve app.
+
+    local:   ray.init on this machine (every address 127.0.0.1), N replicas here
+    joined:  ray.init(address=--ray-address), replicas wherever the cluster has CPUs
+
+The endpoint (Serve's HTTP proxy) listens on ``--host:--port``. ``serve.run`` returns
+once every replica loaded its model, so ``GET /health`` answering 200 means ready.
+SIGTERM or SIGINT deletes the app, shuts Serve down and disconnects (a local cluster
+stops with it); the command returns 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+logger = logging.getLogger("kvserve.cluster")
+
+LOCAL_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def start_ray(address: str | None, num_cpus: int | None = None) -> None:
+    """Connect to ``address`` or start a local single-machine cluster on 127.0.0.1."""
+    import ray
+
+    os.environ.update(LOCAL_ENV)
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+    else:
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count() or 1,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            logging_level=logging.WARNING,
+        )
+
+
+def start_app(opts: Any, host: str, port: int) -> None:
+    """Start Serve's proxy on ``host:port`` and deploy the app (blocks until ready)."""
+    from ray import serve
+
+    from kvserve.cluster.app import APP_NAME, build_application
+
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_application(opts), name=APP_NAME, route_prefix="/")
+
+
+def stop_app() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def run_cluster(opts: Any, *, host: str, port: int, ray_address: str | None) -> int:
+    """Run until SIGTERM/SIGINT. Returns the exit status."""
+    stop = threading.Event()
+    start_ray(ray_address)
+    # After ray.init, which installs its own SIGTERM handler in the driver.
+    handled = (signal.SIGINT, signal.SIGTERM)
+    original = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in handled}
+    try:
+        start_app(opts, host, port)
+        logger.info(
+            "serving %d replicas (%d threads each, routing %s) on http://%s:%d",
+            opts.num_replicas,
+            opts.threads_per_replica,
+            opts.routing.policy,
+            host,
+            port,
+        )
+        print(f"kvserve: {opts.num_replicas} replicas ready on http://{host}:{port}", flush=True)
+        stop.wait()
+    finally:
+        for sig, handler in original.items():
+            signal.signal(sig, handler)
+        stop_app()
+    return 0

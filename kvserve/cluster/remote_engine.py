@@ -1,0 +1,231 @@
+"""RemoteEngine: the OpenAI server's engine (``EngineClient``) over N Ray Serve replicas.
+
+At the ingress, per request: validate (the engine's own ``check_prompt``), build the
+engine ``Request``, compute its chained block hashes ONCE with the engine's code
+(``extend_block_hashes``, with the replicas' fingerprint, block size, algorithm and
+the request's ``cache_salt``), then call ``EngineReplica.generate`` through the Serve
+handle; the custom request router (``router.py``) reads the hashes to pick the
+replica, and the replica's engine reuses them instead of hashing again.
+
+Faults: a replica that dies before it accepted the request (no ``Accepted`` yet, so
+nothing was queued anywhere) is retried on another replica, at most
+``max_attempts`` times within ``retry_timeout_s``; Ray's router drops the dead replica
+as soon as a call to it fails. A replica that dies while streaming ends that stream
+with ``RequestFailedError`` naming the replica (the server turns it into a 500 or an
+error event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from ray.exceptions import RayError
+
+from kvserve.cluster.cluster_metrics import RouterMetrics, label_replicas
+from kvserve.cluster.prefix_index import block_key
+from kvserve.cluster.protocol import Accepted, EngineFacts, Refused, RoutedRequest
+from kvserve.engine.async_engine import (
+    EngineUnavailableError,
+    QueueFullError,
+    RequestFailedError,
+)
+from kvserve.engine.outputs import RequestDelta
+from kvserve.kv_cache.hashing import extend_block_hashes, request_extra_keys
+from kvserve.request import Request, RequestError, SamplingParams, check_prompt
+
+logger = logging.getLogger("kvserve.cluster")
+
+
+class RemoteStream:
+    """The deltas of one request served by a replica (a ``DeltaStream``)."""
+
+    def __init__(self, gen: Any, request_id: str, replica: str) -> None:
+        self._gen = gen
+        self.request_id = request_id
+        self.replica = replica
+        self.finished = False
+
+    def __aiter__(self) -> RemoteStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._gen.__anext__()
+        except StopAsyncIteration:
+            self.finished = True
+            raise RequestFailedError(
+                f"replica {self.replica} ended this request's stream before it finished; "
+                "retry the request"
+            ) from None
+        except RayError as e:
+            self.finished = True
+            raise RequestFailedError(
+                f"replica {self.replica} failed while serving this request "
+                f"({type(e).__name__}: the replica process died or became unreachable); "
+                "the partial completion is lost, retry the request"
+            ) from None
+        if not isinstance(item, RequestDelta):
+            self.finished = True
+            raise RequestFailedError(f"replica {self.replica} sent {type(item).__name__}")
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Cancel the call: the replica aborts the request and frees its blocks."""
+        if not self.finished:
+            self.finished = True
+            self._gen.cancel()
+
+
+class RemoteEngine:
+    """See the module docstring. ``handle``: the engine deployment's handle;
+    ``hub``: the metrics hub's handle; ``facts``: from a replica's ``info()``."""
+
+    def __init__(
+        self,
+        handle: Any,
+        hub: Any,
+        facts: EngineFacts,
+        tokenizer: Any,
+        *,
+        max_attempts: int = 5,
+        retry_timeout_s: float = 30.0,
+    ) -> None:
+        if facts.hash_algo != "sha256" and facts.enable_prefix_caching:
+            raise ValueError(
+                f"hash_algo={facts.hash_algo!r} gives different hashes in every process, so the "
+                "router cannot predict the replicas' caches: use --hash-algo sha256 with --replicas"
+            )
+        self._handle = handle.options(stream=True)
+        self._hub = hub
+        self.facts = facts
+        self.tokenizer = tokenizer
+        self.model_name = facts.model_name
+        self.max_model_len = facts.max_model_len
+        self.vocab_size = facts.vocab_size
+        self.router_metrics = RouterMetrics()
+        self.max_attempts = max_attempts
+        self.retry_timeout_s = retry_timeout_s
+        self._accepting = True
+        self._hashed_with = (facts.model_fingerprint, facts.block_size, facts.hash_algo)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def is_healthy(self) -> bool:
+        return self._accepting
+
+    def start(self) -> None:
+        self._accepting = True
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        self._accepting = False
+
+    # ------------------------------------------------------------------ requests
+    def make_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate like the engine, build the request, hash its full blocks."""
+        f = self.facts
+        check_prompt(
+            prompt_token_ids,
+            params.max_tokens,
+            max_model_len=f.max_model_len,
+            vocab_size=f.vocab_size,
+        )
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=f.max_model_len - len(prompt_token_ids))
+        if request_id is None:
+            raise RequestError("a request id is required", param="request_id")
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            eos_token_id=f.eos_token_ids[0] if f.eos_token_ids else None,
+            cache_salt=cache_salt,
+            prompt=prompt,
+        )
+        if f.enable_prefix_caching:
+            extra = request_extra_keys(f.model_fingerprint, None, cache_salt)
+            extend_block_hashes(
+                request.block_hashes, request.all_token_ids, f.block_size, extra, "sha256"
+            )
+        return request
+
+    async def submit(self, request: Request, *, max_waiting: int | None = None) -> RemoteStream:
+        """Route and queue ``request``; returns once a replica accepted it."""
+        if not self._accepting:
+            raise EngineUnavailableError("the server is shutting down; retry on another server")
+        routed = RoutedRequest(
+            request,
+            tuple(block_key(h) for h in request.block_hashes),
+            self._hashed_with,
+            max_waiting,
+        )
+        deadline = time.monotonic() + self.retry_timeout_s
+        last_error: BaseException | None = None
+        for attempt in range(self.max_attempts):
+            if attempt:
+                self.router_metrics.count_resubmitted()
+            gen = self._handle.generate.remote(routed)
+            try:
+                first = await gen.__anext__()
+            except RayError as e:  # the replica died before accepting: nothing queued
+                last_error = e
+                logger.warning(
+                    "request %s: replica failed before accepting (%s); resending",
+                    request.req_id,
+                    type(e).__name__,
+                )
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+                continue
+            except BaseException:
+                gen.cancel()
+                raise
+            if isinstance(first, Refused):
+                raise _refusal_error(first)
+            if not isinstance(first, Accepted):
+                gen.cancel()
+                raise EngineUnavailableError(f"a replica answered {type(first).__name__} first")
+            if routed.decision is not None:
+                self.router_metrics.observe(routed.decision)
+            return RemoteStream(gen, request.req_id, first.replica)
+        raise EngineUnavailableError(
+            f"no replica accepted the request after {self.max_attempts} attempts "
+            f"(last error: {type(last_error).__name__}); retry in a few seconds"
+        )
+
+    # ------------------------------------------------------------------ metrics
+    async def snapshot_replicas(self) -> dict[str, dict[str, Any]]:
+        """{replica: {"pid", "age_s", "text"}} from the metrics hub."""
+        snap: dict[str, dict[str, Any]] = await self._hub.snapshot.remote()
+        self.router_metrics.set_num_replicas(len(snap))
+        return snap
+
+    async def render_metrics(self) -> bytes:
+        snap = await self.snapshot_replicas()
+        replicas = label_replicas({r: v["text"] for r, v in snap.items()})
+        return replicas + self.router_metrics.render()
+
+
+def _refusal_error(refused: Refused) -> Exception:
+    if refused.kind == "request":
+        code = "invalid_value" if refused.code is None else str(refused.code)
+        return RequestError(refused.message, param=refused.param, code=code)
+    if refused.kind == "queue_full":
+        return QueueFullError(refused.message)
+    return EngineUnavailableError(refused.message)

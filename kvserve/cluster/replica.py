@@ -1,0 +1,163 @@
+"""EngineReplica: one kvserve engine as a Ray Serve replica.
+
+Each replica is its own process (a Ray actor) with its own :class:`EngineCore` (model,
+KV cache, scheduler) driven by an :class:`AsyncEngine`, and ``torch`` limited to
+``threads`` intra-op threads. Methods Ray Serve calls:
+
+- ``generate(routed)``: the request's stream (``protocol``): Accepted or Refused,
+  then its deltas. Cancelling the call (the client went away) aborts the request in
+  the engine, which frees its KV blocks.
+- ``info()``: :class:`EngineFacts` for the ingress.
+- ``record_routing_stats()``: a :class:`ReplicaReport` (load and every cached
+  block's index key), collected by the Serve controller every
+  ``request_routing_stats_period_s`` and handed to the routers.
+- ``check_health()``: raises once the engine thread died, so Ray restarts us.
+
+A background task pushes this replica's Prometheus text to the metrics hub every
+``metrics_push_s`` seconds. Rules: the constructor runs on the replica's event loop
+(Serve's async ``__init__``), which is also the loop the engine's streams use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvserve.cluster.policy import ReplicaReport
+from kvserve.cluster.prefix_index import block_key, pack_keys
+from kvserve.cluster.protocol import Accepted, EngineFacts, Refused, RoutedRequest
+from kvserve.engine.outputs import RequestDelta
+from kvserve.request import RequestError
+
+logger = logging.getLogger("kvserve.cluster.replica")
+
+
+class EngineReplica:
+    """See the module docstring. ``engine_options``: flat engine options
+    (``kvserve.engine.args``); ``hub``: a handle to :class:`MetricsHub` or None."""
+
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
+        self,
+        engine_options: dict[str, Any],
+        threads: int,
+        hub: Any = None,
+        metrics_push_s: float = 1.0,
+    ) -> None:
+        import torch
+        from ray import serve
+
+        from kvserve.engine.args import build_engine_config
+        from kvserve.engine.async_engine import AsyncEngine
+        from kvserve.engine.engine_core import EngineCore
+
+        torch.set_num_threads(threads)
+        context = serve.get_replica_context()
+        self.name: str = context.replica_id.unique_id
+        self.epoch = uuid.uuid4().hex
+        self._seq = 0
+        self.engine = EngineCore(build_engine_config(**engine_options))
+        self.async_engine = AsyncEngine(self.engine)
+        self.async_engine.start()
+        cache = self.engine.config.cache
+        self.facts = EngineFacts(
+            model_name=self.engine.model_name,
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.vocab_size,
+            eos_token_ids=tuple(self.engine.eos_token_ids),
+            model_fingerprint=self.engine.loaded.fingerprint,
+            block_size=cache.block_size,
+            hash_algo=cache.hash_algo,
+            enable_prefix_caching=cache.enable_prefix_caching,
+        )
+        self._hashed_with = (self.facts.model_fingerprint, cache.block_size, cache.hash_algo)
+        self._hub = hub
+        self._push_task = (
+            asyncio.get_running_loop().create_task(self._push_metrics(metrics_push_s))
+            if hub is not None
+            else None
+        )
+        logger.info(
+            "replica %s (pid %d): %s, %d KV blocks, %d threads",
+            self.name,
+            os.getpid(),
+            self.engine.model_name,
+            self.engine.kv_cache_manager.num_blocks,
+            threads,
+        )
+
+    # ------------------------------------------------------------------ requests
+    def info(self) -> EngineFacts:
+        return self.facts
+
+    async def generate(
+        self, routed: RoutedRequest
+    ) -> AsyncIterator[Accepted | Refused | RequestDelta]:
+        """Queue ``routed.request`` in this engine and stream it (module docstring)."""
+        from kvserve.engine.async_engine import EngineUnavailableError, QueueFullError
+
+        request = routed.request
+        if routed.hashed_with != self._hashed_with:
+            request.block_hashes = []  # hashed for another engine: let ours rehash
+        try:
+            stream = await self.async_engine.submit(request, max_waiting=routed.max_waiting)
+        except RequestError as e:
+            yield Refused("request", str(e), e.param, e.code)
+            return
+        except QueueFullError as e:
+            yield Refused("queue_full", str(e))
+            return
+        except EngineUnavailableError as e:
+            yield Refused("unavailable", f"replica {self.name}: {e}")
+            return
+        yield Accepted(self.name)
+        async with stream:
+            async for delta in stream:
+                yield delta
+
+    # ------------------------------------------------------------------ Serve hooks
+    def record_routing_stats(self) -> dict[str, Any]:
+        stats = self.async_engine.stats()
+        manager = self.engine.kv_cache_manager
+        self._seq += 1
+        keys = pack_keys(block_key(h) for h in manager.cached_block_hashes())
+        report = ReplicaReport(
+            epoch=self.epoch,
+            seq=self._seq,
+            num_running=stats.num_requests_running,
+            num_waiting=self.async_engine.num_waiting(),
+            num_free_blocks=stats.num_reclaimable_blocks + stats.num_empty_blocks,
+            num_blocks=manager.num_blocks - 1,
+            cached_keys=keys,
+        )
+        return report.to_stats()
+
+    def check_health(self) -> None:
+        if not self.async_engine.is_healthy:
+            raise RuntimeError(f"replica {self.name}: the engine is not running")
+
+    def process_info(self) -> dict[str, Any]:
+        """Name and pid of this replica (operators and the fault tests use it)."""
+        return {"replica": self.name, "pid": os.getpid()}
+
+    async def __del__(self) -> None:
+        if self._push_task is not None:
+            self._push_task.cancel()
+        with contextlib.suppress(Exception):
+            await self.async_engine.shutdown()
+
+    # ------------------------------------------------------------------ metrics
+    async def _push_metrics(self, period_s: float) -> None:
+        while True:
+            try:
+                text = self.async_engine.metrics.render().decode()
+                await self._hub.push.remote(self.name, os.getpid(), text)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the hub restarting must not take the replica down
+                logger.warning("replica %s: metrics push failed", self.name, exc_info=True)
+            await asyncio.sleep(period_s)

@@ -1,0 +1,86 @@
+"""KVServeRequestRouter: the Ray Serve custom request router of the engine deployment.
+
+Ray Serve runs one instance per deployment handle (here: in the ingress process) and
+calls ``choose_replicas`` for every request; this class only translates between Ray's
+types and :class:`~kvserve.cluster.policy.RoutingLogic`, which decides:
+
+- the candidates' latest :class:`ReplicaReport` (their ``routing_stats``) correct the
+  prefix index and the loads;
+- the request's block keys come from its :class:`RoutedRequest` argument (calls
+  without one, such as ``info``, are routed as least-loaded and not recorded);
+- the ranking is returned as one rank per replica, best first, so Ray sends to the
+  best unless its queue is full (``max_ongoing_requests``), then the next;
+- the decision is written on the ``RoutedRequest`` (``decision``) for the ingress's
+  metrics; ``on_request_completed`` ends the request in the logic.
+
+Configured through ``RequestRouterConfig.request_router_kwargs``: the fields of
+:class:`~kvserve.cluster.policy.RoutingConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from kvserve.cluster.policy import ReplicaReport, RoutingConfig, RoutingLogic
+from kvserve.cluster.protocol import RoutedRequest
+
+
+def _routed_request(pending: PendingRequest | None) -> RoutedRequest | None:
+    if pending is None:
+        return None
+    for arg in [*pending.args, *pending.kwargs.values()]:
+        if isinstance(arg, RoutedRequest):
+            return arg
+    return None
+
+
+class KVServeRequestRouter(RequestRouter):
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.logic = RoutingLogic(RoutingConfig(**kwargs))
+        self._control = RoutingLogic(RoutingConfig(policy="least-loaded"))
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
+        for name, replica in by_name.items():
+            self.logic.observe_report(name, ReplicaReport.from_stats(replica.routing_stats))
+        routed = _routed_request(pending_request)
+        if routed is None:
+            decision = self._control.choose(list(by_name))
+        else:
+            assert pending_request is not None
+            n = len(routed.request.prompt_token_ids) + (
+                routed.request.sampling_params.max_tokens or 0
+            )
+            block_size = routed.hashed_with[1]
+            decision = self.logic.choose(
+                list(by_name),
+                routed.keys,
+                request_id=pending_request.metadata.internal_request_id,
+                num_blocks_needed=-(-n // block_size),
+            )
+            routed.decision = decision
+        return [[by_name[name]] for name in decision.ranked]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.logic.request_finished(internal_request_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.logic.retain([r.replica_id.unique_id for r in replicas])
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.logic.retain([r for r in self.logic.index.replicas if r != replica_id.unique_id])
