@@ -76,7 +76,8 @@ def run_cluster(opts: Any, *, host: str, port: int, ray_address: str | None) -> 
             port,
         )
         print(f"kvserve: {opts.num_replicas} replicas ready on http://{host}:{port}", flush=True)
-        stop.wait()
+        while not stop.wait(0.5):
+            pass
     finally:
         for sig, handler in original.items():
             signal.signal(sig, handler)

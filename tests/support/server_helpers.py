@@ -74,12 +74,17 @@ class ServerProcess:
 
 @contextmanager
 def serve_process(
-    args: list[str], tmp_dir: Path, *, api_key: str | None = None, timeout_s: float = 240.0
+    args: list[str],
+    tmp_dir: Path,
+    *,
+    api_key: str | None = None,
+    timeout_s: float = 240.0,
+    env_overrides: dict[str, str] | None = None,
 ) -> Iterator[ServerProcess]:
     """Start ``python -m kvserve.entrypoints.cli serve --port P *args``; stop it on exit."""
     port = free_port()
     log_path = tmp_dir / f"serve-{port}.log"
-    env = dict(os.environ)
+    env = dict(os.environ) | (env_overrides or {})
     env.pop("KVSERVE_API_KEY", None)
     if api_key:
         env["KVSERVE_API_KEY"] = api_key

@@ -1,0 +1,217 @@
+"""``kvserve serve --replicas 2`` end to end: a local Ray cluster on 127.0.0.1, two
+engine replicas of one thread each on the default model, real HTTP.
+
+One prefix-aware cluster serves the module (started once); the round-robin
+comparison starts its own for the length of one test. The kill test runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support.server_helpers import ServerProcess, serve_process
+
+pytest.importorskip("ray.serve", reason="the 'ray' extra is not installed")
+
+pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(600)]
+
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false"}
+CLUSTER_ARGS = [
+    "--replicas", "2", "--threads-per-replica", "1", "--num-kv-blocks", "512",
+    "--max-model-len", "2048", "--no-access-log",
+]  # fmt: skip
+NUM_PREFIXES, PER_PREFIX, PREFIX_LEN = 4, 8, 768
+
+
+def _cluster(tmp: Path, routing: str) -> Any:
+    return serve_process(
+        [*CLUSTER_ARGS, "--routing", routing], tmp, timeout_s=300.0, env_overrides=RAY_ENV
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with _cluster(tmp_path_factory.mktemp("cluster"), "prefix-aware") as server:
+        yield server
+
+
+def _prefix_counters(base_url: str) -> tuple[float, float, set[str]]:
+    """(hits, queries, replicas) summed over the replica-labelled series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    hits = queries = 0.0
+    replicas: set[str] = set()
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvserve:prefix_cache_hits_total":
+                hits += s.value
+                replicas.add(s.labels["replica"])
+            elif s.name == "kvserve:prefix_cache_queries_total":
+                queries += s.value
+    return hits, queries, replicas
+
+
+def _workload(seed: int) -> list[list[int]]:
+    """4 long prefixes x 8 requests each, interleaved in a seeded random order."""
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(1000, 40000) for _ in range(PREFIX_LEN)] for _ in range(NUM_PREFIXES)
+    ]
+    order = [p for p in range(NUM_PREFIXES) for _ in range(PER_PREFIX)]
+    rng.shuffle(order)
+    return [prefixes[p] + [rng.randrange(1000, 40000) for _ in range(12)] for p in order]
+
+
+def _hit_rate(base_url: str, seed: int) -> float:
+    """Send the workload (4 at a time) and return the prefix-cache hit rate over it."""
+    h0, q0, _ = _prefix_counters(base_url)
+    prompts = _workload(seed)
+
+    def send(prompt: list[int]) -> int:
+        r = httpx.post(
+            base_url + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 2, "temperature": 0},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    with ThreadPoolExecutor(4) as pool:
+        cached = list(pool.map(send, prompts))
+    deadline = time.monotonic() + 15
+    while True:  # replicas push their counters every 0.5 s
+        h1, q1, _ = _prefix_counters(base_url)
+        if q1 - q0 >= sum(len(p) for p in prompts) or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert q1 - q0 == sum(len(p) for p in prompts)
+    assert h1 - h0 == sum(cached)  # /metrics agrees with the responses' usage
+    return (h1 - h0) / (q1 - q0)
+
+
+RESULTS: dict[str, float] = {}
+
+
+def test_prefix_aware_hit_rate(cluster: ServerProcess) -> None:
+    rate = _hit_rate(cluster.base_url, seed=1)
+    RESULTS["prefix-aware"] = rate
+    print(f"prefix-aware hit rate {rate:.3f}")
+    assert rate >= 0.8
+    text = httpx.get(cluster.base_url + "/metrics", timeout=30).text
+    assert 'kvserve:router_decisions_total{policy="prefix-aware",reason="prefix_hit"}' in text
+    assert "kvserve:router_matched_prefix_fraction_bucket" in text
+    _, _, replicas = _prefix_counters(cluster.base_url)
+    assert len(replicas) == 2
+
+
+def test_round_robin_hit_rate_is_lower(tmp_path: Path) -> None:
+    with _cluster(tmp_path, "round-robin") as server:
+        rate = _hit_rate(server.base_url, seed=1)
+    print(f"round-robin hit rate {rate:.3f}, prefix-aware {RESULTS.get('prefix-aware')}")
+    assert "prefix-aware" in RESULTS, "run with test_prefix_aware_hit_rate"
+    assert RESULTS["prefix-aware"] > rate
+
+
+def test_openai_surface(cluster: ServerProcess) -> None:
+    base = cluster.base_url
+    r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": -1}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "model": "nope"}, timeout=30)
+    assert r.status_code == 404
+    body = {
+        "messages": [{"role": "user", "content": "Say hi"}],
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] == 5 and usage["prompt_tokens"] > 0
+    # cache_salt: the same long prompt under two salts shares nothing
+    prompt = list(range(2000, 2000 + 300))
+    cached = []
+    for salt in ("a", "a", "b"):
+        r = httpx.post(
+            base + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 1, "cache_salt": salt},
+            timeout=60,
+        )
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0 and cached[1] >= 288 and cached[2] == 0
+    replicas = httpx.get(base + "/cluster/replicas", timeout=30).json()["replicas"]
+    assert len(replicas) == 2
+
+
+def _replica_running(base_url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvserve:num_requests_running":
+                out[s.labels["replica"]] = s.value
+    return out
+
+
+def test_replica_kill(cluster: ServerProcess) -> None:
+    """Kill the replica serving a stream: that stream ends with a clear error, requests
+    sent after the kill all succeed, and Ray brings a replacement up."""
+    base = cluster.base_url
+    before = {
+        r["replica"]: r["pid"] for r in httpx.get(base + "/cluster/replicas").json()["replicas"]
+    }
+    body = {"prompt": "Tell a long story.", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as resp:
+        lines = resp.iter_lines()
+        for line in lines:  # wait for the first tokens
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) >= 3:
+                    break
+        victim = None
+        deadline = time.monotonic() + 10
+        while victim is None and time.monotonic() < deadline:
+            running = _replica_running(base)
+            victim = next((r for r, n in running.items() if n >= 1), None)
+            time.sleep(0.1)
+        assert victim is not None, "no replica reports the running stream"
+        os.kill(before[victim], signal.SIGKILL)
+        killed_at = time.monotonic()
+        # new requests right after the kill, one after another, bounded in count and time
+        failures: list[float] = []
+        for _ in range(12):
+            t = time.monotonic() - killed_at
+            r = httpx.post(
+                base + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60
+            )
+            if r.status_code != 200:
+                failures.append(t)
+        events += [line[6:] for line in lines if line.startswith("data: ")]
+    errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
+    assert errors, f"the killed stream did not end with an error event: {events[-3:]}"
+    assert "failed while serving" in errors[0]["message"] and victim in errors[0]["message"]
+    assert events[-1] == "[DONE]"
+    print(f"failed new requests after the kill: {len(failures)} at {failures}")
+    assert failures == []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # Ray starts a replacement replica
+        now = {r["replica"] for r in httpx.get(base + "/cluster/replicas").json()["replicas"]}
+        if len(now) == 2 and victim not in now:
+            break
+        time.sleep(1.0)
+    assert len(now) == 2 and victim not in now, now
