@@ -285,10 +285,12 @@ def run_compare(
     for name in names:
         values.setdefault(name, {f.key: None for f in preset.figures})
     values = {name: values[name] for name in names}
-    target = None
-    if preset.target is not None:
-        r, met = preset.target.check(values)
-        target = {"claim": preset.target.describe(), "ratio": r, "met": met}
+    checked = []
+    for claim in (preset.target, *preset.more_targets):
+        if claim is not None:
+            r, met = claim.check(values)
+            checked.append({"claim": claim.describe(), "ratio": r, "met": met})
+    target = checked[0] if preset.target is not None else None
     result = {
         "preset": preset.name,
         "description": preset.description,
@@ -297,6 +299,7 @@ def run_compare(
         "values": values,
         "table": format_table(values, preset.figures, reference),
         "target": target,
+        "more_targets": checked[1:] if preset.target is not None else checked,
         "errors": errors,
         "workload": workload.describe(),
     }
@@ -312,8 +315,8 @@ def format_result(result: dict[str, Any]) -> str:
         result["table"],
         "",
     ]
-    if result["target"]:
-        t = result["target"]
+    claims = [result["target"]] if result["target"] else []
+    for t in claims + list(result.get("more_targets", [])):
         verdict = "not measured" if t["met"] is None else ("MET" if t["met"] else "NOT MET")
         shown = "n/a" if t["ratio"] is None else f"{t['ratio']:.3f}"
         lines.append(f"target {t['claim']}: ratio {shown} -> {verdict}")

@@ -68,6 +68,7 @@ class ComparePreset:
     max_concurrency: int | None = None
     target: Target | None = None
     num_warmup: int = 1
+    more_targets: tuple[Target, ...] = ()
 
 
 THROUGHPUT = Figure("output_throughput", "output tok/s", higher_is_better=True)
@@ -77,6 +78,11 @@ P99_TTFT = Figure("p99_ttft_ms", "p99 TTFT ms")
 MEAN_TPOT = Figure("mean_tpot_ms", "mean TPOT ms")
 P99_ITL = Figure("p99_itl_ms", "p99 ITL ms")
 HIT_RATE = Figure("prefix_cache_hit_rate", "prefix hit rate", higher_is_better=True)
+
+# ``routing``: every variant is a 2-replica Ray Serve cluster (``--replicas 2``, one
+# thread each on a 2-core machine) with the same small KV cache per replica, so
+# where a tenant's prefix lives decides both its hit rate and its TTFT.
+_CLUSTER = ("--replicas", "2", "--num-kv-blocks", "512", "--max-model-len", "2048")
 
 PRESETS: dict[str, ComparePreset] = {
     "prefix": ComparePreset(
@@ -159,6 +165,34 @@ PRESETS: dict[str, ComparePreset] = {
         figures=(THROUGHPUT, REQ_THROUGHPUT, MEAN_TTFT, MEAN_TPOT),
         max_concurrency=16,
         target=Target("output_throughput", "kvserve", "hf-batch8", 2.5, at_most=False),
+    ),
+    "routing": ComparePreset(
+        name="routing",
+        description="multi-tenant (12 system prompts of 1024 tokens, Zipf 1.1, Poisson 1 req/s, "
+        "96 requests, 32 in / 16 out) on 2 Ray Serve replicas: prefix-aware vs round-robin "
+        "vs least-loaded routing",
+        workload=WorkloadSpec(
+            kind="multi-tenant",
+            num_requests=96,
+            prefix_len=1024,
+            num_prefixes=12,
+            input_len=32,
+            output_len=16,
+            zipf_s=1.1,
+        ),
+        variants=(
+            Variant("round-robin", (*_CLUSTER, "--routing", "round-robin")),
+            Variant("least-loaded", (*_CLUSTER, "--routing", "least-loaded")),
+            Variant("prefix-aware", (*_CLUSTER, "--routing", "prefix-aware")),
+        ),
+        reference="round-robin",
+        figures=(HIT_RATE, MEAN_TTFT, P99_TTFT, THROUGHPUT, REQ_THROUGHPUT),
+        request_rate=1.0,
+        max_concurrency=32,
+        target=Target("mean_ttft_ms", "prefix-aware", "round-robin", 0.5, at_most=True),
+        more_targets=(
+            Target("prefix_cache_hit_rate", "prefix-aware", "round-robin", 1.5, at_most=False),
+        ),
     ),
 }
 

@@ -20,6 +20,11 @@ Kinds (``WorkloadSpec.kind``):
   user turn ``input_len`` tokens, each answer ``output_len`` tokens.
 - ``long-doc``: ``num_docs`` documents of ``doc_len`` tokens; request ``i`` asks an
   ``input_len``-token question about document ``i % num_docs``.
+- ``multi-tenant``: ``num_prefixes`` tenant system prompts of ``prefix_len`` tokens,
+  each request picks one with Zipf popularity (tenant ``k`` has weight
+  ``1 / (k+1) ** zipf_s``) and adds a unique ``input_len``-token question; arrivals
+  come from the load generator (Poisson at ``--request-rate``). The scale-out
+  routing experiment: which replica holds which tenant's prefix.
 - ``interference``: ``num_decodes`` short-prompt, long-output streams that start at
   t=0 (tag ``decode``), then ``num_long_prompts`` prompts of ``long_prompt_len``
   tokens (tag ``prefill``) arriving at ``long_prompt_start_s + k * long_prompt_gap_s``.
@@ -46,13 +51,16 @@ from typing import Any, Literal
 
 from kvserve.config import check_int
 
-WorkloadKind = Literal["random", "shared-prefix", "multi-turn", "long-doc", "interference"]
+WorkloadKind = Literal[
+    "random", "shared-prefix", "multi-turn", "long-doc", "interference", "multi-tenant"
+]
 WORKLOAD_KINDS: tuple[str, ...] = (
     "random",
     "shared-prefix",
     "multi-turn",
     "long-doc",
     "interference",
+    "multi-tenant",
 )
 
 # Common short English words; almost all are a single BPE token with a leading space.
@@ -179,6 +187,7 @@ class WorkloadSpec:
     long_prompt_len: int = 2048
     long_prompt_start_s: float = 0.5
     long_prompt_gap_s: float = 1.5
+    zipf_s: float = 1.1
 
     def validate(self) -> None:
         """Raise ValueError naming the bad value, the rule and a valid example."""
@@ -192,7 +201,7 @@ class WorkloadSpec:
             "input_len": ("--input-len 256", self.input_len),
             "output_len": ("--output-len 64", self.output_len),
         }
-        if self.kind == "shared-prefix":
+        if self.kind in ("shared-prefix", "multi-tenant"):
             positive["prefix_len"] = ("--prefix-len 1024", self.prefix_len)
             positive["num_prefixes"] = ("--num-prefixes 4", self.num_prefixes)
         if self.kind == "multi-turn":
@@ -205,6 +214,8 @@ class WorkloadSpec:
             positive["long_prompt_len"] = ("--long-prompt-len 2048", self.long_prompt_len)
         for name, (example, value) in positive.items():
             check_int(name, value, example)
+        if self.kind == "multi-tenant" and not self.zipf_s >= 0:
+            raise ValueError(f"invalid zipf_s={self.zipf_s!r}: must be >= 0 (for example: 1.1)")
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError(
                 f"invalid range_ratio={self.range_ratio!r}: must be in [0, 1) (for example: --range-ratio 0.25)"
@@ -275,6 +286,15 @@ def build_workload(spec: WorkloadSpec, vocab: WordVocabulary | None = None) -> W
         prefixes = [vocab.text(rng, spec.prefix_len) for _ in range(spec.num_prefixes)]
         for i in range(spec.num_requests):
             group = i % spec.num_prefixes
+            turn = Turn(vocab.text(rng, spec.input_len), spec.input_len, spec.output_len)
+            sessions.append(
+                Session(i, prefixes[group], spec.prefix_len, (turn,), prefix_group=group)
+            )
+    elif spec.kind == "multi-tenant":
+        prefixes = [vocab.text(rng, spec.prefix_len) for _ in range(spec.num_prefixes)]
+        weights = [1.0 / (k + 1) ** spec.zipf_s for k in range(spec.num_prefixes)]
+        for i in range(spec.num_requests):
+            group = rng.choices(range(spec.num_prefixes), weights)[0]
             turn = Turn(vocab.text(rng, spec.input_len), spec.input_len, spec.output_len)
             sessions.append(
                 Session(i, prefixes[group], spec.prefix_len, (turn,), prefix_group=group)
