@@ -82,7 +82,9 @@ HIT_RATE = Figure("prefix_cache_hit_rate", "prefix hit rate", higher_is_better=T
 # ``routing``: every variant is a 2-replica Ray Serve cluster (``--replicas 2``, one
 # thread each on a 2-core machine) with the same small KV cache per replica, so
 # where a tenant's prefix lives decides both its hit rate and its TTFT.
-_CLUSTER = ("--replicas", "2", "--num-kv-blocks", "512", "--max-model-len", "2048")
+# 640 blocks (~10 prefixes of 1024 tokens) per replica: the 16 tenants' prefixes fit in
+# the two caches together, not in one.
+_CLUSTER = ("--replicas", "2", "--num-kv-blocks", "640", "--max-model-len", "2048")
 
 PRESETS: dict[str, ComparePreset] = {
     "prefix": ComparePreset(
@@ -168,17 +170,17 @@ PRESETS: dict[str, ComparePreset] = {
     ),
     "routing": ComparePreset(
         name="routing",
-        description="multi-tenant (12 system prompts of 1024 tokens, Zipf 1.1, Poisson 1 req/s, "
-        "96 requests, 32 in / 16 out) on 2 Ray Serve replicas: prefix-aware vs round-robin "
-        "vs least-loaded routing",
+        description="multi-tenant (16 system prompts of 1024 tokens, Zipf 0.6, Poisson 0.6 req/s, "
+        "96 requests, 32 in / 16 out) on 2 Ray Serve replicas of 640 KV blocks: prefix-aware vs "
+        "round-robin vs least-loaded routing",
         workload=WorkloadSpec(
             kind="multi-tenant",
             num_requests=96,
             prefix_len=1024,
-            num_prefixes=12,
+            num_prefixes=16,
             input_len=32,
             output_len=16,
-            zipf_s=1.1,
+            zipf_s=0.6,
         ),
         variants=(
             Variant("round-robin", (*_CLUSTER, "--routing", "round-robin")),
@@ -187,7 +189,7 @@ PRESETS: dict[str, ComparePreset] = {
         ),
         reference="round-robin",
         figures=(HIT_RATE, MEAN_TTFT, P99_TTFT, THROUGHPUT, REQ_THROUGHPUT),
-        request_rate=1.0,
+        request_rate=0.6,
         max_concurrency=32,
         target=Target("mean_ttft_ms", "prefix-aware", "round-robin", 0.5, at_most=True),
         more_targets=(

@@ -31,6 +31,7 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
         ray.init(
+            address="local",  # a new cluster even if `ray start` left one running here
             num_cpus=num_cpus or os.cpu_count() or 1,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",

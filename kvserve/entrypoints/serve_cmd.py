@@ -144,6 +144,10 @@ def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
                 "cannot predict the replicas' caches: use --hash-algo sha256 with --replicas"
             )
         build_engine_config(**options)
+        if not args.ray_address:  # fail fast on a bad --model (and convert it once, here)
+            from kvserve.model.loader import DEFAULT_MODEL_NAME, resolve_model
+
+            resolve_model(options.get("model") or DEFAULT_MODEL_NAME)
         opts = ClusterOptions(
             num_replicas=n,
             threads_per_replica=threads,
