@@ -82,9 +82,9 @@ HIT_RATE = Figure("prefix_cache_hit_rate", "prefix hit rate", higher_is_better=T
 # ``routing``: every variant is a 2-replica Ray Serve cluster (``--replicas 2``, one
 # thread each on a 2-core machine) with the same small KV cache per replica, so
 # where a tenant's prefix lives decides both its hit rate and its TTFT.
-# 640 blocks (~10 prefixes of 1024 tokens) per replica: the 16 tenants' prefixes fit in
+# 576 blocks (9 prefixes of 1024 tokens) per replica: the 16 tenants' prefixes fit in
 # the two caches together, not in one.
-_CLUSTER = ("--replicas", "2", "--num-kv-blocks", "640", "--max-model-len", "2048")
+_CLUSTER = ("--replicas", "2", "--num-kv-blocks", "576", "--max-model-len", "2048")
 
 PRESETS: dict[str, ComparePreset] = {
     "prefix": ComparePreset(
@@ -171,11 +171,11 @@ PRESETS: dict[str, ComparePreset] = {
     "routing": ComparePreset(
         name="routing",
         description="multi-tenant (16 system prompts of 1024 tokens, Zipf 0.6, Poisson 0.6 req/s, "
-        "96 requests, 32 in / 16 out) on 2 Ray Serve replicas of 640 KV blocks: prefix-aware vs "
+        "128 requests, 32 in / 16 out) on 2 Ray Serve replicas of 576 KV blocks: prefix-aware vs "
         "round-robin vs least-loaded routing",
         workload=WorkloadSpec(
             kind="multi-tenant",
-            num_requests=96,
+            num_requests=128,
             prefix_len=1024,
             num_prefixes=16,
             input_len=32,

@@ -4,7 +4,8 @@
                               -  kv_weight * max(0, n_needed - free_blocks(r)) / n
                    n = the request's full blocks; matched(r) = its leading blocks that
                    r probably holds (PrefixIndex); the highest score wins, ties go to
-                   the shorter queue, then round robin.
+                   the shorter queue, then to the replica caching fewer blocks (new
+                   prefixes spread the cache footprint evenly), then round robin.
     round-robin    each replica in turn.
     least-loaded   the shortest queue; ties round robin.
 
@@ -208,7 +209,9 @@ class RoutingLogic:
             matched = {r: self.index.matched_blocks(r, keys) for r in candidates}
             needed = n + 1 if num_blocks_needed is None else num_blocks_needed
             scores = {r: self._score(r, matched[r], n, needed) for r in candidates}
-            ranked = sorted(order, key=lambda r: (-scores[r], self.queue_len(r)))
+            ranked = sorted(
+                order, key=lambda r: (-scores[r], self.queue_len(r), self.index.num_keys(r))
+            )
             best_match = max(matched.values())
             if best_match == 0:
                 reason = NO_PREFIX

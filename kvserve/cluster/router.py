@@ -79,8 +79,12 @@ class KVServeRequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self.logic.retain([r.replica_id.unique_id for r in replicas])
+        if hasattr(self, "logic"):  # Ray may push replicas before initialize_state
+            self.logic.retain([r.replica_id.unique_id for r in replicas])
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """Forget the replica at once (Ray saw a call to it fail with ActorDiedError)."""
         super().on_replica_actor_died(replica_id)
-        self.logic.retain([r for r in self.logic.index.replicas if r != replica_id.unique_id])
+        if hasattr(self, "logic"):
+            alive = [r.replica_id.unique_id for r in self.curr_replicas.values()]
+            self.logic.retain(alive)

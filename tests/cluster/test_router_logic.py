@@ -198,3 +198,12 @@ def test_report_roundtrip_through_routing_stats() -> None:
     r = report({b"12345678"}, seq=3, running=1, waiting=2, free=7)
     assert ReplicaReport.from_stats(r.to_stats()) == r
     assert ReplicaReport.from_stats({}) is None and ReplicaReport.from_stats(None) is None
+
+
+def test_new_prefixes_go_where_fewer_blocks_are_cached() -> None:
+    logic = RoutingLogic(RoutingConfig())
+    logic.observe_report("r1", report(set(keys_for(PREFIX_A)), seq=1))
+    logic.observe_report("r2", report(set(), seq=1))
+    for _ in range(3):  # whatever the rotation, equal queues: the emptier cache wins
+        d = logic.choose(["r1", "r2"], keys_for(list(range(500, 532))))
+        assert d.reason == NO_PREFIX and d.replica == "r2"
