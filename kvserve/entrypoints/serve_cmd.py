@@ -104,12 +104,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["prefix-aware", "round-robin", "least-loaded"],
         help="request routing across replicas (default prefix-aware)",
     )
-    scale.add_argument(
-        "--prefill-replicas", type=_non_negative_int, default=None, help=argparse.SUPPRESS
-    )
-    scale.add_argument(
-        "--decode-replicas", type=_non_negative_int, default=None, help=argparse.SUPPRESS
-    )
+    for role in ("prefill", "decode"):
+        scale.add_argument(
+            f"--{role}-replicas",
+            type=_non_negative_int,
+            default=None,
+            help=f"{role} pool size for disaggregated serving: not available yet (the "
+            "prefill/decode roles have not landed; the flag is refused)",
+        )
     add_engine_arguments(parser)
 
 
