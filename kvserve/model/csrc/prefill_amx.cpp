@@ -48,21 +48,6 @@ constexpr int kKC = 64;    // keys per softmax chunk (the S^T tiles below assume
 constexpr int kRows = 16;  // stacked query rows per task
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// 2^x for x <= 0 (masked lanes are zeroed by the caller): 2^n * p(f), |f| <= 1/2, p
-// the degree-4 Taylor polynomial of e^(f ln2) (relative error < 5e-5, far below the
-// bf16 rounding of the probabilities that P.V uses).
-inline __m512 exp2_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(0.0096181291f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265070f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471806f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 struct TileConfig {
   uint8_t palette_id;
   uint8_t start_row;
@@ -236,11 +221,11 @@ void run_task(const Args& a, const Task& t, const Packed& pk, const int64_t* bt)
     const __mmask16 has = _mm512_cmp_ps_mask(vmax, neg_inf, _CMP_NEQ_OQ);
     const __m512 m_new = _mm512_maskz_mov_ps(has, vmax);
     const __mmask16 had = _mm512_cmp_ps_mask(mx, neg_inf, _CMP_NEQ_OQ);
-    const __m512 alpha = _mm512_maskz_mov_ps(had, exp2_nonpos(_mm512_sub_ps(mx, m_new)));
+    const __m512 alpha = _mm512_maskz_mov_ps(had, kvs::exp2_bf16(_mm512_sub_ps(mx, m_new)));
     __m512 sum = _mm512_setzero_ps();
     for (int k = 0; k < kKC; k += 2) {
-      const __m512 e0 = exp2_nonpos(_mm512_sub_ps(x[k], m_new));
-      const __m512 e1 = exp2_nonpos(_mm512_sub_ps(x[k + 1], m_new));
+      const __m512 e0 = kvs::exp2_bf16(_mm512_sub_ps(x[k], m_new));
+      const __m512 e1 = kvs::exp2_bf16(_mm512_sub_ps(x[k + 1], m_new));
       // masked keys (-inf) would give 2^-126, not 0: zero them unless the chunk is full
       const __m512 z0 = full ? e0 : _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x[k], neg_inf, _CMP_NEQ_OQ), e0);
       const __m512 z1 = full ? e1 : _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x[k + 1], neg_inf, _CMP_NEQ_OQ), e1);
