@@ -206,10 +206,10 @@ void run_task(const Args& a, const Task& t, const Packed& pk, const int64_t* bt)
     _tile_stored(7, sbuf + 48 * kRows, kRows * 4);
     // online softmax, one register per key (lanes = query rows)
     const bool full = c0 + kKC <= min_lim;
-    __m512 x[kKC];
-    __m512 vmax = mx;
+    __m512 x[kKC];  // raw scores, -inf where masked
+    __m512 vmax = neg_inf;
     for (int k = 0; k < kKC; ++k) {
-      __m512 v = _mm512_mul_ps(_mm512_load_ps(sbuf + k * kRows), scale);
+      __m512 v = _mm512_load_ps(sbuf + k * kRows);
       if (!full) {
         const __mmask16 vis = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(static_cast<int32_t>(c0 + k)));
         v = _mm512_mask_blend_ps(vis, neg_inf, v);
@@ -217,15 +217,18 @@ void run_task(const Args& a, const Task& t, const Packed& pk, const int64_t* bt)
       x[k] = v;
       vmax = _mm512_max_ps(vmax, v);
     }
-    // rows with no visible key yet keep max -inf: use 0 there so exp() gives 0, not NaN
-    const __mmask16 has = _mm512_cmp_ps_mask(vmax, neg_inf, _CMP_NEQ_OQ);
-    const __m512 m_new = _mm512_maskz_mov_ps(has, vmax);
+    // running max in scaled (base-2) units; scale > 0, so max(s * scale) = max(s) * scale.
+    // Rows with no visible key yet keep max -inf: use 0 there so exp2() gives 0, not NaN.
+    const __m512 m_all = _mm512_max_ps(mx, _mm512_mul_ps(vmax, scale));
+    const __mmask16 has = _mm512_cmp_ps_mask(m_all, neg_inf, _CMP_NEQ_OQ);
+    const __m512 m_new = _mm512_maskz_mov_ps(has, m_all);
+    const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_new);
     const __mmask16 had = _mm512_cmp_ps_mask(mx, neg_inf, _CMP_NEQ_OQ);
-    const __m512 alpha = _mm512_maskz_mov_ps(had, kvs::exp2_bf16(_mm512_sub_ps(mx, m_new)));
+    const __m512 alpha = _mm512_maskz_mov_ps(had, kvs::exp2_bf16(_mm512_add_ps(mx, neg_m)));
     __m512 sum = _mm512_setzero_ps();
     for (int k = 0; k < kKC; k += 2) {
-      const __m512 e0 = kvs::exp2_bf16(_mm512_sub_ps(x[k], m_new));
-      const __m512 e1 = kvs::exp2_bf16(_mm512_sub_ps(x[k + 1], m_new));
+      const __m512 e0 = kvs::exp2_nonpos_bf16(_mm512_fmadd_ps(x[k], scale, neg_m));
+      const __m512 e1 = kvs::exp2_nonpos_bf16(_mm512_fmadd_ps(x[k + 1], scale, neg_m));
       // masked keys (-inf) would give 2^-126, not 0: zero them unless the chunk is full
       const __m512 z0 = full ? e0 : _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x[k], neg_inf, _CMP_NEQ_OQ), e0);
       const __m512 z1 = full ? e1 : _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x[k + 1], neg_inf, _CMP_NEQ_OQ), e1);
@@ -234,7 +237,7 @@ void run_task(const Args& a, const Task& t, const Packed& pk, const int64_t* bt)
       sum = _mm512_add_ps(sum, _mm512_add_ps(z0, z1));
     }
     l = _mm512_fmadd_ps(l, alpha, sum);
-    mx = _mm512_mask_mov_ps(mx, has, vmax);
+    mx = m_all;
     // T^T = V^T . P^T: four 16x16 accumulators (16 dims each) over two 32-key groups
     _tile_zero(4);
     _tile_zero(5);
