@@ -287,7 +287,25 @@ def native_attention(
     if amx:
         return _native_attention_amx(q, kv_cache, nb, seg, scale)
     if not nb.prefills:
-        return nb.kernel(q, kv_cache, nb.seqs, nb.block_tables, seg, scale)
+        c = nb.cascade
+        if c is None:
+            return nb.kernel(q, kv_cache, nb.seqs, nb.block_tables, seg, scale)
+        # cascade on the vector kernel: suffixes, then each group's prefix with its
+        # members' rows as one seq (K/V read once per row tile), merged into them
+        suffix_lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32)
+        out = nb.kernel(q, kv_cache, c.decode_seqs, c.decode_tables, seg, scale, lse=suffix_lse)
+        nb.kernel(
+            q,
+            kv_cache,
+            c.group_seqs,
+            c.group_tables,
+            seg,
+            scale,
+            lse=suffix_lse,
+            row_map=c.row_map,
+            out=out,
+        )
+        return out
     native_prior = any(p.native_prior and p.seq.cached_seq_len > 0 for p in nb.prefills)
     lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32) if native_prior else None
     if nb.seqs.shape[0]:

@@ -120,7 +120,7 @@ class PagedAttentionKernel:
         i64, i32, vp, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         fn = lib.kvs_paged_attention
         fn.argtypes = [vp, i64, i64, vp, vp, i64, i32, i32, i32, i32, vp, i64, vp, i64, i32]
-        fn.argtypes += [f32, i32, i32, i32, vp]
+        fn.argtypes += [f32, i32, i32, i32, vp, vp, i32]
         fn.restype = i32
         self._fn = fn
         self._norm = lib.kvs_add_rms_norm
@@ -375,6 +375,8 @@ class PagedAttentionKernel:
         scale: float,
         row_tile: int = 16,
         lse: torch.Tensor | None = None,
+        row_map: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, H, D] (last dim contiguous) -> out [T, H, D].
 
@@ -383,12 +385,20 @@ class PagedAttentionKernel:
         (row_start, num_rows, num_tokens, cached_seq_len, prior_only) covering
         ``[0, T)``; ``block_tables`` [S, max_blocks] int64 contiguous with valid block
         ids for every visible position; ``lse`` (optional) fp32 [T, H] contiguous,
-        receives each row's log-sum-exp (padding rows are left as they are). The
-        kernel does not check bounds.
+        receives each row's log-sum-exp (padding rows are left as they are).
+        ``row_map`` (optional int64): token j of a seq is batch row
+        ``row_map[row_start + j]``. ``out`` (optional, contiguous [T, H, D]): merge
+        into it; it and ``lse`` must already hold another part of the attention of
+        every row of ``seqs`` (or lse -inf), which is merged exactly; without it a new
+        tensor is returned. The kernel does not check bounds.
         """
         num_tokens, num_heads, head_dim = q.shape
         _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+        merge = out is not None
+        if merge and lse is None:
+            raise ValueError("merging into out needs the lse of what it holds")
+        if out is None:
+            out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
         rc = self._fn(
             q.data_ptr(),
             q.stride(0),
@@ -410,6 +420,8 @@ class PagedAttentionKernel:
             row_tile,
             torch.get_num_threads(),
             None if lse is None else lse.data_ptr(),
+            None if row_map is None else row_map.data_ptr(),
+            int(merge),
         )
         if rc != 0:
             raise RuntimeError(f"kvs_paged_attention returned {rc} for dtype {q.dtype}")
