@@ -77,6 +77,7 @@ class _Remote:
     error: str | None = None
     busy_s: float = 0.0
     last_recv: float = 0.0
+    last_saved: float = 0.0  # latest saved_time of a chunk: the end of prefill compute
 
 
 class DecodeConnector:
@@ -226,20 +227,15 @@ class DecodeConnector:
     def _check(self, remote: _Remote, now: float) -> LoadResult | None:
         """The request's result if its load ended (lock held); sends claim/cancel."""
         num = len(remote.block_ids)
-        if remote.error is None and remote.done is not None and len(remote.loaded) == num:
+        if remote.error is None and len(remote.loaded) == num:
+            # Every block is in (a lost "done" changes nothing: it only carries the
+            # prefill worker's first token, which this worker computes itself).
             self.stats.finished(
                 now - remote.sent_time,
                 remote.num_prompt_tokens,
                 remote.busy_s,
-                remote.last_recv - remote.done.compute_end_time,
+                remote.last_recv - remote.last_saved,
             )
-            if remote.done.num_blocks != num:
-                logger.warning(
-                    "peer %s pushed %d blocks, expected %d",
-                    remote.peer,
-                    remote.done.num_blocks,
-                    num,
-                )
             self.transport.send(remote.peer, Claim(remote.req_id))
             return LoadResult(remote.req_id, num * self.block_size)
         error = remote.error
@@ -344,6 +340,7 @@ class DecodeConnector:
         self.stats.received(memoryview(chunk.payload).nbytes, len(chunk.block_indices))
         remote.busy_s += max(0.0, now - max(chunk.saved_time, remote.last_recv))
         remote.last_recv = now
+        remote.last_saved = max(remote.last_saved, chunk.saved_time)
         if not new_pos:
             return  # a duplicate
         with warnings.catch_warnings():

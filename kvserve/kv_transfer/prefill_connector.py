@@ -91,11 +91,16 @@ class PrefillConnector:
 
     def track(
         self, req_id: str, remote_id: str, peer: str, first_block: int, num_blocks: int
-    ) -> None:
+    ) -> bool:
+        """Register a prefill to push; False (nothing changes) when ``req_id`` is
+        already tracked (a duplicate request)."""
         with self._lock:
+            if req_id in self._pushes:
+                return False
             self._pushes[req_id] = _Push(
                 req_id, remote_id, peer, first_block, num_blocks, next_block=first_block
             )
+            return True
 
     def untrack(self, req_id: str) -> None:
         """The engine refused the request: forget it."""

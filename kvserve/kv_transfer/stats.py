@@ -3,9 +3,9 @@
 
 Hidden share (decode side, per remote prefill)::
 
-    prefill:  [ chunk 1 ][ chunk 2 ][ chunk 3 ] <- compute_end
+    prefill:  [ chunk 1 ][ chunk 2 ][ chunk 3 ] <- saved (compute end)
     wire:          [xfer 1]  [xfer 2]  [xfer 3]  <- last block received
-                                     exposed = last received - compute_end
+                                     exposed = last received - last chunk saved
     busy  = time the link spent carrying this request's chunks (sum over chunks of
             received - max(saved, previous received))
     hidden share = 1 - exposed / busy          (0 when everything is sent at the end)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 WIRE_VERSION = 1
@@ -151,9 +151,9 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 
 def encode_message(msg: Message) -> list[bytes | memoryview]:
     """The frames of ``msg`` (the payload of a chunk is passed through, not copied)."""
-    header: dict[str, Any] = asdict(msg) if not isinstance(msg, Chunk) else {}
-    if isinstance(msg, Chunk):
-        header = {k: v for k, v in msg.__dict__.items() if k != "payload"}
+    header: dict[str, Any] = {
+        f.name: getattr(msg, f.name) for f in fields(msg) if f.name != "payload"
+    }
     header["v"] = WIRE_VERSION
     frames: list[bytes | memoryview] = [json.dumps(header, separators=(",", ":")).encode()]
     if isinstance(msg, Chunk):
