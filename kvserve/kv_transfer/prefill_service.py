@@ -62,9 +62,7 @@ class PrefillService:
                 self.transport.send(peer, Error(msg.req_id, problem))
                 return
             req_id = f"{peer}/{msg.req_id}"
-            if not self.connector.track(
-                req_id, msg.req_id, peer, msg.first_block, msg.num_blocks
-            ):
+            if not self.connector.track(req_id, msg.req_id, peer, msg.first_block, msg.num_blocks):
                 return  # a duplicate of a prefill already under way: ignored
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._spawn, peer, msg, req_id)

@@ -82,7 +82,9 @@ def test_any_drop_duplicate_or_reorder_ends_cleanly(
         kv_load_failure_policy=policy,
     )
     pcfg = KVTransferConfig(kv_role="prefill", kv_address="x:1", kv_stream_chunks=stream)
-    decode = DecodeConnector(dcfg, dec_end, block_size=B, kv_dtype="float32", clock=clock, ping=False)
+    decode = DecodeConnector(
+        dcfg, dec_end, block_size=B, kv_dtype="float32", clock=clock, ping=False
+    )
     prefill = PrefillConnector(pcfg, pre_end, block_size=B, clock=clock)
     to_prefill: list = []
     pre_end.set_receiver(lambda peer, msg: to_prefill.append(msg))
@@ -139,7 +141,10 @@ def test_any_drop_duplicate_or_reorder_ends_cleanly(
             delivered += [] if f == "drop" else [frames] * (2 if f == "dup" else 1)
         rng.shuffle(delivered)
         all_arrived = {
-            i for f in delivered if (m := decode_message(f)).kind == "chunk" for i in m.block_indices
+            i
+            for f in delivered
+            if (m := decode_message(f)).kind == "chunk"
+            for i in m.block_indices
         } >= set(range(ask.first_block, ask.first_block + ask.num_blocks))
         for frames in delivered:
             dec_end._queue.put(("prefill", frames))
@@ -209,7 +214,9 @@ def test_late_and_foreign_chunks_are_ignored():
     clock = Clock()
     dec_end, pre_end = in_process_pair()
     cfg = KVTransferConfig(kv_role="decode", kv_prefill_peers=("prefill",), kv_remote_min_tokens=1)
-    decode = DecodeConnector(cfg, dec_end, block_size=B, kv_dtype="float32", clock=clock, ping=False)
+    decode = DecodeConnector(
+        cfg, dec_end, block_size=B, kv_dtype="float32", clock=clock, ping=False
+    )
     prefill = PrefillConnector(
         KVTransferConfig(kv_role="prefill", kv_address="x:1"), pre_end, block_size=B, clock=clock
     )

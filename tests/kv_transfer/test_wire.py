@@ -13,8 +13,8 @@ from kvserve.kv_transfer.wire import (
     Done,
     Error,
     Ping,
-    PrefillRequest,
     Pong,
+    PrefillRequest,
     WireError,
     decode_message,
     encode_message,
@@ -75,8 +75,10 @@ def test_chunk_round_trip_keeps_payload_bytes():
         ([b'{"v": 1, "kind": "ping", "seq": true}'], "wrong type"),
         ([b'{"v": 1, "kind": "ping", "seq": 1}', b"x"], "unexpected payload"),
         (
-            [b'{"v":1,"kind":"prefill","req_id":"r","prompt_token_ids":[1,-2],'
-             b'"first_block":0,"num_blocks":1,"cache_salt":null}'],
+            [
+                b'{"v":1,"kind":"prefill","req_id":"r","prompt_token_ids":[1,-2],'
+                b'"first_block":0,"num_blocks":1,"cache_salt":null}'
+            ],
             "integers >= 0",
         ),
     ],
