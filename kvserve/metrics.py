@@ -163,21 +163,29 @@ class _TransferCollector(Collector):
         hist.add_metric(m, buckets, s.seconds_sum)
         yield hist
         for name, value, doc in (
+            ("kv_transfer_busy_seconds", s.busy_seconds, "Seconds the link carried KV chunks."),
             (
-                "kv_transfer_busy_seconds",
-                s.busy_seconds,
-                "Transfer time of prompts >= 2048 tokens.",
+                "kv_transfer_long_busy_seconds",
+                s.long_busy_seconds,
+                "The same for prompts >= 2048 tokens.",
             ),
             (
-                "kv_transfer_exposed_seconds",
-                s.exposed_seconds,
-                "Of that, time after the prompt's last prefill step (not hidden).",
+                "kv_transfer_long_exposed_seconds",
+                s.long_exposed_seconds,
+                "Of that, seconds after the prompt's last prefill step (not hidden).",
             ),
             ("kv_transfer_long_prompts", float(s.num_long), "Remote prefills of >= 2048 tokens."),
         ):
             fam = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             fam.add_metric(m, value)
             yield fam
+        nominal = GaugeMetricFamily(
+            PREFIX + "kv_transfer_nominal_bytes_per_token",
+            "KV bytes per token: 2 x layers x KV heads x head dim x dtype bytes.",
+            labels=["model_name"],
+        )
+        nominal.add_metric(m, float(s.nominal_bytes_per_token))
+        yield nominal
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -37,9 +37,11 @@ class TransferSnapshot:
     seconds_buckets: list[int] = field(default_factory=list)
     seconds_count: int = 0
     seconds_sum: float = 0.0
-    busy_seconds: float = 0.0  # prompts >= LONG_PROMPT_TOKENS
-    exposed_seconds: float = 0.0
+    busy_seconds: float = 0.0  # every remote prefill: link time (for bytes/s)
+    long_busy_seconds: float = 0.0  # prompts >= LONG_PROMPT_TOKENS only
+    long_exposed_seconds: float = 0.0
     num_long: int = 0
+    nominal_bytes_per_token: int = 0  # 2 x layers x KV heads x head dim x dtype bytes
 
 
 class TransferStats:
@@ -70,10 +72,15 @@ class TransferStats:
             s.seconds_buckets[bisect.bisect_left(TRANSFER_SECONDS_BUCKETS, seconds)] += 1
             s.seconds_count += 1
             s.seconds_sum += seconds
+            s.busy_seconds += busy
             if num_prompt_tokens >= LONG_PROMPT_TOKENS:
-                s.busy_seconds += busy
-                s.exposed_seconds += min(max(exposed, 0.0), busy)
+                s.long_busy_seconds += busy
+                s.long_exposed_seconds += min(max(exposed, 0.0), busy)
                 s.num_long += 1
+
+    def set_nominal_bytes_per_token(self, num_bytes: int) -> None:
+        with self._lock:
+            self._s.nominal_bytes_per_token = num_bytes
 
     def snapshot(self) -> TransferSnapshot:
         with self._lock:
