@@ -250,7 +250,7 @@ class EngineCore:
                 len(sched_out.num_scheduled_tokens),
             )
             self.num_failed_steps += 1
-            return self.abort_requests(list(sched_out.num_scheduled_tokens))
+            return failed + self.abort_requests(list(sched_out.num_scheduled_tokens))
         if sched_out.is_empty:
             runner_out = ModelRunnerOutput(sampled_token_ids={})
         core_outs = self.scheduler.update_from_output(sched_out, runner_out)
