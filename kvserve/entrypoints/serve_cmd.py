@@ -112,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
                 config.model.model, dtype=config.model.dtype, device=config.model.device
             )
             connector = build_connector(
-                kv_config, block_size=config.cache.block_size, kv_dtype=loaded.dtype_name
+                kv_config,
+                block_size=config.cache.block_size,
+                kv_dtype=loaded.dtype_name,
+                hash_algo=config.cache.hash_algo,
             )
             engine = EngineCore(config, loaded=loaded, kv_connector=connector)
     except (ValueError, TypeError) as e:

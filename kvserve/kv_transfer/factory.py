@@ -17,12 +17,21 @@ from kvserve.kv_transfer.config import (
 )
 
 
-def build_connector(config: KVTransferConfig, *, block_size: int, kv_dtype: str) -> Any:
+def build_connector(
+    config: KVTransferConfig, *, block_size: int, kv_dtype: str, hash_algo: str = "sha256"
+) -> Any:
     """The connector of ``config.kv_role`` on a ZeroMQ transport, or None for "both".
-    ``kv_dtype``: the KV cache dtype name ("bfloat16", ...), checked on received chunks."""
+    ``kv_dtype``: the KV cache dtype name ("bfloat16", ...), checked on received chunks.
+    Raises ValueError unless block hashes are stable across processes (sha256)."""
     config.validate()
     if config.kv_role == "both":
         return None
+    if hash_algo != "sha256":
+        raise ValueError(
+            f"invalid hash_algo={hash_algo!r} with --kv-role {config.kv_role}: prefill and "
+            "decode workers compare block hashes across processes, which needs the stable "
+            "sha256 hashes (for example: --hash-algo sha256)"
+        )
     from kvserve.kv_transfer.tcp import DealerTransport, RouterTransport
 
     if config.kv_role == "prefill":

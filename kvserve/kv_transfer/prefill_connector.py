@@ -239,6 +239,9 @@ class PrefillConnector:
     # ------------------------------------------------------------------ worker side
     def register_kv_cache(self, kv_cache: Any) -> None:
         self._kv_cache = kv_cache
+        # [L, 2, Hk, blocks, B, D]: per token 2 (K, V) x L x Hk x D elements.
+        layers, kv, heads, _, _, dim = kv_cache.shape
+        self.stats.set_nominal_bytes_per_token(layers * kv * heads * dim * kv_cache.element_size())
 
     def load_kv(self, metadata: KVConnectorMetadata) -> None:
         return None

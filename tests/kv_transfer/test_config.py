@@ -60,3 +60,9 @@ def test_flags_as_spelled_in_the_issue():
 def test_bad_settings_say_how_to_fix_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
         KVTransferConfig(**kwargs).validate()
+
+
+def test_worker_roles_need_hashes_stable_across_processes():
+    config = KVTransferConfig(kv_role="prefill", kv_address="127.0.0.1:1")
+    with pytest.raises(ValueError, match="stable sha256"):
+        build_connector(config, block_size=16, kv_dtype="float32", hash_algo="builtin")
