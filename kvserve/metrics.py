@@ -24,10 +24,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvserve.engine.outputs import EngineStats
+from kvserve.kv_transfer.stats import TRANSFER_SECONDS_BUCKETS, TransferSnapshot
 
 PREFIX = "kvserve:"
 
@@ -107,6 +113,84 @@ class _EngineStateCollector(Collector):
         return iter(())
 
 
+class _TransferCollector(Collector):
+    """``kv_transfer_*`` series from a connector's :class:`TransferSnapshot` (absent
+    on a single-process engine)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.source: Callable[[], TransferSnapshot] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        s = self.source()
+        m = [self.model_name]
+        by_dir = CounterMetricFamily(
+            PREFIX + "kv_transfer_bytes",
+            "KV bytes moved between workers.",
+            labels=["model_name", "direction"],
+        )
+        by_dir.add_metric([*m, "sent"], float(s.bytes_sent))
+        by_dir.add_metric([*m, "received"], float(s.bytes_received))
+        yield by_dir
+        blocks = CounterMetricFamily(
+            PREFIX + "kv_transfer_blocks",
+            "KV blocks moved between workers.",
+            labels=["model_name", "direction"],
+        )
+        blocks.add_metric([*m, "sent"], float(s.blocks_sent))
+        blocks.add_metric([*m, "received"], float(s.blocks_received))
+        yield blocks
+        failures = CounterMetricFamily(
+            PREFIX + "kv_transfer_failures",
+            "Remote prefills that failed (peer unreachable, silent, refused, bad hash).",
+            labels=["model_name"],
+        )
+        failures.add_metric(m, float(s.failures))
+        yield failures
+        hist = HistogramMetricFamily(
+            PREFIX + "kv_transfer_seconds",
+            "Per remote prefill: seconds from the request to its last block loaded.",
+            labels=["model_name"],
+        )
+        cum, buckets = 0, []
+        for bound, count in zip(
+            (*TRANSFER_SECONDS_BUCKETS, float("inf")), s.seconds_buckets, strict=True
+        ):
+            cum += count
+            buckets.append((str(bound) if bound != float("inf") else "+Inf", float(cum)))
+        hist.add_metric(m, buckets, s.seconds_sum)
+        yield hist
+        for name, value, doc in (
+            ("kv_transfer_busy_seconds", s.busy_seconds, "Seconds the link carried KV chunks."),
+            (
+                "kv_transfer_long_busy_seconds",
+                s.long_busy_seconds,
+                "The same for prompts >= 2048 tokens.",
+            ),
+            (
+                "kv_transfer_long_exposed_seconds",
+                s.long_exposed_seconds,
+                "Of that, seconds after the prompt's last prefill step (not hidden).",
+            ),
+            ("kv_transfer_long_prompts", float(s.num_long), "Remote prefills of >= 2048 tokens."),
+        ):
+            fam = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            fam.add_metric(m, value)
+            yield fam
+        nominal = GaugeMetricFamily(
+            PREFIX + "kv_transfer_nominal_bytes_per_token",
+            "KV bytes per token: 2 x layers x KV heads x head dim x dtype bytes.",
+            labels=["model_name"],
+        )
+        nominal.add_metric(m, float(s.nominal_bytes_per_token))
+        yield nominal
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
 class EngineMetrics:
     """All Prometheus series of one engine (see the module docstring for names).
 
@@ -158,8 +242,34 @@ class EngineMetrics:
             buckets=E2E_BUCKETS,
             registry=reg,
         ).labels(model_name)
+        self._prompt_by_source = Counter(
+            PREFIX + "prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from: local_compute, local_cache_hit "
+            "or external_kv_transfer.",
+            ["model_name", "source"],
+            registry=reg,
+        )
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):
+            self._prompt_by_source.labels(model_name, source)
         self._state = _EngineStateCollector(model_name)
         reg.register(self._state)
+        self._transfer = _TransferCollector(model_name)
+        reg.register(self._transfer)
+
+    def set_transfer_source(self, source: Callable[[], TransferSnapshot]) -> None:
+        """Where the ``kv_transfer_*`` series come from (a KV connector's stats)."""
+        self._transfer.source = source
+
+    def count_prompt_tokens_by_source(
+        self, *, local_compute: int, local_cache_hit: int, external_kv_transfer: int
+    ) -> None:
+        for source, n in (
+            ("local_compute", local_compute),
+            ("local_cache_hit", local_cache_hit),
+            ("external_kv_transfer", external_kv_transfer),
+        ):
+            if n > 0:
+                self._prompt_by_source.labels(self.model_name, source).inc(n)
 
     def set_stats_source(self, source: Callable[[], EngineStats]) -> None:
         """Where engine-state series come from at scrape time (``EngineCore.stats()``)."""

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks held, KV arriving from a peer
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
@@ -236,6 +237,8 @@ class Request:
         self.num_computed_tokens = 0
         # Prefix-cache hit length at first admission; -1 until admitted.
         self.num_cached_tokens = -1
+        # Prompt tokens whose KV arrived from a prefill worker (kv_transfer).
+        self.num_external_tokens = 0
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         self.stop_reason: int | str | None = None

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-doc", "interference")
-PRESET_NAMES = ("prefix", "chunking", "policy", "throughput", "routing")
+PRESET_NAMES = ("prefix", "chunking", "policy", "throughput", "routing", "disagg")
 
 
 def _rate(text: str) -> float:

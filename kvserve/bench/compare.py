@@ -15,6 +15,7 @@ the spelling of ``kvserve serve``'s engine options.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -29,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from kvserve.bench.disagg import scrape_metrics, transfer_figures
 from kvserve.bench.loadgen import LoadConfig, run_workload
 from kvserve.bench.metrics import SLO
 from kvserve.bench.presets import PRESETS, ComparePreset, Figure, Target, Variant, ratio
@@ -114,13 +116,17 @@ class ServerProcess:
     log's tail) if the process exits or ``timeout_s`` passes.
     """
 
-    def __init__(self, command: list[str], log_path: Path, port: int) -> None:
+    def __init__(
+        self, command: list[str], log_path: Path, port: int, threads: int | None = None
+    ) -> None:
         self.command = command
         self.log_path = log_path
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         env = os.environ | {"TOKENIZERS_PARALLELISM": "false"}
+        if threads is not None:
+            env["OMP_NUM_THREADS"] = str(threads)
         self.proc = subprocess.Popen(
             command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
@@ -194,8 +200,28 @@ def _run_kvserve_variant(
     if opts.model:
         command += ["--model", opts.model]
     command += [*variant.engine_args, *opts.extra_engine_args]
-    with ServerProcess(command, out_dir / "server.log", port) as server:
+    with contextlib.ExitStack() as stack:
+        prefill: ServerProcess | None = None
+        if variant.prefill_args is not None:
+            kv_address = f"127.0.0.1:{free_port()}"
+            prefill_port = free_port()
+            prefill_cmd = [*command, "--kv-role", "prefill", "--kv-address", kv_address]
+            prefill_cmd[prefill_cmd.index("--port") + 1] = str(prefill_port)
+            prefill = stack.enter_context(
+                ServerProcess(
+                    [*prefill_cmd, *variant.prefill_args],
+                    out_dir / "prefill.log",
+                    prefill_port,
+                    variant.threads,
+                )
+            )
+            command += ["--kv-role", "decode", "--kv-prefill-peers", kv_address]
+        server = stack.enter_context(
+            ServerProcess(command, out_dir / "server.log", port, variant.threads)
+        )
         startup_s = server.wait_healthy(opts.startup_timeout_s)
+        if prefill is not None:
+            prefill.wait_healthy(opts.startup_timeout_s)
         config = LoadConfig(
             base_url=server.base_url,
             request_rate=preset.request_rate,
@@ -205,10 +231,17 @@ def _run_kvserve_variant(
             progress=opts.progress,
         )
         run = run_workload(workload, config)
+        transfer = (
+            transfer_figures(scrape_metrics(server.base_url), scrape_metrics(prefill.base_url))
+            if prefill is not None
+            else {}
+        )
     cfg = run.config_json() | {"variant": variant.name, "command": command, "startup_s": startup_s}
+    cfg["threads"] = variant.threads
     report = build_report(
         run.results, run.duration_s, workload, SLO(), cfg, run.prefix_cache, kind="compare"
     )
+    report["summary"].update(transfer)
     write_report(report, run.results, out_dir, plots=opts.plots, title=variant.name)
     return report
 

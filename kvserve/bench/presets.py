@@ -13,11 +13,18 @@ from kvserve.bench.workloads import WorkloadSpec
 @dataclass(frozen=True)
 class Variant:
     """One configuration: ``backend`` "kvserve" (a server with ``engine_args``) or
-    "hf" (the in-process transformers static-batching baseline)."""
+    "hf" (the in-process transformers static-batching baseline).
+
+    ``threads``: torch threads per server process (``OMP_NUM_THREADS``; None: the
+    default). ``prefill_args``: when not None, a prefill worker runs beside the
+    server (``--kv-role prefill`` plus these args) and the server is its decode
+    worker (``--kv-role decode --kv-prefill-peers ...``)."""
 
     name: str
     engine_args: tuple[str, ...] = ()
     backend: Literal["kvserve", "hf"] = "kvserve"
+    threads: int | None = None
+    prefill_args: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,41 @@ PRESETS: dict[str, ComparePreset] = {
             THROUGHPUT,
         ),
         target=Target("decode/p99_itl_ms", "chunked-256", "monolithic", 0.35, at_most=True),
+    ),
+    "disagg": ComparePreset(
+        name="disagg",
+        description="8 streaming decodes while 2,048-token prompts arrive: one process with "
+        "2 threads vs a prefill worker + a decode worker with 1 thread each (KV streamed per "
+        "chunk, or sent once at the end)",
+        workload=WorkloadSpec(
+            kind="interference",
+            num_decodes=8,
+            input_len=64,
+            output_len=256,
+            num_long_prompts=4,
+            long_prompt_len=2048,
+            long_prompt_start_s=0.5,
+            long_prompt_gap_s=1.5,
+        ),
+        variants=(
+            Variant("colocated-2t", threads=2),
+            Variant("disagg-stream-1t+1t", threads=1, prefill_args=("--kv-stream-chunks",)),
+            Variant("disagg-at-end-1t+1t", threads=1, prefill_args=("--no-kv-stream-chunks",)),
+        ),
+        reference="colocated-2t",
+        figures=(
+            Figure("decode/p99_itl_ms", "decode p99 ITL ms"),
+            Figure("decode/mean_itl_ms", "decode mean ITL ms"),
+            Figure("prefill/mean_ttft_ms", "long-prompt mean TTFT ms"),
+            THROUGHPUT,
+            Figure("kv_transfer_mb_per_s", "transfer MB/s", higher_is_better=True),
+            Figure("kv_hidden_share", "hidden share (>=2048 tok)", higher_is_better=True),
+            Figure("kv_bytes_per_token", "bytes/token measured"),
+            Figure("kv_nominal_bytes_per_token", "bytes/token nominal"),
+        ),
+        target=Target(
+            "decode/p99_itl_ms", "disagg-stream-1t+1t", "colocated-2t", 0.5, at_most=True
+        ),
     ),
     "policy": ComparePreset(
         name="policy",

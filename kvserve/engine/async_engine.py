@@ -63,6 +63,11 @@ class RequestFailedError(RuntimeError):
     """The engine failed while running this request; other requests are unaffected."""
 
 
+class KVTransferFailedError(RequestFailedError):
+    """The request's prompt KV could not be brought from a prefill worker and
+    ``--kv-load-failure-policy fail`` ended it (HTTP 503: retry later)."""
+
+
 @dataclass
 class _Add:
     """Queue ``request`` (built and validated by ``EngineCore.make_request``)."""
@@ -120,6 +125,9 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        if item.error is not None:
+            self.finished = True
+            raise KVTransferFailedError(item.error)
         if item.finished:
             self.finished = True
         return item
@@ -164,6 +172,11 @@ class AsyncEngine:
         # it; raises RequestError on bad input): EngineCore.make_request itself.
         self.make_request = engine.make_request
         self.metrics.set_stats_source(self.stats)
+        connector = engine.kv_connector
+        if connector is not None:
+            # Transfers wake the engine thread (arrivals, claims, leases).
+            connector.set_wakeup(self._wake.set)
+            self.metrics.set_transfer_source(connector.stats.snapshot)
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -206,6 +219,9 @@ class AsyncEngine:
         self._submit(_Stop())
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+        connector = self.engine.kv_connector
+        if connector is not None:
+            connector.close()  # its transport threads and sockets
 
     def _thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -309,11 +325,16 @@ class AsyncEngine:
                 if self._stop:
                     break
                 if not self.engine.has_unfinished_requests():
+                    self._poll_transfers()
                     self._refresh_stats()
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
                 self._step()
+                if self.engine.last_step_idle:
+                    # Only remote loads pending: sleep until something arrives.
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
         except BaseException as e:  # the thread must not die silently
             logger.exception("engine thread died")
             self._dead = e
@@ -342,6 +363,14 @@ class AsyncEngine:
                     if aborted:
                         self._deliver(aborted)
                     return
+
+    def _poll_transfers(self) -> None:
+        """Idle engine: still apply claims, leases and failed loads."""
+        failed = self.engine.poll_kv_transfer()
+        if failed:
+            for delta in failed:
+                self._record(delta)
+            self._deliver(failed)
 
     def _do_add(self, request: Request, added: concurrent.futures.Future[str]) -> None:
         try:
@@ -383,6 +412,13 @@ class AsyncEngine:
             live = self._requests.get(delta.request_id)
             if m.first_token_time == m.last_token_time:
                 self.metrics.count_prompt_tokens(delta.num_prompt_tokens)
+                self.metrics.count_prompt_tokens_by_source(
+                    local_cache_hit=delta.num_cached_tokens,
+                    external_kv_transfer=delta.num_external_tokens,
+                    local_compute=delta.num_prompt_tokens
+                    - delta.num_cached_tokens
+                    - delta.num_external_tokens,
+                )
                 self.metrics.observe_ttft(m.last_token_time - m.arrival_time)
             elif live is not None and live.last_token_time is not None:
                 self.metrics.observe_itl((m.last_token_time - live.last_token_time) / n)
@@ -391,7 +427,7 @@ class AsyncEngine:
         if n:
             self.metrics.count_generation_tokens(n)
         if delta.finished:
-            self.metrics.count_finished(str(delta.finish_reason))
+            self.metrics.count_finished("error" if delta.error else str(delta.finish_reason))
             if m is not None and m.finished_time is not None:
                 self.metrics.observe_e2e(m.finished_time - m.arrival_time)
 

@@ -58,7 +58,10 @@ class EngineCore:
     model runner (default: a :class:`~kvserve.worker.model_runner.ModelRunner` on
     ``loaded``); an injected runner must come with ``loaded``, the facts about the
     model it runs (see :mod:`kvserve.engine.runner`). ``clock``: the time stamped on
-    requests (the simulator passes its step number).
+    requests (the simulator passes its step number). ``kv_connector``: both sides of
+    a KV connector (:mod:`kvserve.kv_transfer.connector`) for a prefill or decode
+    worker; the runner must then have ``set_kv_connector``. None: a single-process
+    engine, exactly as before.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class EngineCore:
         loaded: ModelInfo | None = None,
         runner: Runner | None = None,
         clock: Callable[[], float] = time.time,
+        kv_connector: Any = None,
     ) -> None:
         if runner is not None and loaded is None:
             raise TypeError(
@@ -98,7 +102,20 @@ class EngineCore:
             hash_algo=config.cache.hash_algo,
             model_fingerprint=loaded.fingerprint,
         )
-        self.scheduler = make_scheduler(config.scheduler, self.kv_cache_manager, clock=clock)
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            set_connector = getattr(self.runner, "set_kv_connector", None)
+            if set_connector is None:
+                raise TypeError(
+                    f"EngineCore(kv_connector=...) needs a runner with set_kv_connector; "
+                    f"{type(self.runner).__name__} has none"
+                )
+            set_connector(kv_connector)
+        self.scheduler = make_scheduler(
+            config.scheduler, self.kv_cache_manager, kv_connector=kv_connector, clock=clock
+        )
+        # True when the last step computed nothing (e.g. only remote loads pending).
+        self.last_step_idle = False
         fit = self.kv_cache_manager.max_concurrent_requests(self.max_model_len)
         if config.scheduler.scheduler_policy == "separated" and fit < config.scheduler.max_num_seqs:
             logger.warning(
@@ -214,9 +231,15 @@ class EngineCore:
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestDelta]:
         """Run one scheduler step; return the news for every request that advanced."""
+        failed = self.poll_kv_transfer()
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty and not sched_out.finished_req_ids:
-            return []
+        self.last_step_idle = sched_out.is_empty
+        if (
+            sched_out.is_empty
+            and not sched_out.finished_req_ids
+            and sched_out.kv_connector_metadata is None
+        ):
+            return failed
         try:
             runner_out = self.runner.execute_model(sched_out)
         except Exception:
@@ -227,11 +250,11 @@ class EngineCore:
                 len(sched_out.num_scheduled_tokens),
             )
             self.num_failed_steps += 1
-            return self.abort_requests(list(sched_out.num_scheduled_tokens))
+            return failed + self.abort_requests(list(sched_out.num_scheduled_tokens))
         if sched_out.is_empty:
             runner_out = ModelRunnerOutput(sampled_token_ids={})
         core_outs = self.scheduler.update_from_output(sched_out, runner_out)
-        deltas: list[RequestDelta] = []
+        deltas: list[RequestDelta] = failed
         for out in core_outs:
             state = self._states.get(out.req_id)
             if state is None:
@@ -265,6 +288,35 @@ class EngineCore:
             )
         return deltas
 
+    def poll_kv_transfer(self) -> list[RequestDelta]:
+        """Apply finished KV transfers (free sent blocks, resume loaded requests) and
+        return a finished delta, with ``error`` set, per request the connector
+        failed. Cheap; call it also while idle (leases, claims). No-op without one."""
+        if self.kv_connector is None:
+            return []
+        self.scheduler.poll_kv_connector()
+        failed = self.scheduler.failed_requests
+        if not failed:
+            return []
+        self.scheduler.failed_requests = []
+        out = []
+        for request, error in failed:
+            if self._states.pop(request.req_id, None) is not None:
+                out.append(self._delta(request, FinishReason.ABORT, error=error))
+        return out
+
+    def wait_for_transfer(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` until the KV connector may have news (returns at
+        once without a connector)."""
+        if self.kv_connector is not None:
+            self.kv_connector.wait(timeout_s)
+
+    @property
+    def has_pending_transfers(self) -> bool:
+        """Blocks held for a transfer: remote loads waiting, or sends not yet let go."""
+        sched = self.scheduler
+        return bool(sched.waiting_for_remote or sched.sending)
+
     def _delta(
         self,
         request: Request,
@@ -274,6 +326,7 @@ class EngineCore:
         new_token_ids: list[int] | None = None,
         new_text: str = "",
         new_logprobs: list[Logprobs] | None = None,
+        error: str | None = None,
     ) -> RequestDelta:
         return RequestDelta(
             request_id=request.req_id,
@@ -286,6 +339,8 @@ class EngineCore:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_output_tokens=request.num_output_tokens,
             metrics=_metrics(request),
+            num_external_tokens=request.num_external_tokens,
+            error=error,
         )
 
     # ------------------------------------------------------------------ health
@@ -312,7 +367,11 @@ class EngineCore:
         """Raise RuntimeError if the KV cache's invariants are broken, or if blocks are
         still active while no request is unfinished."""
         self.kv_cache_manager.check_invariants()
-        if not self.has_unfinished_requests() and self.kv_cache_manager.num_active_blocks:
+        if (
+            not self.has_unfinished_requests()
+            and not self.scheduler.sending
+            and self.kv_cache_manager.num_active_blocks
+        ):
             raise RuntimeError(
                 f"KV leak: {self.kv_cache_manager.num_active_blocks} blocks active with no request running"
             )

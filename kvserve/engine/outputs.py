@@ -64,6 +64,11 @@ class RequestDelta:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # Prompt tokens whose KV came from a prefill worker (kv_transfer).
+    num_external_tokens: int = 0
+    # Set when the engine ended the request on an error (a failed KV transfer under
+    # --kv-load-failure-policy fail); finish_reason is then "abort".
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

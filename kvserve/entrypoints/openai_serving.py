@@ -24,6 +24,7 @@ from typing import Any
 
 from kvserve.engine.async_engine import (
     EngineUnavailableError,
+    KVTransferFailedError,
     QueueFullError,
     RequestFailedError,
 )
@@ -219,6 +220,14 @@ class OpenAIServing:
             async for i, delta in merge(streams):
                 _check_finish(delta)
                 choices[i].add(delta)
+        except KVTransferFailedError as e:
+            raise APIError(
+                503,
+                f"the prompt's KV could not be brought from a prefill worker: {e}; retry",
+                type="server_error",
+                code="kv_transfer_failed",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
         except (RequestFailedError, EngineUnavailableError) as e:
             raise APIError(500, str(e), type="server_error", code=500) from None
         return choices

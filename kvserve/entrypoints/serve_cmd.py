@@ -2,6 +2,11 @@
 
     kvserve serve --host 127.0.0.1 --port 8000 [--api-key KEY] [--max-queue-len N]
                   [--served-model-name NAME] [engine options: --model, --max-num-seqs, ...]
+                  [--kv-role both|prefill|decode ...]   (docs/disaggregation.md)
+
+``--kv-role prefill`` serves only ``/health`` and ``/metrics`` over HTTP and takes
+prefill work on ``--kv-address``; ``--kv-role decode`` serves the OpenAI API and
+prefills long prompts on ``--kv-prefill-peers``.
 
 The model loads before the port opens, so ``GET /health`` answering 200 means
 ready. SIGTERM or SIGINT: the listening socket closes, in-flight requests get
@@ -25,6 +30,11 @@ from collections.abc import Iterator
 import uvicorn
 
 from kvserve.engine.args import add_engine_arguments, build_engine_config, engine_kwargs_from_args
+from kvserve.kv_transfer.factory import (
+    add_kv_transfer_arguments,
+    build_connector,
+    kv_transfer_config_from_args,
+)
 
 logger = logging.getLogger("kvserve.serve")
 
@@ -113,6 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "prefill/decode roles have not landed; the flag is refused)",
         )
     add_engine_arguments(parser)
+    add_kv_transfer_arguments(parser)
 
 
 def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
@@ -183,7 +194,22 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         config = build_engine_config(**engine_kwargs_from_args(args))
-        engine = EngineCore(config)
+        kv_config = kv_transfer_config_from_args(args)
+        if kv_config.kv_role == "both":
+            engine = EngineCore(config)
+        else:
+            from kvserve.model.loader import load_model
+
+            loaded = load_model(
+                config.model.model, dtype=config.model.dtype, device=config.model.device
+            )
+            connector = build_connector(
+                kv_config,
+                block_size=config.cache.block_size,
+                kv_dtype=loaded.dtype_name,
+                hash_algo=config.cache.hash_algo,
+            )
+            engine = EngineCore(config, loaded=loaded, kv_connector=connector)
     except (ValueError, TypeError) as e:
         print(f"kvserve serve: {e}", file=sys.stderr)
         return 2
@@ -193,21 +219,29 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     gc.freeze()
     async_engine = AsyncEngine(engine)
-    app = build_app(
-        async_engine,
-        api_key=api_key,
-        served_model_name=args.served_model_name,
-        max_queue_len=args.max_queue_len,
-    )
+    if kv_config.kv_role == "prefill":
+        from kvserve.entrypoints.prefill_app import build_prefill_app
+        from kvserve.kv_transfer.prefill_service import PrefillService
+
+        service = PrefillService(async_engine, engine.kv_connector, engine.kv_connector.transport)
+        app = build_prefill_app(async_engine, service)
+    else:
+        app = build_app(
+            async_engine,
+            api_key=api_key,
+            served_model_name=args.served_model_name,
+            max_queue_len=args.max_queue_len,
+        )
     logger.info(
-        "loaded %s in %.1f s (dtype=%s, attention=%s, max_model_len=%d, %d KV blocks); "
-        "serving on http://%s:%d%s",
+        "loaded %s in %.1f s (dtype=%s, attention=%s, max_model_len=%d, %d KV blocks, "
+        "kv-role %s); serving on http://%s:%d%s",
         engine.model_name,
         load_s,
         engine.loaded.dtype_name,
         engine.runner.attention_backend,
         engine.max_model_len,
         engine.kv_cache_manager.num_blocks,
+        kv_config.kv_role,
         args.host,
         args.port,
         " (API key required)" if api_key else "",

@@ -151,6 +151,11 @@ class KVCacheManager:
         replica reports it to the router; ``kvserve.cluster``)."""
         return list(self.block_pool.cached.copy())
 
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """The chained hashes of every full block of ``request.all_token_ids``
+        (extends ``request.block_hashes``; stable across processes with sha256)."""
+        return self._update_block_hashes(request)
+
     # -- the scheduler API ----------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks from the start of ``request.all_token_ids``.

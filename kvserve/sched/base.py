@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.block_pool import KVCacheBlock
 from kvserve.kv_cache.manager import KVCacheManager, cdiv
-from kvserve.kv_transfer.connector import KVConnector
+from kvserve.kv_transfer.connector import KVConnectorScheduler
 from kvserve.request import Request, RequestError, RequestStatus, check_prompt
 from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.sched.step_builder import StepBuilder, chunk_size
@@ -65,7 +65,11 @@ class Scheduler(abc.ABC):
         cache manager, raises ValueError. ``clock`` returns the time stamped on requests
         (``first_scheduled_time``, ``first_token_time``, ``finished_time``); the
         simulator passes the step number. ``kv_connector``: see
-    :class:`~kvserve.kv_transfer.connector.KVConnector`.
+    :class:`~kvserve.kv_transfer.connector.KVConnectorScheduler`. With one, a request
+    whose prompt KV comes from outside waits in ``waiting_for_remote`` (blocks held,
+    not scheduled) until its load ends, then goes back to the front of ``waiting``;
+    a finished request whose blocks the connector still sends waits in
+    ``sending`` until the connector lets them go.
     """
 
     def __init__(
@@ -73,7 +77,7 @@ class Scheduler(abc.ABC):
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         *,
-        kv_connector: KVConnector | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         config = config.resolved()
@@ -103,6 +107,11 @@ class Scheduler(abc.ABC):
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.waiting_for_remote: dict[str, Request] = {}
+        self.sending: dict[str, Request] = {}  # finished; blocks freed when sent
+        # Requests the connector failed under policy "fail": (request, error), drained
+        # by the engine, which ends their streams with the error.
+        self.failed_requests: list[tuple[Request, str]] = []
         # Finished, aborted or preempted since the last output: the runner drops them.
         self._finished_req_ids: set[str] = set()
         self._state = SchedulerState.IDLE
@@ -131,7 +140,12 @@ class Scheduler(abc.ABC):
         return self._state
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
+
+    @property
+    def has_runnable_requests(self) -> bool:
+        """Whether a step can compute anything (not only wait on remote loads)."""
+        return bool(self.waiting or self.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -196,6 +210,8 @@ class Scheduler(abc.ABC):
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif req_id in self.waiting_for_remote:
+                del self.waiting_for_remote[req_id]
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -211,9 +227,43 @@ class Scheduler(abc.ABC):
 
     def _release_blocks(self, request: Request) -> None:
         kv = self.kv_cache_manager
-        if self.kv_connector is not None:
-            self.kv_connector.request_finished(request, kv.get_block_ids(request.req_id))
+        if self.kv_connector is not None and self.kv_connector.request_finished(
+            request, kv.get_block_ids(request.req_id)
+        ):
+            self.sending[request.req_id] = request  # freed by poll_kv_connector
+            return
         kv.free(request)
+
+    # ------------------------------------------------------------------ KV connector
+    def poll_kv_connector(self) -> None:
+        """Apply what the connector finished since the last call: free the blocks of
+        requests it no longer sends; resume requests whose remote load ended (blocks
+        that arrived are registered in the prefix cache), or end them with the error
+        when the connector says the failure is fatal. No-op without a connector."""
+        connector = self.kv_connector
+        if connector is None:
+            return
+        kv = self.kv_cache_manager
+        for req_id in connector.get_finished_sending():
+            request = self.sending.pop(req_id, None)
+            if request is not None:
+                kv.free(request)
+        for result in connector.get_finished_loads():
+            request = self.waiting_for_remote.pop(result.req_id, None)
+            if request is None:
+                continue
+            if result.error is not None and result.fatal:
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._free_finished(request)
+                self.failed_requests.append((request, result.error))
+                continue
+            request.num_computed_tokens += result.num_tokens_ok
+            request.num_external_tokens = result.num_tokens_ok
+            if self.enable_prefix_caching:
+                kv.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        self._set_state(self._state)
 
     # ------------------------------------------------------------------ scheduling helpers
     @abc.abstractmethod
@@ -225,31 +275,66 @@ class Scheduler(abc.ABC):
         first chunk: prefix lookup, then one ``allocate_slots``. Returns the tokens
         scheduled, or None when the blocks do not fit (nothing changed)."""
         kv = self.kv_cache_manager
+        if request.req_id in kv.req_to_blocks:
+            return self._admit_loaded(request, budget, cap, step)
         if self.enable_prefix_caching:
             hit_blocks, num_hit = kv.get_computed_blocks(request)
         else:
             hit_blocks, num_hit = [], 0
+        connector = self.kv_connector
         num_external = 0
-        if self.kv_connector is not None:
-            num_external = self.kv_connector.get_num_new_matched_tokens(request, num_hit)
+        if connector is not None:
+            kv.block_hashes(request)  # the connector checks/sends them
+            num_external = connector.get_num_new_matched_tokens(request, num_hit)
             num_external = max(0, min(num_external, request.num_tokens - 1 - num_hit))
-        num_new = chunk_size(request.num_tokens - num_hit - num_external, budget, cap)
+        if num_external > 0 and connector is not None:
+            # Blocks for the external tokens only; nothing is computed until they arrive.
+            if kv.allocate_slots(request, num_external, hit_blocks, num_hit) is None:
+                return None
+            self.waiting.popleft()
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
+            self.waiting_for_remote[request.req_id] = request
+            connector.update_state_after_alloc(
+                request, kv.get_block_ids(request.req_id), num_external
+            )
+            return 0
+        num_new = chunk_size(request.num_tokens - num_hit, budget, cap)
         if num_new <= 0:
             return None
-        if kv.allocate_slots(request, num_external + num_new, hit_blocks, num_hit) is None:
+        if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
             return None
         self.waiting.popleft()
         self.running.append(request)
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit + num_external
+        request.num_computed_tokens = num_hit
         if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit + num_external
+            request.num_cached_tokens = num_hit
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
         block_ids = kv.get_block_ids(request.req_id)
-        if self.kv_connector is not None:
-            self.kv_connector.update_state_after_alloc(request, block_ids, num_external)
+        if connector is not None:
+            connector.update_state_after_alloc(request, block_ids, 0)
         step.add_new(request, num_new, block_ids)
+        return num_new
+
+    def _admit_loaded(
+        self, request: Request, budget: int, cap: int, step: StepBuilder
+    ) -> int | None:
+        """Admit a request back from a remote load: it already holds its blocks and
+        ``num_computed_tokens`` counts what arrived; compute the rest."""
+        kv = self.kv_cache_manager
+        num_new = chunk_size(request.num_tokens - request.num_computed_tokens, budget, cap)
+        if num_new <= 0 or kv.allocate_slots(request, num_new) is None:
+            return None
+        self.waiting.popleft()
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        step.add_new(request, num_new, kv.get_block_ids(request.req_id))
         return num_new
 
     def _preempt(self, request: Request) -> None:
@@ -307,7 +392,7 @@ class Scheduler(abc.ABC):
         self._set_state(self._active_state(step))
         finished, self._finished_req_ids = self._finished_req_ids, set()
         self.num_steps += 1
-        return SchedulerOutput(
+        out = SchedulerOutput(
             phase=step.phase,
             scheduled_new_reqs=step.new_reqs,
             scheduled_cached_reqs=step.cached_reqs,
@@ -323,6 +408,9 @@ class Scheduler(abc.ABC):
             finished_req_ids=finished,
             decode_batch_size_padded=decode_batch_size_padded,
         )
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
+        return out
 
     # ------------------------------------------------------------------ results
     def update_from_output(

@@ -19,7 +19,7 @@ For every scheduled request ``r``:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from kvserve.request import FinishReason, SamplingParams
 
@@ -72,6 +72,8 @@ class SchedulerOutput:
     kv_segment_size: int
     finished_req_ids: set[str] = field(default_factory=set)
     decode_batch_size_padded: int | None = None
+    # KVConnectorMetadata for the worker side of a KV connector (None: nothing to do).
+    kv_connector_metadata: Any = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
@@ -107,6 +108,7 @@ class ModelRunner:
             attention_backend=self.attention_backend,
         )
         self.sampler = sampler if sampler is not None else Sampler()
+        self.kv_connector: KVConnectorWorker | None = None
         self.compiled: CompiledDecode | None = None
         if compile:
             policy = scheduler_config.scheduler_policy
@@ -119,6 +121,11 @@ class ModelRunner:
             )
             self.compiled.warm_up(self.kv_caches, scheduler_config.kv_segment_size)
 
+    def set_kv_connector(self, connector: KVConnectorWorker) -> None:
+        """Use ``connector``'s worker side around every step (disaggregation)."""
+        connector.register_kv_cache(self.kv_cache)
+        self.kv_connector = connector
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: returns sampled token ids per scheduled request.
@@ -130,14 +137,19 @@ class ModelRunner:
         so = scheduler_output
         batch = self.input_batch
         batch.update_states(so)
+        meta = so.kv_connector_metadata
+        if meta is not None and self.kv_connector is not None:
+            self.kv_connector.load_kv(meta)  # received blocks, before the forward pass
         if so.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = batch.prepare_inputs(so)
-        meta = inputs.attn_meta
-        if self.compiled is not None and self.compiled.supports(meta):
-            hidden = self.compiled(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        attn_meta = inputs.attn_meta
+        if self.compiled is not None and self.compiled.supports(attn_meta):
+            hidden = self.compiled(inputs.input_ids, inputs.positions, self.kv_caches, attn_meta)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_meta)
+        if meta is not None and self.kv_connector is not None:
+            self.kv_connector.save_kv(meta)  # blocks this step completed, right after it
 
         sampled: dict[str, list[int]] = {req_id: [] for req_id in so.scheduled_req_ids}
         logprobs: dict[str, list[Logprobs]] = {}

@@ -28,6 +28,7 @@ from kvserve.bench.compare import (
     ratio,
     run_compare,
 )
+from kvserve.bench.disagg import TRANSFER_FIGURES, transfer_figures
 from kvserve.bench.metrics import summarize
 from kvserve.bench.workloads import WordVocabulary, WorkloadSpec, build_workload
 
@@ -86,7 +87,7 @@ def test_presets_are_consistent(name: str) -> None:
         assert preset.target.variant in names and preset.target.reference in names
         assert preset.target.figure in [f.key for f in preset.figures]
     w = build_workload(preset.workload)
-    summary_keys = set(summarize([], 1.0)) | {"prefix_cache_hit_rate"}
+    summary_keys = set(summarize([], 1.0)) | {"prefix_cache_hit_rate", *TRANSFER_FIGURES}
     tags = {s.tag for s in w.sessions}
     for f in preset.figures:
         tag, _, key = f.key.rpartition("/")
@@ -243,3 +244,47 @@ def test_hf_static_batching_baseline_on_a_tiny_random_llama() -> None:
     assert s["mean_tpot_ms"] is None and not math.isnan(s["mean_ttft_ms"])
     with pytest.raises(ValueError, match="one per prompt"):
         run_hf_baseline(prompts, [1], model, tokenizer)
+
+
+def test_disagg_variant_starts_a_prefill_worker_beside_its_decode_worker(tmp_path: Path) -> None:
+    preset = _tiny_preset(
+        (
+            Variant("slow", ("--delay-ms", "40"), threads=2),
+            Variant(
+                "fast", ("--delay-ms", "1"), threads=1, prefill_args=("--no-kv-stream-chunks",)
+            ),
+        )
+    )
+    opts = CompareOptions(
+        model="fake-model",
+        output_dir=tmp_path / "cmp",
+        serve_command=[sys.executable, FAKE_SERVER],
+        startup_timeout_s=60,
+        progress=False,
+        plots=False,
+    )
+    result = run_compare(preset, opts, WordVocabulary.default())
+    assert not result["errors"] and result["values"]["fast"]["mean_itl_ms"] > 0
+    fast = json.loads((tmp_path / "cmp" / "fast" / "results.json").read_text())
+    command = fast["config"]["command"]
+    assert command[command.index("--kv-role") + 1] == "decode" and "--kv-prefill-peers" in command
+    assert fast["config"]["threads"] == 1 and (tmp_path / "cmp" / "fast" / "prefill.log").exists()
+    # The fake server has no transfer series: the figures are there, unmeasured.
+    assert fast["summary"]["kv_hidden_share"] is None
+    assert not (tmp_path / "cmp" / "slow" / "prefill.log").exists()
+
+
+def test_transfer_figures_arithmetic() -> None:
+    decode = {
+        "kvserve:kv_transfer_bytes_total{direction=received}": 4_000_000.0,
+        "kvserve:kv_transfer_busy_seconds_total": 2.0,
+        "kvserve:kv_transfer_long_busy_seconds_total": 1.0,
+        "kvserve:kv_transfer_long_exposed_seconds_total": 0.25,
+        "kvserve:prompt_tokens_by_source_total{source=external_kv_transfer}": 200.0,
+        "kvserve:kv_transfer_nominal_bytes_per_token": 20_000.0,
+    }
+    fig = transfer_figures(decode, {"kvserve:kv_transfer_bytes_total{direction=sent}": 4e6})
+    assert fig["kv_transfer_mb_per_s"] == 2.0 and fig["kv_hidden_share"] == 0.75
+    assert fig["kv_bytes_per_token"] == 20_000.0 == fig["kv_nominal_bytes_per_token"]
+    assert fig["kv_bytes_sent"] == 4e6
+    assert transfer_figures({}, {})["kv_hidden_share"] is None

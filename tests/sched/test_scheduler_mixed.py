@@ -373,30 +373,90 @@ def test_add_request_refusals_change_nothing():
 
 
 class FakeConnector:
-    """Supplies 16 tokens of KV from outside for every request."""
+    """Supplies 16 tokens of KV from outside for every fresh request; the load ends
+    (ok, or failed after ``ok_tokens``) when the test says so."""
 
     def __init__(self):
         self.allocated = []
         self.finished = []
+        self.results = []
+        self.keep = False
+        self.sent = set()
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return 16
+        return 16 if not request.num_preemptions else 0
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         self.allocated.append((request.req_id, list(block_ids), num_external_tokens))
 
+    def build_connector_meta(self, scheduler_output):
+        return None
+
+    def get_finished_loads(self):
+        out, self.results = self.results, []
+        return out
+
+    def get_finished_sending(self):
+        out, self.sent = self.sent, set()
+        return out
+
     def request_finished(self, request, block_ids):
         self.finished.append((request.req_id, list(block_ids)))
+        return self.keep
 
 
 def test_kv_connector_seam():
+    from kvserve.kv_transfer.connector import LoadResult
+
     kv = KVCacheManager(100, 16, 256)
     connector = FakeConnector()
     sched = MixedScheduler(SchedulerConfig(max_model_len=256), kv, kv_connector=connector)
     sched.add_request(req("a", 40, max_tokens=1))
     out: SchedulerOutput = sched.schedule()
+    # Parked with one block for the external tokens, nothing computed yet.
+    assert out.is_empty and list(sched.waiting_for_remote) == ["a"]
+    assert connector.allocated[-1] == ("a", kv.get_block_ids("a"), 16)
+    assert len(kv.get_block_ids("a")) == 1 and sched.has_unfinished_requests()
+    assert sched.schedule().is_empty  # still waiting
+    connector.results.append(LoadResult("a", 16))
+    sched.poll_kv_connector()
+    out = sched.schedule()
     assert out.cached_seq_len == {"a": 16} and out.num_scheduled_tokens == {"a": 24}
-    assert connector.allocated == [("a", kv.get_block_ids("a"), 16)]
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 16
     block_ids = kv.get_block_ids("a")
     sched.update_from_output(out, ModelRunnerOutput({"a": [1]}))
     assert connector.finished == [("a", block_ids)] and kv.num_active_blocks == 0
+
+
+def test_kv_connector_failed_load_and_delayed_free():
+    from kvserve.kv_transfer.connector import LoadResult
+
+    kv = KVCacheManager(100, 16, 256)
+    connector = FakeConnector()
+    sched = MixedScheduler(SchedulerConfig(max_model_len=256), kv, kv_connector=connector)
+    # A failed load that is not fatal resumes from what arrived (here nothing).
+    sched.add_request(req("a", 40, max_tokens=1))
+    sched.schedule()
+    connector.results.append(LoadResult("a", 0, error="peer gone"))
+    sched.poll_kv_connector()
+    out = sched.schedule()
+    assert out.cached_seq_len == {"a": 0} and out.num_scheduled_tokens == {"a": 40}
+    # The connector keeps the blocks of a finished request until it lets them go.
+    connector.keep = True
+    sched.update_from_output(out, ModelRunnerOutput({"a": [1]}))
+    assert kv.num_active_blocks == 3 and list(sched.sending) == ["a"]
+    connector.sent = {"a"}
+    sched.poll_kv_connector()
+    assert kv.num_active_blocks == 0 and not sched.sending
+    # A fatal failure ends the request with the error; an abort while parked frees.
+    connector.keep = False
+    sched.add_request(req("b", 40, max_tokens=1))
+    sched.add_request(req("c", 40, max_tokens=1))
+    sched.schedule()
+    assert set(sched.waiting_for_remote) == {"b", "c"}
+    connector.results.append(LoadResult("b", 0, error="boom", fatal=True))
+    sched.poll_kv_connector()
+    assert [(r.req_id, e) for r, e in sched.failed_requests] == [("b", "boom")]
+    sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+    assert kv.num_active_blocks == 0 and not sched.has_unfinished_requests()
+    kv.check_invariants()
