@@ -25,6 +25,16 @@ Rules a caller (the engine) must keep:
   ``num_computed_tokens`` reaches ``num_tokens`` in that step.
 - Finished requests leave :attr:`Scheduler.requests` inside the call that finishes
   them (``update_from_output`` or ``finish_requests``); keep your own reference.
+
+Samples of one request (``Request.with_samples``): only the leader is queued; the
+other samples are in :attr:`Scheduler.requests` but in neither queue until the step
+that computes the leader's prompt, whose runner output carries each sample's first
+token (``SchedulerOutput.forks``). Then each sample *forks*: it shares the prompt's
+blocks (``KVCacheManager.fork``) and runs as a decode, so the prompt is computed
+once. A sample that got no token (a runner without fork support) or no block for its
+copy is queued at the front of ``waiting`` instead and computes the prompt itself
+(a prefix-cache hit for all its full blocks). A group is admitted only when all its
+samples fit under ``max_num_seqs``.
 """
 
 from __future__ import annotations
@@ -39,8 +49,14 @@ from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.block_pool import KVCacheBlock
 from kvserve.kv_cache.manager import KVCacheManager, cdiv
 from kvserve.kv_transfer.connector import KVConnector
-from kvserve.request import Request, RequestError, RequestStatus, check_prompt
-from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvserve.request import FinishReason, Request, RequestError, RequestStatus, check_prompt
+from kvserve.sched.output import (
+    EngineCoreOutput,
+    ForkData,
+    Logprobs,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from kvserve.sched.step_builder import StepBuilder, chunk_size
 
 
@@ -105,6 +121,9 @@ class Scheduler(abc.ABC):
         self.running: list[Request] = []
         # Finished, aborted or preempted since the last output: the runner drops them.
         self._finished_req_ids: set[str] = set()
+        # Forked samples the runner has not seen, and the block copies it still owes.
+        self._new_to_runner: set[str] = set()
+        self._block_copies: list[tuple[int, int]] = []
         self._state = SchedulerState.IDLE
         self.num_preemptions = 0
         self.num_prefill_padding_tokens = 0
@@ -142,6 +161,8 @@ class Scheduler(abc.ABC):
         :meth:`check_request` refuses it."""
         self.check_request(request)
         self.requests[request.req_id] = request
+        for sample in request.pending_forks:
+            self.requests[sample.req_id] = sample
         self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
@@ -162,6 +183,19 @@ class Scheduler(abc.ABC):
         ):
             raise ValueError(
                 f"request {req_id!r} is not fresh ({request!r}): add a new Request object"
+            )
+        group = 1 + len(request.pending_forks)
+        if group > self.max_num_seqs:
+            raise RequestError(
+                f"request {req_id!r} asks for {group} samples but max_num_seqs is "
+                f"{self.max_num_seqs}: lower n/best_of to at most {self.max_num_seqs} or start "
+                f"the engine with max_num_seqs >= {group}",
+                param="n",
+            )
+        if any(s.req_id in self.requests for s in request.pending_forks):
+            raise RequestError(
+                f"a sample id of request {req_id!r} is already queued: use a unique id",
+                param="request_id",
             )
         # The engine checked max_tokens too; generating up to max_model_len finishes
         # the request as "length", so here only the prompt must leave room.
@@ -194,17 +228,38 @@ class Scheduler(abc.ABC):
             request = self.requests.get(req_id)
             if request is None:
                 continue
+            parent = request.fork_parent
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif parent is not None and request in parent.pending_forks:
+                parent.pending_forks.remove(request)  # never queued
             else:
-                self.waiting.remove(request)
+                idx = self.waiting.index(request)
+                del self.waiting[idx]
+                if request.pending_forks:
+                    # The next sample leads the rest and takes the leader's place.
+                    heir, rest = request.pending_forks[0], request.pending_forks[1:]
+                    heir.pending_forks, request.pending_forks = rest, []
+                    heir.fork_parent = None
+                    for sample in rest:
+                        sample.fork_parent = heir
+                    self.waiting.insert(idx, heir)
             request.status = status
             self._free_finished(request)
         self._set_state(self._state)
 
+    def _group_fits(self, request: Request) -> bool:
+        """Whether admitting ``request`` and its pending samples keeps ``max_num_seqs``."""
+        return len(self.running) + 1 + len(request.pending_forks) <= self.max_num_seqs
+
+    def _new_step(self) -> StepBuilder:
+        """A StepBuilder that sends forked samples to the runner as new requests."""
+        return StepBuilder(self._new_to_runner, self.kv_cache_manager.get_block_ids)
+
     def _free_finished(self, request: Request) -> None:
         """Release a finished request (already out of both queues)."""
         self._release_blocks(request)
+        self._new_to_runner.discard(request.req_id)
         request.finished_time = self.clock()
         self._finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
@@ -256,6 +311,7 @@ class Scheduler(abc.ABC):
         """Preempt by recompute: free the blocks, reset progress, requeue at the front."""
         self.running.remove(request)
         self._release_blocks(request)
+        self._new_to_runner.discard(request.req_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -306,6 +362,14 @@ class Scheduler(abc.ABC):
         finished since the last output."""
         self._set_state(self._active_state(step))
         finished, self._finished_req_ids = self._finished_req_ids, set()
+        copies, self._block_copies = self._block_copies, []
+        forks: dict[str, list[ForkData]] = {}
+        for req_id, n in step.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if request.pending_forks and request.num_computed_tokens + n >= request.num_tokens:
+                forks[req_id] = [
+                    ForkData(s.req_id, s.sampling_params) for s in request.pending_forks
+                ]
         self.num_steps += 1
         return SchedulerOutput(
             phase=step.phase,
@@ -322,6 +386,8 @@ class Scheduler(abc.ABC):
             kv_segment_size=self.config.kv_segment_size,
             finished_req_ids=finished,
             decode_batch_size_padded=decode_batch_size_padded,
+            forks=forks,
+            block_copies=copies,
         )
 
     # ------------------------------------------------------------------ results
@@ -372,21 +438,53 @@ class Scheduler(abc.ABC):
                 request.first_token_time = now
             request.last_token_time = now
             logprobs = model_runner_output.logprobs.get(req_id)
+            forked = self._fork_samples(request, model_runner_output, now)
             finish_reason = request.finish_reason
             if request.is_finished:
                 self.running.remove(request)
                 self._free_finished(request)
-            outputs.append(
-                EngineCoreOutput(
-                    req_id=req_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
-                    finish_reason=finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(0, request.num_cached_tokens),
-                )
-            )
+            outputs.append(_core_output(request, new_token_ids, logprobs, finish_reason))
+            outputs.extend(forked)
         self._set_state(self._state)
+        return outputs
+
+    def _fork_samples(
+        self, leader: Request, runner_output: ModelRunnerOutput, now: float
+    ) -> list[EngineCoreOutput]:
+        """Fork the leader's pending samples now that its prompt has KV (see the module
+        docstring); returns the outputs of the samples that got their first token."""
+        samples, leader.pending_forks = leader.pending_forks, []
+        outputs: list[EngineCoreOutput] = []
+        requeue: list[Request] = []
+        kv = self.kv_cache_manager
+        for sample in samples:
+            sample.fork_parent = None
+            sampled = runner_output.sampled_token_ids.get(sample.req_id)
+            if not sampled:
+                requeue.append(sample)
+                continue
+            sample.append_output_token_ids(sampled[0])
+            sample.first_scheduled_time = leader.first_scheduled_time
+            sample.first_token_time = sample.last_token_time = now
+            sample.num_cached_tokens = max(leader.num_cached_tokens, 0)
+            sample.status = RequestStatus.RUNNING
+            if not self._check_stop(sample):
+                copies = kv.fork(leader, sample, leader.num_prompt_tokens)
+                if copies is None:  # no block for the copy: compute the prompt itself
+                    sample.status = RequestStatus.WAITING
+                    sample.num_cached_tokens = -1
+                    requeue.append(sample)
+                else:
+                    sample.num_computed_tokens = leader.num_prompt_tokens
+                    self._block_copies.extend(copies)
+                    self._new_to_runner.add(sample.req_id)
+                    self.running.append(sample)
+            logprobs = runner_output.logprobs.get(sample.req_id)
+            finish_reason = sample.finish_reason
+            if sample.is_finished:
+                self._free_finished(sample)
+            outputs.append(_core_output(sample, [sampled[0]], logprobs, finish_reason))
+        self.waiting.extendleft(reversed(requeue))
         return outputs
 
     def _check_stop(self, request: Request) -> bool:
@@ -418,3 +516,19 @@ class Scheduler(abc.ABC):
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+
+def _core_output(
+    request: Request,
+    new_token_ids: list[int],
+    logprobs: list[Logprobs] | None,
+    finish_reason: FinishReason | None,
+) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        req_id=request.req_id,
+        new_token_ids=new_token_ids,
+        new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
+        finish_reason=finish_reason,
+        stop_reason=request.stop_reason,
+        num_cached_tokens=max(0, request.num_cached_tokens),
+    )
