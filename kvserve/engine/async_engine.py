@@ -245,10 +245,20 @@ class AsyncEngine:
 
     async def submit(self, request: Request, *, max_waiting: int | None = None) -> RequestStream:
         """Queue a request built by :meth:`make_request` (it is not validated again);
-        return its stream. Raises as :meth:`generate` does."""
+        return the stream of its first sample (:meth:`submit_samples` returns all).
+        Raises as :meth:`generate` does."""
+        return (await self.submit_samples(request, max_waiting=max_waiting))[0]
+
+    async def submit_samples(
+        self, request: Request, *, max_waiting: int | None = None
+    ) -> list[RequestStream]:
+        """Queue a request built by :meth:`make_request` and return one stream per
+        sample (``n``/``best_of``; ``request.group`` order). Aborting a stream aborts
+        that sample; the caller must drain or abort every stream."""
         self._check_available()
         req_id = request.req_id
-        if req_id in self._requests:
+        ids = [r.req_id for r in request.group]
+        if any(r in self._requests for r in ids):
             raise RequestError(
                 f"request id {req_id!r} is already in use: pick a unique id", param="request_id"
             )
@@ -261,20 +271,22 @@ class AsyncEngine:
                     "retry after a few seconds"
                 )
             self._num_pending_adds += 1
-        live = _Live(asyncio.Queue())
-        self._requests[req_id] = live
+        lives = [_Live(asyncio.Queue()) for _ in ids]
+        self._requests.update(zip(ids, lives, strict=True))
         added: concurrent.futures.Future[str] = concurrent.futures.Future()
         self._submit(_Add(request, added))
         try:
             await asyncio.wrap_future(added)
         except asyncio.CancelledError:
-            self._requests.pop(req_id, None)
-            self._submit(_Abort([req_id]))
+            for r in ids:
+                self._requests.pop(r, None)
+            self._submit(_Abort(ids))
             raise
         except BaseException:
-            self._requests.pop(req_id, None)
+            for r in ids:
+                self._requests.pop(r, None)
             raise
-        return RequestStream(self, req_id, live.queue)
+        return [RequestStream(self, r, live.queue) for r, live in zip(ids, lives, strict=True)]
 
     def _check_available(self) -> None:
         self.start()

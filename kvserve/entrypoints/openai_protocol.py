@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvserve.request import RequestError, SamplingParams
+from kvserve.structured.params import StructuredOutputsParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
@@ -91,6 +92,12 @@ _EXAMPLES: dict[str, str] = {
     "frequency_penalty": '"frequency_penalty": 0.5',
     "repetition_penalty": '"repetition_penalty": 1.1',
     "tokens": '"tokens": [1, 2, 3]',
+    "best_of": '"best_of": 2',
+    "logit_bias": '"logit_bias": {"50256": -100}',
+    "prompt_logprobs": '"prompt_logprobs": 1',
+    "response_format": '"response_format": {"type": "json_object"}',
+    "structured_outputs": '"structured_outputs": {"choice": ["yes", "no"]}',
+    "echo": '"echo": true',
 }
 
 
@@ -171,6 +178,33 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any
+    JSON object) or ``json_schema`` (an object valid against ``json_schema.schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat."""
 
@@ -185,7 +219,7 @@ class _SamplingRequest(_Strict):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     stop: Any = None
     stop_token_ids: list[int] | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=128)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -196,6 +230,9 @@ class _SamplingRequest(_Strict):
     cache_salt: str | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -211,11 +248,6 @@ class _SamplingRequest(_Strict):
 
     def check_common(self) -> None:
         """Refuse what kvserve does not support, with the fix."""
-        if self.logit_bias:
-            raise bad_request(
-                "logit_bias is not supported by this server: remove it from the request",
-                param="logit_bias",
-            )
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options is only allowed when stream is true: set "
@@ -237,9 +269,13 @@ class _SamplingRequest(_Strict):
             "stop_token_ids": self.stop_token_ids or [],
             "logprobs": logprobs,
             "seed": self.seed,
+            "prompt_logprobs": self.prompt_logprobs,
+            "logit_bias": self.token_logit_bias(),
+            "structured_outputs": self.structured(),
         }
         for name in (
             "n",
+            "best_of",
             "temperature",
             "top_p",
             "top_k",
@@ -248,7 +284,7 @@ class _SamplingRequest(_Strict):
             "frequency_penalty",
             "repetition_penalty",
         ):
-            value = getattr(self, name)
+            value = getattr(self, name, None)
             if value is not None:
                 kwargs[name] = value
         try:
@@ -258,17 +294,74 @@ class _SamplingRequest(_Strict):
 
     def param_names(self, max_tokens_param: str) -> dict[str, str]:
         """Engine field name -> this request's field name, for :func:`request_error_to_api`."""
-        return {"max_tokens": max_tokens_param}
+        return {"max_tokens": max_tokens_param, **self._structured_names()}
+
+    def _structured_names(self) -> dict[str, str]:
+        if self.response_format is None or self.structured_outputs is not None:
+            return {}
+        names = {"structured_outputs": "response_format"}
+        names["structured_outputs.json"] = "response_format.json_schema.schema"
+        names["structured_outputs.json_object"] = "response_format"
+        return names
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids; 400 naming it for a key that is not one."""
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            if not re.fullmatch(r"[0-9]{1,9}", key):
+                raise bad_request(
+                    f"logit_bias key {key!r} is not a token id: keys are token ids as strings; "
+                    "for example " + _EXAMPLES["logit_bias"],
+                    param="logit_bias",
+                )
+            out[int(key)] = bias
+        return out
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """``structured_outputs`` or ``response_format`` as engine params (None for
+        none or ``{"type": "text"}``); 400 naming the field when both are set or the
+        shape is wrong."""
+        so, rf = self.structured_outputs, self.response_format
+        if so is not None and rf is not None and rf.type != "text":
+            raise bad_request(
+                "send either response_format or structured_outputs, not both",
+                param="structured_outputs",
+            )
+        try:
+            if so is not None:
+                return StructuredOutputsParams(
+                    json=so.json_,
+                    regex=so.regex,
+                    choice=tuple(so.choice) if so.choice is not None else None,
+                    grammar=so.grammar,
+                    json_object=bool(so.json_object),
+                )
+            if rf is None or rf.type == "text":
+                return None
+            if rf.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise bad_request(
+                    'response_format of type "json_schema" needs json_schema.schema; for example '
+                    '{"type": "json_schema", "json_schema": {"name": "person", "schema": '
+                    '{"type": "object"}}}',
+                    param="response_format.json_schema.schema",
+                )
+            return StructuredOutputsParams(json=rf.json_schema.schema_)
+        except RequestError as e:
+            raise request_error_to_api(e, self._structured_names()) from None
 
 
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
     prompt: Any
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=128)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list (one element per completion to generate).
@@ -304,18 +397,39 @@ class CompletionRequest(_SamplingRequest):
         self.check_common()
         if self.suffix:
             raise bad_request("suffix is not supported by this server: remove it", param="suffix")
-        if self.best_of is not None and self.best_of != 1:
+        n = self.n or 1
+        if self.best_of is not None and self.best_of < n:
             raise bad_request(
-                f"best_of={self.best_of} is not supported: only best_of=1 is; send several "
-                "requests instead",
+                f"best_of={self.best_of} is less than n={n}: best_of samples are generated "
+                "and the n best returned, so use best_of >= n",
                 param="best_of",
             )
-        if self.echo and self.logprobs is not None:
+        if self.stream and self.best_of is not None and self.best_of > n:
             raise bad_request(
-                "echo together with logprobs is not supported (prompt logprobs are not "
-                "computed): drop echo or logprobs",
-                param="echo",
+                f"best_of={self.best_of} > n={n} cannot be streamed (the best samples are "
+                "known only at the end): set stream to false or best_of to n",
+                param="best_of",
             )
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request(
+                "invalid value for 'max_tokens': 0 is allowed only with \"echo\": true (to "
+                "score the prompt); otherwise use a positive integer, for example "
+                + _EXAMPLES["max_tokens"],
+                param="max_tokens",
+            )
+
+    @property
+    def echo_only(self) -> bool:
+        """``max_tokens: 0`` with ``echo``: return the prompt (and its logprobs) only."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs to compute: ``prompt_logprobs``, or ``logprobs`` with echo."""
+        wanted = [
+            k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None
+        ]
+        return max(wanted) if wanted else None
 
 
 def _check_content(value: Any) -> str | None:
@@ -369,7 +483,6 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         self.check_common()
@@ -384,12 +497,6 @@ class ChatCompletionRequest(_SamplingRequest):
                 "tools are not supported by this server: remove tools and tool_choice",
                 param="tools",
             )
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request(
-                f"response_format={self.response_format!r} is not supported: only "
-                '{"type": "text"} is',
-                param="response_format",
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request(
                 'top_logprobs needs "logprobs": true: set logprobs to true or drop top_logprobs',
@@ -403,7 +510,12 @@ class ChatCompletionRequest(_SamplingRequest):
             )
 
     def param_names(self, max_tokens_param: str) -> dict[str, str]:
-        return {"max_tokens": max_tokens_param, "prompt": "messages", "logprobs": "top_logprobs"}
+        return {
+            "max_tokens": max_tokens_param,
+            "prompt": "messages",
+            "logprobs": "top_logprobs",
+            **self._structured_names(),
+        }
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:

@@ -247,7 +247,7 @@ async def _respond(
     if stream:
         return _SSEResponse(serving.events(gen), on_close=abort_all(gen.streams))
     choices = await _until_disconnect(
-        request, serving.collect(gen.streams), on_disconnect=abort_all(gen.streams)
+        request, serving.collect(gen), on_disconnect=abort_all(gen.streams)
     )
     if choices is None:
         return Response(status_code=499)
