@@ -19,9 +19,9 @@ Defaults that differ between OpenAI and vLLM, and the ones kvserve picks:
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 from kvserve.request import RequestError, SamplingParams
 from kvserve.structured.params import StructuredOutputsParams
@@ -154,6 +154,41 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# --------------------------------------------------------------------- JSON schemas
+# What the OpenAPI document says the free-form fields accept (the validators below
+# enforce the same).
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        _TOKEN_IDS,
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+    ]
+}
+_STOP_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}},
+        {"type": "null"},
+    ]
+}
+_CONTENT_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string"},
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                "required": ["type", "text"],
+            },
+        },
+        {"type": "null"},
+    ]
+}
+
+
 # --------------------------------------------------------------------- validators
 def _check_stop(value: Any) -> list[str] | None:
     if value is None:
@@ -198,11 +233,40 @@ class ResponseFormat(_Strict):
 class StructuredOutputsRequest(_Strict):
     """vLLM's ``structured_outputs``: exactly one of these."""
 
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["json"], "properties": {"json": {"type": ["object", "string"]}}},
+                {"required": ["regex"], "properties": {"regex": {"type": "string"}}},
+                {"required": ["choice"], "properties": {"choice": {"type": "array"}}},
+                {"required": ["grammar"], "properties": {"grammar": {"type": "string"}}},
+                {"required": ["json_object"], "properties": {"json_object": {"const": True}}},
+            ]
+        },
+    )
+
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: str | None = Field(default=None, json_schema_extra={"minLength": 1})
+    choice: list[str] | None = Field(
+        default=None,
+        json_schema_extra={"minItems": 1, "items": {"type": "string", "minLength": 1}},
+    )
+    grammar: str | None = Field(default=None, json_schema_extra={"minLength": 1})
     json_object: bool | None = None
+
+
+def _present(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"required": [name], "properties": {name: schema}}
+
+
+# Rules between fields, stated in the JSON schema as if/then (the checks below
+# enforce them with a message).
+_STREAM_OPTIONS_RULE = {
+    "if": _present("stream_options", {"type": "object"}),
+    "then": _present("stream", {"const": True}),
+}
 
 
 class _SamplingRequest(_Strict):
@@ -211,25 +275,41 @@ class _SamplingRequest(_Strict):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    max_tokens: int | None = Field(default=None, json_schema_extra={"minimum": 0})
+    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0})
+    top_p: float | None = Field(
+        default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1}
+    )
+    top_k: int | None = Field(default=None, json_schema_extra={"minimum": -1})
+    min_p: float | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 1})
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
-    stop: Any = None
-    stop_token_ids: list[int] | None = None
+    stop: Annotated[Any, WithJsonSchema(_STOP_SCHEMA)] = None
+    stop_token_ids: list[int] | None = Field(
+        default=None, json_schema_extra={"items": {"type": "integer", "minimum": 0}}
+    )
     n: int | None = Field(default=None, ge=1, le=128)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = Field(
+        default=None, json_schema_extra={"minimum": -2, "maximum": 2}
+    )
+    frequency_penalty: float | None = Field(
+        default=None, json_schema_extra={"minimum": -2, "maximum": 2}
+    )
+    repetition_penalty: float | None = Field(
+        default=None, json_schema_extra={"exclusiveMinimum": 0}
+    )
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, json_schema_extra={"minimum": 0})
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(default=None, json_schema_extra={"minLength": 1})
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        default=None,
+        json_schema_extra={
+            "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,8})$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+    )
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -310,7 +390,7 @@ class _SamplingRequest(_Strict):
             return None
         out: dict[int, float] = {}
         for key, bias in self.logit_bias.items():
-            if not re.fullmatch(r"[0-9]{1,9}", key):
+            if not re.fullmatch(r"0|[1-9][0-9]{0,8}", key):
                 raise bad_request(
                     f"logit_bias key {key!r} is not a token id: keys are token ids as strings; "
                     "for example " + _EXAMPLES["logit_bias"],
@@ -357,7 +437,21 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: Any
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra={
+            "allOf": [
+                _STREAM_OPTIONS_RULE,
+                {
+                    "if": _present("max_tokens", {"const": 0}),
+                    "then": _present("echo", {"const": True}),
+                },
+            ]
+        },
+    )
+
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -455,7 +549,7 @@ def _check_content(value: Any) -> str | None:
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None
+    content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)] = None
     name: str | None = None
 
     @field_validator("content", mode="before")
@@ -475,14 +569,28 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra={
+            "allOf": [
+                _STREAM_OPTIONS_RULE,
+                {
+                    "if": _present("top_logprobs", {"type": "integer"}),
+                    "then": _present("logprobs", {"const": True}),
+                },
+            ]
+        },
+    )
+
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: int | None = Field(default=None, json_schema_extra={"minimum": 1})
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 20})
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
+    tool_choice: Annotated[Any, WithJsonSchema({})] = None
 
     def check(self) -> None:
         self.check_common()
@@ -534,6 +642,26 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Strict):
     """POST /tokenize (vLLM's shape): either ``prompt`` or ``messages``."""
 
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra={
+            "oneOf": [
+                {
+                    "required": ["prompt"],
+                    "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}},
+                },
+                {
+                    "required": ["messages"],
+                    "properties": {
+                        "messages": {"type": "array", "minItems": 1},
+                        "prompt": {"type": "null"},
+                    },
+                },
+            ]
+        },
+    )
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -546,4 +674,4 @@ class DetokenizeRequest(_Strict):
     """POST /detokenize (vLLM's shape)."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[int] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})
