@@ -21,137 +21,25 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
+from kvserve.entrypoints.openai_errors import (
+    EXAMPLES,
+    bad_request,
+    request_error_to_api,
+    short_repr,
+)
+from kvserve.entrypoints.openai_structured import (
+    RESPONSE_FORMAT_NAMES,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    structured_params,
+)
 from kvserve.request import RequestError, SamplingParams
 from kvserve.structured.params import StructuredOutputsParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
-
-
-class APIError(Exception):
-    """An error answered to the client in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | int | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-# Valid examples shown in messages about a field.
-_EXAMPLES: dict[str, str] = {
-    "model": '"model": "smollm2-135m-instruct"',
-    "prompt": '"prompt": "Once upon a time" (or a list of token ids such as [1, 2, 3])',
-    "messages": '"messages": [{"role": "user", "content": "Hello"}]',
-    "max_tokens": '"max_tokens": 16',
-    "max_completion_tokens": '"max_completion_tokens": 16',
-    "temperature": '"temperature": 0.7',
-    "top_p": '"top_p": 0.9',
-    "top_k": '"top_k": 40',
-    "min_p": '"min_p": 0.05',
-    "seed": '"seed": 42',
-    "stop": '"stop": ["\\n"]',
-    "n": '"n": 1',
-    "logprobs": '"logprobs": 2',
-    "top_logprobs": '"top_logprobs": 2',
-    "stream": '"stream": true',
-    "stream_options": '"stream_options": {"include_usage": true}',
-    "cache_salt": '"cache_salt": "tenant-a"',
-    "stop_token_ids": '"stop_token_ids": [2]',
-    "ignore_eos": '"ignore_eos": true',
-    "min_tokens": '"min_tokens": 4',
-    "presence_penalty": '"presence_penalty": 0.5',
-    "frequency_penalty": '"frequency_penalty": 0.5',
-    "repetition_penalty": '"repetition_penalty": 1.1',
-    "tokens": '"tokens": [1, 2, 3]',
-    "best_of": '"best_of": 2',
-    "logit_bias": '"logit_bias": {"50256": -100}',
-    "prompt_logprobs": '"prompt_logprobs": 1',
-    "response_format": '"response_format": {"type": "json_object"}',
-    "structured_outputs": '"structured_outputs": {"choice": ["yes", "no"]}',
-    "echo": '"echo": true',
-}
-
-
-def example_for(param: str | None) -> str:
-    key = re.split(r"[.\[]", param)[0] if param else ""
-    return _EXAMPLES.get(key, "")
-
-
-def validation_error_to_api(err: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field, the rule and an example."""
-    first = err.errors(include_url=False)[0]
-    param = _loc_to_param(first.get("loc", ()))
-    msg = str(first.get("msg", "invalid value"))
-    msg = msg.removeprefix("Value error, ")
-    if first.get("type") == "missing":
-        text = f"missing required field '{param}'"
-        code = "missing_required_parameter"
-    else:
-        got = first.get("input")
-        text = f"invalid value for '{param}': {msg} (got {_short(got)})"
-        code = "invalid_type"
-    example = example_for(param)
-    if example:
-        text += f"; for example {example}"
-    return bad_request(text, param=param, code=code)
-
-
-def request_error_to_api(err: RequestError, names: dict[str, str]) -> APIError:
-    """A refused request as a 400 naming the request's own field (``names`` maps
-    engine names such as ``"prompt"``/``"max_tokens"`` to the request's), with an
-    example when there is one."""
-    param = names.get(err.param, err.param) if err.param else None
-    text = str(err)
-    if param != err.param:
-        text += f" ({err.param} is this request's {param})"
-    example = example_for(param)
-    if example:
-        text += f"; for example {example}"
-    return bad_request(text, param=param, code=err.code)
-
-
-def _loc_to_param(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out or "body"
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # --------------------------------------------------------------------- JSON schemas
@@ -213,57 +101,13 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
-class JsonSchemaFormat(_Strict):
-    """OpenAI's ``response_format.json_schema``."""
-
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Strict):
-    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any
-    JSON object) or ``json_schema`` (an object valid against ``json_schema.schema``)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputsRequest(_Strict):
-    """vLLM's ``structured_outputs``: exactly one of these."""
-
-    model_config = ConfigDict(
-        extra="allow",
-        strict=True,
-        json_schema_extra={
-            "oneOf": [
-                {"required": ["json"], "properties": {"json": {"type": ["object", "string"]}}},
-                {"required": ["regex"], "properties": {"regex": {"type": "string"}}},
-                {"required": ["choice"], "properties": {"choice": {"type": "array"}}},
-                {"required": ["grammar"], "properties": {"grammar": {"type": "string"}}},
-                {"required": ["json_object"], "properties": {"json_object": {"const": True}}},
-            ]
-        },
-    )
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = Field(default=None, json_schema_extra={"minLength": 1})
-    choice: list[str] | None = Field(
-        default=None,
-        json_schema_extra={"minItems": 1, "items": {"type": "string", "minLength": 1}},
-    )
-    grammar: str | None = Field(default=None, json_schema_extra={"minLength": 1})
-    json_object: bool | None = None
-
-
 def _present(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"required": [name], "properties": {name: schema}}
 
 
 # Rules between fields, stated in the JSON schema as if/then (the checks below
 # enforce them with a message).
-_STREAM_OPTIONS_RULE = {
+_STREAM_OPTIONS_RULE: Any = {
     "if": _present("stream_options", {"type": "object"}),
     "then": _present("stream", {"const": True}),
 }
@@ -379,10 +223,7 @@ class _SamplingRequest(_Strict):
     def _structured_names(self) -> dict[str, str]:
         if self.response_format is None or self.structured_outputs is not None:
             return {}
-        names = {"structured_outputs": "response_format"}
-        names["structured_outputs.json"] = "response_format.json_schema.schema"
-        names["structured_outputs.json_object"] = "response_format"
-        return names
+        return dict(RESPONSE_FORMAT_NAMES)
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with integer token ids; 400 naming it for a key that is not one."""
@@ -393,45 +234,16 @@ class _SamplingRequest(_Strict):
             if not re.fullmatch(r"0|[1-9][0-9]{0,8}", key):
                 raise bad_request(
                     f"logit_bias key {key!r} is not a token id: keys are token ids as strings; "
-                    "for example " + _EXAMPLES["logit_bias"],
+                    "for example " + EXAMPLES["logit_bias"],
                     param="logit_bias",
                 )
             out[int(key)] = bias
         return out
 
     def structured(self) -> StructuredOutputsParams | None:
-        """``structured_outputs`` or ``response_format`` as engine params (None for
-        none or ``{"type": "text"}``); 400 naming the field when both are set or the
-        shape is wrong."""
-        so, rf = self.structured_outputs, self.response_format
-        if so is not None and rf is not None and rf.type != "text":
-            raise bad_request(
-                "send either response_format or structured_outputs, not both",
-                param="structured_outputs",
-            )
-        try:
-            if so is not None:
-                return StructuredOutputsParams(
-                    json=so.json_,
-                    regex=so.regex,
-                    choice=tuple(so.choice) if so.choice is not None else None,
-                    grammar=so.grammar,
-                    json_object=bool(so.json_object),
-                )
-            if rf is None or rf.type == "text":
-                return None
-            if rf.type == "json_object":
-                return StructuredOutputsParams(json_object=True)
-            if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise bad_request(
-                    'response_format of type "json_schema" needs json_schema.schema; for example '
-                    '{"type": "json_schema", "json_schema": {"name": "person", "schema": '
-                    '{"type": "object"}}}',
-                    param="response_format.json_schema.schema",
-                )
-            return StructuredOutputsParams(json=rf.json_schema.schema_)
-        except RequestError as e:
-            raise request_error_to_api(e, self._structured_names()) from None
+        """``structured_outputs`` or ``response_format`` as engine params (see
+        :func:`structured_params`); 400 naming the request's field."""
+        return structured_params(self.structured_outputs, self.response_format)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -476,13 +288,13 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(p, list) and not p:
             raise bad_request(
                 "prompt is an empty list: send at least one prompt; for example "
-                + _EXAMPLES["prompt"],
+                + EXAMPLES["prompt"],
                 param="prompt",
             )
         raise bad_request(
-            f"invalid value for 'prompt' (got {_short(p)}): use a string, a list of strings, "
+            f"invalid value for 'prompt' (got {short_repr(p)}): use a string, a list of strings, "
             "a list of token ids (integers) or a list of such lists; for example "
-            + _EXAMPLES["prompt"],
+            + EXAMPLES["prompt"],
             param="prompt",
             code="invalid_type",
         )
@@ -508,7 +320,7 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request(
                 "invalid value for 'max_tokens': 0 is allowed only with \"echo\": true (to "
                 "score the prompt); otherwise use a positive integer, for example "
-                + _EXAMPLES["max_tokens"],
+                + EXAMPLES["max_tokens"],
                 param="max_tokens",
             )
 
@@ -596,8 +408,7 @@ class ChatCompletionRequest(_SamplingRequest):
         self.check_common()
         if not self.messages:
             raise bad_request(
-                "messages is empty: send at least one message; for example "
-                + _EXAMPLES["messages"],
+                "messages is empty: send at least one message; for example " + EXAMPLES["messages"],
                 param="messages",
             )
         if self.tools:
@@ -613,7 +424,7 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(
                 f"top_logprobs={self.top_logprobs} is out of range: use an integer from 0 to "
-                f"{MAX_LOGPROBS}; for example " + _EXAMPLES["top_logprobs"],
+                f"{MAX_LOGPROBS}; for example " + EXAMPLES["top_logprobs"],
                 param="top_logprobs",
             )
 

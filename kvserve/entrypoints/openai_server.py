@@ -40,14 +40,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.entrypoints.openai_errors import APIError, bad_request, validation_error_to_api
 from kvserve.entrypoints.openai_protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    bad_request,
-    validation_error_to_api,
 )
 from kvserve.entrypoints.openai_serving import Generation, OpenAIServing, abort_all
 from kvserve.entrypoints.openapi_doc import openapi_document

@@ -31,13 +31,11 @@ from kvserve.engine.async_engine import (
     RequestStream,
 )
 from kvserve.engine.outputs import RequestDelta
+from kvserve.entrypoints.openai_errors import APIError, bad_request, request_error_to_api
 from kvserve.entrypoints.openai_protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    bad_request,
-    request_error_to_api,
 )
 from kvserve.entrypoints.openai_render import (
     ChatRenderer,
