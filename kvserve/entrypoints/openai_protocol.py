@@ -266,7 +266,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
     best_of: int | None = Field(default=None, ge=1, le=128)
 
     def prompts(self) -> list[str | list[int]]:

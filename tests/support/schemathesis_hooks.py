@@ -18,7 +18,8 @@ CROSS_FIELD_RULES = [
     ("messages", "context_length_exceeded"),
     ("max_tokens", "context_length_exceeded"),
     ("max_completion_tokens", "context_length_exceeded"),
-    ("best_of", "invalid_value"),
+    ("best_of", "invalid_value"),  # best_of >= n
+    ("min_tokens", "invalid_value"),  # min_tokens <= max_tokens
     ("structured_outputs", "invalid_value"),
     ("response_format", "invalid_value"),
 ]
