@@ -229,6 +229,7 @@ class Scheduler(abc.ABC):
             if request is None:
                 continue
             parent = request.fork_parent
+            idx = 0  # where an heir waits: the leader's place, or the front
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif parent is not None and request in parent.pending_forks:
@@ -236,14 +237,14 @@ class Scheduler(abc.ABC):
             else:
                 idx = self.waiting.index(request)
                 del self.waiting[idx]
-                if request.pending_forks:
-                    # The next sample leads the rest and takes the leader's place.
-                    heir, rest = request.pending_forks[0], request.pending_forks[1:]
-                    heir.pending_forks, request.pending_forks = rest, []
-                    heir.fork_parent = None
-                    for sample in rest:
-                        sample.fork_parent = heir
-                    self.waiting.insert(idx, heir)
+            if request.pending_forks:
+                # The prompt is not computed yet: the next sample leads the rest.
+                heir, rest = request.pending_forks[0], request.pending_forks[1:]
+                heir.pending_forks, request.pending_forks = rest, []
+                heir.fork_parent = None
+                for sample in rest:
+                    sample.fork_parent = heir
+                self.waiting.insert(idx, heir)
             request.status = status
             self._free_finished(request)
         self._set_state(self._state)
