@@ -131,7 +131,7 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = Field(
         default=None, json_schema_extra={"items": {"type": "integer", "minimum": 0}}
     )
-    n: int | None = Field(default=None, ge=1, le=128)
+    n: int | None = Field(default=None, json_schema_extra={"minimum": 1, "maximum": 128})
     presence_penalty: float | None = Field(
         default=None, json_schema_extra={"minimum": -2, "maximum": 2}
     )
@@ -154,7 +154,9 @@ class _SamplingRequest(_Strict):
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         },
     )
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(
+        default=None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS}
+    )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
 
@@ -264,10 +266,12 @@ class CompletionRequest(_SamplingRequest):
     )
 
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(
+        default=None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS}
+    )
     echo: bool = False
     suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
-    best_of: int | None = Field(default=None, ge=1, le=128)
+    best_of: int | None = Field(default=None, json_schema_extra={"minimum": 1, "maximum": 128})
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list (one element per completion to generate).
