@@ -49,14 +49,9 @@ from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.block_pool import KVCacheBlock
 from kvserve.kv_cache.manager import KVCacheManager, cdiv
 from kvserve.kv_transfer.connector import KVConnector
-from kvserve.request import FinishReason, Request, RequestError, RequestStatus, check_prompt
-from kvserve.sched.output import (
-    EngineCoreOutput,
-    ForkData,
-    Logprobs,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
+from kvserve.request import Request, RequestError, RequestStatus, check_prompt
+from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvserve.sched.samples import SampleForker, core_output
 from kvserve.sched.step_builder import StepBuilder, chunk_size
 
 
@@ -121,9 +116,7 @@ class Scheduler(abc.ABC):
         self.running: list[Request] = []
         # Finished, aborted or preempted since the last output: the runner drops them.
         self._finished_req_ids: set[str] = set()
-        # Forked samples the runner has not seen, and the block copies it still owes.
-        self._new_to_runner: set[str] = set()
-        self._block_copies: list[tuple[int, int]] = []
+        self.forker = SampleForker(kv_cache_manager)
         self._state = SchedulerState.IDLE
         self.num_preemptions = 0
         self.num_prefill_padding_tokens = 0
@@ -255,12 +248,12 @@ class Scheduler(abc.ABC):
 
     def _new_step(self) -> StepBuilder:
         """A StepBuilder that sends forked samples to the runner as new requests."""
-        return StepBuilder(self._new_to_runner, self.kv_cache_manager.get_block_ids)
+        return StepBuilder(self.forker.new_to_runner, self.kv_cache_manager.get_block_ids)
 
     def _free_finished(self, request: Request) -> None:
         """Release a finished request (already out of both queues)."""
         self._release_blocks(request)
-        self._new_to_runner.discard(request.req_id)
+        self.forker.new_to_runner.discard(request.req_id)
         request.finished_time = self.clock()
         self._finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
@@ -312,7 +305,7 @@ class Scheduler(abc.ABC):
         """Preempt by recompute: free the blocks, reset progress, requeue at the front."""
         self.running.remove(request)
         self._release_blocks(request)
-        self._new_to_runner.discard(request.req_id)
+        self.forker.new_to_runner.discard(request.req_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -363,14 +356,8 @@ class Scheduler(abc.ABC):
         finished since the last output."""
         self._set_state(self._active_state(step))
         finished, self._finished_req_ids = self._finished_req_ids, set()
-        copies, self._block_copies = self._block_copies, []
-        forks: dict[str, list[ForkData]] = {}
-        for req_id, n in step.num_scheduled_tokens.items():
-            request = self.requests[req_id]
-            if request.pending_forks and request.num_computed_tokens + n >= request.num_tokens:
-                forks[req_id] = [
-                    ForkData(s.req_id, s.sampling_params) for s in request.pending_forks
-                ]
+        copies = self.forker.take_block_copies()
+        forks = self.forker.forks_of(step.num_scheduled_tokens, self.requests)
         self.num_steps += 1
         return SchedulerOutput(
             phase=step.phase,
@@ -439,53 +426,21 @@ class Scheduler(abc.ABC):
                 request.first_token_time = now
             request.last_token_time = now
             logprobs = model_runner_output.logprobs.get(req_id)
-            forked = self._fork_samples(request, model_runner_output, now)
+            forked = None
+            if request.pending_forks:
+                forked = self.forker.fork(request, model_runner_output, now, self._check_stop)
+                self.running.extend(forked.running)
+                self.waiting.extendleft(reversed(forked.requeue))
+                for sample in forked.finished:
+                    self._free_finished(sample)
             finish_reason = request.finish_reason
             if request.is_finished:
                 self.running.remove(request)
                 self._free_finished(request)
-            outputs.append(_core_output(request, new_token_ids, logprobs, finish_reason))
-            outputs.extend(forked)
+            outputs.append(core_output(request, new_token_ids, logprobs, finish_reason))
+            if forked is not None:
+                outputs.extend(forked.outputs)
         self._set_state(self._state)
-        return outputs
-
-    def _fork_samples(
-        self, leader: Request, runner_output: ModelRunnerOutput, now: float
-    ) -> list[EngineCoreOutput]:
-        """Fork the leader's pending samples now that its prompt has KV (see the module
-        docstring); returns the outputs of the samples that got their first token."""
-        samples, leader.pending_forks = leader.pending_forks, []
-        outputs: list[EngineCoreOutput] = []
-        requeue: list[Request] = []
-        kv = self.kv_cache_manager
-        for sample in samples:
-            sample.fork_parent = None
-            sampled = runner_output.sampled_token_ids.get(sample.req_id)
-            if not sampled:
-                requeue.append(sample)
-                continue
-            sample.append_output_token_ids(sampled[0])
-            sample.first_scheduled_time = leader.first_scheduled_time
-            sample.first_token_time = sample.last_token_time = now
-            sample.num_cached_tokens = max(leader.num_cached_tokens, 0)
-            sample.status = RequestStatus.RUNNING
-            if not self._check_stop(sample):
-                copies = kv.fork(leader, sample, leader.num_prompt_tokens)
-                if copies is None:  # no block for the copy: compute the prompt itself
-                    sample.status = RequestStatus.WAITING
-                    sample.num_cached_tokens = -1
-                    requeue.append(sample)
-                else:
-                    sample.num_computed_tokens = leader.num_prompt_tokens
-                    self._block_copies.extend(copies)
-                    self._new_to_runner.add(sample.req_id)
-                    self.running.append(sample)
-            logprobs = runner_output.logprobs.get(sample.req_id)
-            finish_reason = sample.finish_reason
-            if sample.is_finished:
-                self._free_finished(sample)
-            outputs.append(_core_output(sample, [sampled[0]], logprobs, finish_reason))
-        self.waiting.extendleft(reversed(requeue))
         return outputs
 
     def _check_stop(self, request: Request) -> bool:
@@ -517,19 +472,3 @@ class Scheduler(abc.ABC):
             request.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
-
-
-def _core_output(
-    request: Request,
-    new_token_ids: list[int],
-    logprobs: list[Logprobs] | None,
-    finish_reason: FinishReason | None,
-) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        req_id=request.req_id,
-        new_token_ids=new_token_ids,
-        new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
-        finish_reason=finish_reason,
-        stop_reason=request.stop_reason,
-        num_cached_tokens=max(0, request.num_cached_tokens),
-    )
