@@ -41,7 +41,11 @@ Two implementations of the same contract, chosen per step by
   :mod:`kvserve.model.native` for every row of the batch. Each (request, KV
   head, tile of query rows) walks its own block table and reads K/V where they lie,
   segment by segment with the online-softmax merge above, so no context is copied
-  and a row's work is proportional to its own context.
+  and a row's work is proportional to its own context. Where the CPU has AMX-BF16
+  (bfloat16, head_dim 64), prefill chunks go to a second kernel that runs Q.K^T and
+  P.V as AMX tile products over the pages, prior and new keys in one pass, 64 keys
+  at a time (segments are multiples of 64, so the per-segment merge is the same
+  computation); ``KVSERVE_PREFILL_AMX=0`` turns it off.
 - ``portable``: PyTorch ops (gather by slot / by block, SDPA). Decode rows are
   gathered up to the longest context and masked past each row's ``seq_len``. It is
   the reference the tests hold the native kernel to, and the fallback where no C++
@@ -262,9 +266,11 @@ def native_attention(
     """Attention of a native-metadata batch whose K/V are already in the cache.
 
     q: [T, H, D], k/v: [T, Hk, D] (the step's new K/V, RoPE applied; rows may be
-    strided). One kernel call covers every decode row and the prior context of every
-    prefill request (see :class:`NativeBatch`); each prefill's new tokens then attend
-    causally among themselves and merge with the prior part. Returns [T, H, D].
+    strided). With the AMX prefill kernel usable (``amx_prefill_supports``): one call
+    for the decode rows, one for every prefill request whole. Otherwise one kernel
+    call covers every decode row and the prior context of short prefill chunks (see
+    :class:`NativeBatch`); each prefill's new tokens then attend causally among
+    themselves and merge with the prior part. Returns [T, H, D].
     """
     nb = meta.native
     assert nb is not None
@@ -276,6 +282,17 @@ def native_attention(
         return nb.kernel(q, kv_cache, nb.seqs, nb.block_tables, seg, scale)
     if compiling:
         raise RuntimeError("compiled steps run decode-only native batches")
+    if nb.prefill_seqs is not None and nb.kernel.amx_prefill_supports(
+        q.dtype, q.shape[-1], kv_cache.shape[3]
+    ):
+        assert nb.decode_seqs is not None and nb.decode_tables is not None
+        assert nb.prefill_tables is not None
+        if nb.decode_seqs.shape[0]:
+            out = nb.kernel(q, kv_cache, nb.decode_seqs, nb.decode_tables, seg, scale)
+        else:
+            out = torch.empty(q.shape, dtype=q.dtype)
+        nb.kernel.prefill_attention_amx(q, kv_cache, nb.prefill_seqs, nb.prefill_tables, scale, out)
+        return out
     native_prior = any(p.native_prior and p.seq.cached_seq_len > 0 for p in nb.prefills)
     lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32) if native_prior else None
     if nb.seqs.shape[0]:

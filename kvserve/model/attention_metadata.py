@@ -94,6 +94,13 @@ class NativeBatch:
     seqs: torch.Tensor  # [S, 5] int64: row_start, num_rows, num_tokens, cached_seq_len, prior_only
     block_tables: torch.Tensor  # [S, max_blocks] int64, 0 = null block
     prefills: list[NativePrefill]
+    # The same batch split for the AMX prefill kernel (see ``native_attention``): the
+    # one-row requests and dummy rows alone, and every prefill request whole
+    # (prior_only 0: its rows attend to prior and new keys in one pass).
+    decode_seqs: torch.Tensor | None = None  # [Sd, 5], None when there is no prefill
+    decode_tables: torch.Tensor | None = None
+    prefill_seqs: torch.Tensor | None = None  # [Sp, 5]
+    prefill_tables: torch.Tensor | None = None
 
 
 @dataclass
@@ -326,5 +333,21 @@ def _build_native(
             torch.from_numpy(np.ascontiguousarray(info[in_kernel])),
             torch.from_numpy(np.ascontiguousarray(table[in_kernel])),
             prefills,
+            *(_amx_split(info, table) if prefills else (None, None, None, None)),
         ),
+    )
+
+
+def _amx_split(
+    info: np.ndarray, table: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(decode seqs, their tables, prefill seqs with prior_only 0, their tables)."""
+    is_prefill = info[:, 1] > 1
+    prefill = info[is_prefill].copy()
+    prefill[:, 4] = 0
+    return (
+        torch.from_numpy(np.ascontiguousarray(info[~is_prefill])),
+        torch.from_numpy(np.ascontiguousarray(table[~is_prefill])),
+        torch.from_numpy(prefill),
+        torch.from_numpy(np.ascontiguousarray(table[is_prefill])),
     )

@@ -1,6 +1,7 @@
 """kvserve's native CPU kernels: build once, load with ctypes, call per layer.
 
-``csrc/*.cpp`` (paged attention; fused add+RMSNorm, SiLU*mul, RoPE+KV write) is a
+``csrc/*.cpp`` (paged attention; AMX prefill attention; fused add+RMSNorm, SiLU*mul,
+RoPE+KV write; sampling helpers) is a
 plain C ABI (no PyTorch headers), compiled with the system C++ compiler into
 ``~/.cache/kvserve/ext/<key>/`` where ``<key>`` hashes the sources, the compiler flags,
 the compiler's version and this CPU's flags, so a changed source or another machine
@@ -33,11 +34,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / n for n in ("paged_attention.cpp", "fused_ops.cpp", "sampling.cpp")]
+_SOURCES = [
+    _CSRC / n for n in ("paged_attention.cpp", "prefill_amx.cpp", "fused_ops.cpp", "sampling.cpp")
+]
 _HEADERS = [_CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_VAR = "KVSERVE_ATTENTION"  # "native" (default when it builds) or "portable"
+AMX_ENV_VAR = "KVSERVE_PREFILL_AMX"  # "0" keeps prefill chunks off the AMX kernel
 
 
 def _cpu_flags() -> str:
@@ -140,6 +144,66 @@ class PagedAttentionKernel:
         self._softmax = lib.kvs_softmax_rows
         self._softmax.argtypes = [vp, i64, i64, vp, vp, i32]
         self._softmax.restype = None
+        self._amx = lib.kvs_prefill_attention_amx
+        self._amx.argtypes = [vp, i64, i64, vp, vp, i64, i32, i32, i32, i32, vp, i64, vp, i64]
+        self._amx.argtypes += [f32, i32, vp]
+        self._amx.restype = i32
+        lib.kvs_prefill_amx_available.restype = i32
+        self.amx_available: bool = bool(lib.kvs_prefill_amx_available())
+
+    def amx_prefill_supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+        """Whether :meth:`prefill_attention_amx` runs for this dtype and shape here: a
+        build and CPU with AMX-BF16, bfloat16, head_dim 64, block_size a multiple of 16,
+        and ``KVSERVE_PREFILL_AMX`` not set to ``0``."""
+        return (
+            self.amx_available
+            and dtype == torch.bfloat16
+            and head_dim == 64
+            and block_size % 16 == 0
+            and os.environ.get(AMX_ENV_VAR, "1") != "0"
+        )
+
+    def prefill_attention_amx(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        seqs: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> None:
+        """Prefill rows attend to all their keys (prior and own chunk) on AMX tiles.
+
+        Writes the rows of ``seqs`` into ``out`` [T, H, D] (contiguous bfloat16), padding
+        rows zero. Rules: :meth:`amx_prefill_supports` holds; q [T, H, D] bfloat16 (last
+        dim contiguous); the chunk's K/V are already in ``kv_cache``; ``seqs`` [S, 5]
+        int64 rows (row_start, num_rows, num_tokens, cached_seq_len, 0); ``block_tables``
+        [S, max_blocks] int64 covering ``cached_seq_len + num_tokens`` positions; ``lse``
+        optional fp32 [T, H]. The kernel does not check bounds.
+        """
+        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        rc = self._amx(
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            out.data_ptr(),
+            kv_cache.data_ptr(),
+            num_blocks,
+            block_size,
+            q.shape[1],
+            num_kv_heads,
+            head_dim,
+            seqs.data_ptr(),
+            seqs.shape[0],
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            scale,
+            torch.get_num_threads(),
+            None if lse is None else lse.data_ptr(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"kvs_prefill_attention_amx returned {rc}")
 
     def softmax_rows(self, logits: torch.Tensor, inv_temperature: torch.Tensor) -> torch.Tensor:
         """``softmax(logits * inv_temperature[:, None], -1)``; contiguous fp32 [B, V] CPU.

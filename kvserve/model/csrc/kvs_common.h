@@ -62,6 +62,25 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+// 2^x for x <= 0, clamped at -126 (-inf gives 2^-126, not 0: callers mask): 2^n * p(f),
+// |f| <= 1/2, p the degree-4 Taylor polynomial of e^(f ln2), relative error < 5e-5.
+// For values that end up in bfloat16 (rounding error 4e-3), where exp512's precision
+// buys nothing.
+inline __m512 exp2_nonpos_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(0.0096181291f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0555041087f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265070f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471806f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+// 2^x for any x, clamped to [-126, 126]; same precision.
+inline __m512 exp2_bf16(__m512 x) {
+  return exp2_nonpos_bf16(_mm512_min_ps(x, _mm512_set1_ps(126.0f)));
+}
 #endif
 
 }  // namespace kvs
