@@ -336,7 +336,8 @@ class ChatRenderer:
         lp = None
         if self.req.logprobs and delta.new_token_ids:
             lp = self.logprobs(delta.new_token_ids, delta.new_logprobs)
-        if not (delta.new_text or delta.finished or lp):
+        carries_prompt_lps = self.req.prompt_logprobs is not None and delta.prompt_logprobs
+        if not (delta.new_text or delta.finished or lp or carries_prompt_lps):
             return None
         choice: dict[str, Any] = {
             "index": index,
