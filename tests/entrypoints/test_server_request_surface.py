@@ -187,6 +187,14 @@ def test_prompt_logprobs_and_logit_bias(
         and all(v["logprob"] <= 0 for v in entry.values())
         for entry in plp[1:]
     )
+    r = httpx.post(
+        kvserve_server.base_url + "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0, "n": 2},
+        headers=kvserve_server.headers,
+    )
+    choices = r.json()["choices"]
+    assert [len(c["prompt_logprobs"]) for c in choices] == [r.json()["usage"]["prompt_tokens"]] * 2
+    assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]  # one prompt, scored once
     tokens = httpx.post(
         kvserve_server.base_url + "/tokenize",
         json={"prompt": " banana", "add_special_tokens": False},
