@@ -383,13 +383,15 @@ class AsyncEngine:
     def _record(self, delta: RequestDelta) -> None:
         """Latency histograms and counters from the delta's own timestamps (the
         scheduler's clock): TTFT on the step of the first token, ITL from the
-        previous token step of the same request, e2e when it finishes."""
+        previous token step of the same request, e2e when it finishes. Each sample of
+        an ``n > 1`` request counts as a request; its prompt tokens count once."""
         m = delta.metrics
         n = len(delta.new_token_ids)
         if n and m is not None and m.last_token_time is not None:
             live = self._requests.get(delta.request_id)
             if m.first_token_time == m.last_token_time:
-                self.metrics.count_prompt_tokens(delta.num_prompt_tokens)
+                if delta.sample_index == 0:
+                    self.metrics.count_prompt_tokens(delta.num_prompt_tokens)
                 self.metrics.observe_ttft(m.last_token_time - m.arrival_time)
             elif live is not None and live.last_token_time is not None:
                 self.metrics.observe_itl((m.last_token_time - live.last_token_time) / n)
