@@ -17,7 +17,11 @@ MODEL = "smollm2-135m-instruct"
 PROMPT = "The capital of France is"
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    # bounded, so the grammar ends well within max_tokens (a cut output cannot parse)
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -80,14 +84,27 @@ def test_response_format_json_schema_and_json_object(client: openai.OpenAI) -> N
     messages = [{"role": "user", "content": "Describe a person as JSON."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     full = client.chat.completions.create(
-        model=MODEL, messages=messages, response_format=fmt, max_tokens=60, n=2, temperature=0.7
+        model=MODEL,
+        messages=messages,
+        response_format=fmt,
+        max_tokens=120,
+        n=2,
+        temperature=0.7,
+        seed=4,
     )
     for choice in full.choices:
+        assert choice.finish_reason == "stop"
         _check_person(choice.message.content or "")
     streamed = "".join(
         c.choices[0].delta.content or ""
         for c in client.chat.completions.create(
-            model=MODEL, messages=messages, response_format=fmt, max_tokens=60, stream=True
+            model=MODEL,
+            messages=messages,
+            response_format=fmt,
+            max_tokens=120,
+            stream=True,
+            seed=5,
+            temperature=0.7,
         )
         if c.choices
     )
