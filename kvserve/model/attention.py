@@ -61,6 +61,7 @@ from kvserve.model.attention_metadata import (  # noqa: F401  (re-exported)
     NATIVE_PREFILL_MAX_ROWS,
     AttentionBackend,
     AttentionMetadata,
+    CascadeSplit,
     DecodeBatch,
     NativeBatch,
     NativePrefill,
@@ -275,23 +276,35 @@ def native_attention(
     nb = meta.native
     assert nb is not None
     seg = meta.kv_segment_size
-    compiling = torch.compiler.is_compiling()
-    if not nb.prefills:
-        if compiling:  # an opaque operator inside compiled graphs
-            return paged_attention_op(q, kv_cache, nb.seqs, nb.block_tables, seg, scale)
-        return nb.kernel(q, kv_cache, nb.seqs, nb.block_tables, seg, scale)
-    if compiling:
-        raise RuntimeError("compiled steps run decode-only native batches")
-    if nb.prefill_seqs is not None and nb.kernel.amx_prefill_supports(
+    if torch.compiler.is_compiling():
+        if nb.prefills:
+            raise RuntimeError("compiled steps run decode-only native batches")
+        # an opaque operator inside compiled graphs (no cascade: whole contexts)
+        return paged_attention_op(q, kv_cache, nb.seqs, nb.block_tables, seg, scale)
+    amx = (nb.prefills or nb.cascade is not None) and nb.kernel.amx_prefill_supports(
         q.dtype, q.shape[-1], kv_cache.shape[3]
-    ):
-        assert nb.decode_seqs is not None and nb.decode_tables is not None
-        assert nb.prefill_tables is not None
-        if nb.decode_seqs.shape[0]:
-            out = nb.kernel(q, kv_cache, nb.decode_seqs, nb.decode_tables, seg, scale)
-        else:
-            out = torch.empty(q.shape, dtype=q.dtype)
-        nb.kernel.prefill_attention_amx(q, kv_cache, nb.prefill_seqs, nb.prefill_tables, scale, out)
+    )
+    if amx:
+        return _native_attention_amx(q, kv_cache, nb, seg, scale)
+    if not nb.prefills:
+        c = nb.cascade
+        if c is None:
+            return nb.kernel(q, kv_cache, nb.seqs, nb.block_tables, seg, scale)
+        # cascade on the vector kernel: suffixes, then each group's prefix with its
+        # members' rows as one seq (K/V read once per row tile), merged into them
+        suffix_lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32)
+        out = nb.kernel(q, kv_cache, c.decode_seqs, c.decode_tables, seg, scale, lse=suffix_lse)
+        nb.kernel(
+            q,
+            kv_cache,
+            c.group_seqs,
+            c.group_tables,
+            seg,
+            scale,
+            lse=suffix_lse,
+            row_map=c.row_map,
+            out=out,
+        )
         return out
     native_prior = any(p.native_prior and p.seq.cached_seq_len > 0 for p in nb.prefills)
     lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32) if native_prior else None
@@ -319,4 +332,31 @@ def native_attention(
             prior_lse = lse[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n]
             o, _ = merge_attention_states(o, o_lse, prior, prior_lse)
         out[rows] = o[0].transpose(0, 1)
+    return out
+
+
+def _native_attention_amx(
+    q: torch.Tensor, kv_cache: torch.Tensor, nb: NativeBatch, seg: int, scale: float
+) -> torch.Tensor:
+    """The AMX split of a native batch: decode rows through the vector kernel (grouped
+    rows over their own suffix only), then every prefill request whole, then each
+    shared-prefix group's prefix merged into its rows (see :class:`CascadeSplit`)."""
+    c = nb.cascade
+    if c is not None:
+        decode_seqs, decode_tables = c.decode_seqs, c.decode_tables
+    else:
+        assert nb.decode_seqs is not None and nb.decode_tables is not None
+        decode_seqs, decode_tables = nb.decode_seqs, nb.decode_tables
+    lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32) if c is not None else None
+    if decode_seqs.shape[0]:
+        out = nb.kernel(q, kv_cache, decode_seqs, decode_tables, seg, scale, lse=lse)
+    else:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    if nb.prefill_seqs is not None:
+        assert nb.prefill_tables is not None
+        nb.kernel.prefill_attention_amx(q, kv_cache, nb.prefill_seqs, nb.prefill_tables, scale, out)
+    if c is not None:
+        nb.kernel.prefill_attention_amx(
+            q, kv_cache, c.group_seqs, c.group_tables, scale, out, lse, c.row_map, merge=True
+        )
     return out

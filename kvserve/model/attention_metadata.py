@@ -79,6 +79,34 @@ class NativePrefill:
     native_prior: bool
 
 
+# A shared prefix is attended as a cascade group only from this many tokens on (below
+# it, the per-row vector kernel reads it just as cheaply).
+CASCADE_MIN_SHARED_TOKENS = 64
+
+
+@dataclass
+class CascadeSplit:
+    """Decode rows whose requests share their leading KV blocks (prefix-cache hits of
+    one system prompt, say), split for cascade attention::
+
+        row i keys:  [ shared blocks (the group's)  | own suffix ... own token ]
+                     0                            P                        c_i
+
+    The vector kernel runs every one-row request (and dummy row) with grouped rows
+    covering their own suffix only (``decode_seqs`` / ``decode_tables``: block table
+    shifted by the P shared blocks, ``cached_seq_len`` reduced by P * block_size) and
+    returns each row's log-sum-exp; then each group is one AMX seq (prior_only: its
+    rows attend to the P * block_size shared tokens, read once) merged exactly into
+    them. Used only where the AMX kernel runs (see ``native_attention``).
+    """
+
+    decode_seqs: torch.Tensor  # [Sd, 5] int64, the one-row requests and dummy rows
+    decode_tables: torch.Tensor  # [Sd, max_blocks]
+    group_seqs: torch.Tensor  # [G, 5]: (start in row_map, n, n, shared tokens, 1)
+    group_tables: torch.Tensor  # [G, max shared blocks]
+    row_map: torch.Tensor  # [sum of n] int64: the batch rows of each group's members
+
+
 @dataclass
 class NativeBatch:
     """The native kernel's view of the whole batch.
@@ -101,6 +129,7 @@ class NativeBatch:
     decode_tables: torch.Tensor | None = None
     prefill_seqs: torch.Tensor | None = None  # [Sp, 5]
     prefill_tables: torch.Tensor | None = None
+    cascade: CascadeSplit | None = None  # None: no shared-prefix group this step
 
 
 @dataclass
@@ -319,6 +348,7 @@ def _build_native(
     else:
         write_rows = torch.from_numpy(np.nonzero(valid)[0].astype(np.int64))
         write_slots = torch.from_numpy(slot_mapping[valid])
+    amx_split = _amx_split(info, table) if prefills else (None, None, None, None)
     return AttentionMetadata(
         num_tokens=num_tokens,
         slot_mapping=slots_t,
@@ -333,14 +363,66 @@ def _build_native(
             torch.from_numpy(np.ascontiguousarray(info[in_kernel])),
             torch.from_numpy(np.ascontiguousarray(table[in_kernel])),
             prefills,
-            *(_amx_split(info, table) if prefills else (None, None, None, None)),
+            *amx_split,
+            cascade=_cascade_split(info, table, block_size),
         ),
+    )
+
+
+def _cascade_split(info: np.ndarray, table: np.ndarray, block_size: int) -> CascadeSplit | None:
+    """Group one-row requests by their shared leading blocks (see :class:`CascadeSplit`).
+
+    Rows are grouped by their first block; a group of two or more whose common leading
+    blocks (all full and before every member's own token) hold at least
+    ``CASCADE_MIN_SHARED_TOKENS`` tokens becomes a cascade group. None when none does.
+    """
+    one_row = np.nonzero(info[:, 1] == 1)[0]
+    # full blocks strictly before the row's own token (cached_seq_len tokens precede it)
+    max_shared = info[one_row, 3] // block_size
+    candidates = one_row[max_shared > 0]
+    if len(candidates) < 2:
+        return None
+    by_first: dict[int, list[int]] = {}
+    for i in candidates.tolist():
+        by_first.setdefault(int(table[i, 0]), []).append(i)
+    groups: list[tuple[list[int], int]] = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        limit = int((info[members, 3] // block_size).min())
+        rows = table[members, :limit]
+        same = (rows == rows[0]).all(axis=0)
+        shared = limit if same.all() else int(np.argmin(same))
+        if shared * block_size >= CASCADE_MIN_SHARED_TOKENS:
+            groups.append((members, shared))
+    if not groups:
+        return None
+    dec_info = info[one_row].copy()
+    dec_table = table[one_row].copy()
+    position = {int(r): k for k, r in enumerate(one_row)}
+    group_info = np.zeros((len(groups), 5), dtype=np.int64)
+    group_table = np.zeros((len(groups), max(sh for _, sh in groups)), dtype=np.int64)
+    row_map: list[int] = []
+    for gi, (members, shared) in enumerate(groups):
+        group_info[gi] = (len(row_map), len(members), len(members), shared * block_size, 1)
+        group_table[gi, :shared] = table[members[0], :shared]
+        for i in members:
+            k = position[i]
+            dec_info[k, 3] -= shared * block_size
+            dec_table[k] = np.concatenate([table[i, shared:], np.zeros(shared, dtype=np.int64)])
+            row_map.append(int(info[i, 0]))
+    return CascadeSplit(
+        torch.from_numpy(dec_info),
+        torch.from_numpy(dec_table),
+        torch.from_numpy(group_info),
+        torch.from_numpy(group_table),
+        torch.tensor(row_map, dtype=torch.int64),
     )
 
 
 def _amx_split(
     info: np.ndarray, table: np.ndarray
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(decode seqs, their tables, prefill seqs with prior_only 0, their tables)."""
     is_prefill = info[:, 1] > 1
     prefill = info[is_prefill].copy()

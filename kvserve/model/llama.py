@@ -339,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
             qkv = ops.qkv(y)  # [T, (H + 2Hk) * D]
             nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv_cache, meta.slot_mapping)
             q = qkv[:, : h * d].view(num_tokens, h, d)
-            if meta.native.prefills:
+            if meta.native.prefills or meta.native.cascade is not None:
                 k = qkv[:, h * d : (h + hk) * d].view(num_tokens, hk, d)
                 v = qkv[:, (h + hk) * d :].view(num_tokens, hk, d)
                 attn = native_attention(q, k, v, kv_cache, meta, self.scale)

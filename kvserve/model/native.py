@@ -120,7 +120,7 @@ class PagedAttentionKernel:
         i64, i32, vp, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         fn = lib.kvs_paged_attention
         fn.argtypes = [vp, i64, i64, vp, vp, i64, i32, i32, i32, i32, vp, i64, vp, i64, i32]
-        fn.argtypes += [f32, i32, i32, i32, vp]
+        fn.argtypes += [f32, i32, i32, i32, vp, vp, i32]
         fn.restype = i32
         self._fn = fn
         self._norm = lib.kvs_add_rms_norm
@@ -146,7 +146,7 @@ class PagedAttentionKernel:
         self._softmax.restype = None
         self._amx = lib.kvs_prefill_attention_amx
         self._amx.argtypes = [vp, i64, i64, vp, vp, i64, i32, i32, i32, i32, vp, i64, vp, i64]
-        self._amx.argtypes += [f32, i32, vp]
+        self._amx.argtypes += [f32, i32, vp, vp, i32]
         self._amx.restype = i32
         lib.kvs_prefill_amx_available.restype = i32
         self.amx_available: bool = bool(lib.kvs_prefill_amx_available())
@@ -172,15 +172,21 @@ class PagedAttentionKernel:
         scale: float,
         out: torch.Tensor,
         lse: torch.Tensor | None = None,
+        row_map: torch.Tensor | None = None,
+        merge: bool = False,
     ) -> None:
-        """Prefill rows attend to all their keys (prior and own chunk) on AMX tiles.
+        """Rows attend to their keys in the pages on AMX tiles (see ``prefill_amx.cpp``).
 
         Writes the rows of ``seqs`` into ``out`` [T, H, D] (contiguous bfloat16), padding
         rows zero. Rules: :meth:`amx_prefill_supports` holds; q [T, H, D] bfloat16 (last
         dim contiguous); the chunk's K/V are already in ``kv_cache``; ``seqs`` [S, 5]
-        int64 rows (row_start, num_rows, num_tokens, cached_seq_len, 0); ``block_tables``
-        [S, max_blocks] int64 covering ``cached_seq_len + num_tokens`` positions; ``lse``
-        optional fp32 [T, H]. The kernel does not check bounds.
+        int64 rows (row_start, num_rows, num_tokens, cached_seq_len, prior_only): row j
+        attends to ``[0, cached_seq_len + j]``, or to ``[0, cached_seq_len)`` with
+        prior_only 1; ``block_tables`` [S, max_blocks] int64 covering those keys;
+        ``lse`` optional fp32 [T, H]; ``row_map`` optional int64: token j of a seq is
+        batch row ``row_map[row_start + j]``; ``merge``: ``out``/``lse`` (required)
+        already hold another part of those rows' attention, merged exactly. The kernel
+        does not check bounds.
         """
         _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         rc = self._amx(
@@ -201,6 +207,8 @@ class PagedAttentionKernel:
             scale,
             torch.get_num_threads(),
             None if lse is None else lse.data_ptr(),
+            None if row_map is None else row_map.data_ptr(),
+            int(merge),
         )
         if rc != 0:
             raise RuntimeError(f"kvs_prefill_attention_amx returned {rc}")
@@ -367,6 +375,8 @@ class PagedAttentionKernel:
         scale: float,
         row_tile: int = 16,
         lse: torch.Tensor | None = None,
+        row_map: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, H, D] (last dim contiguous) -> out [T, H, D].
 
@@ -375,12 +385,20 @@ class PagedAttentionKernel:
         (row_start, num_rows, num_tokens, cached_seq_len, prior_only) covering
         ``[0, T)``; ``block_tables`` [S, max_blocks] int64 contiguous with valid block
         ids for every visible position; ``lse`` (optional) fp32 [T, H] contiguous,
-        receives each row's log-sum-exp (padding rows are left as they are). The
-        kernel does not check bounds.
+        receives each row's log-sum-exp (padding rows are left as they are).
+        ``row_map`` (optional int64): token j of a seq is batch row
+        ``row_map[row_start + j]``. ``out`` (optional, contiguous [T, H, D]): merge
+        into it; it and ``lse`` must already hold another part of the attention of
+        every row of ``seqs`` (or lse -inf), which is merged exactly; without it a new
+        tensor is returned. The kernel does not check bounds.
         """
         num_tokens, num_heads, head_dim = q.shape
         _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+        merge = out is not None
+        if merge and lse is None:
+            raise ValueError("merging into out needs the lse of what it holds")
+        if out is None:
+            out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
         rc = self._fn(
             q.data_ptr(),
             q.stride(0),
@@ -402,6 +420,8 @@ class PagedAttentionKernel:
             row_tile,
             torch.get_num_threads(),
             None if lse is None else lse.data_ptr(),
+            None if row_map is None else row_map.data_ptr(),
+            int(merge),
         )
         if rc != 0:
             raise RuntimeError(f"kvs_paged_attention returned {rc} for dtype {q.dtype}")

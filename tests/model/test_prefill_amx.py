@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model.test_attention import _make_step, reference_attention
+from model.test_cascade_attention import _shared_prefix_specs, shared_prefix_steps
 
 from kvserve.model.attention import build_attention_metadata, paged_attention
 from kvserve.model.native import AMX_ENV_VAR, get_kernel
@@ -98,3 +99,39 @@ def test_amx_needs_bf16_head_dim_64_and_16_aligned_blocks() -> None:
     assert not _KERNEL.amx_prefill_supports(torch.float32, 64, 16)
     assert not _KERNEL.amx_prefill_supports(torch.bfloat16, 128, 16)
     assert not _KERNEL.amx_prefill_supports(torch.bfloat16, 64, 8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=shared_prefix_steps())
+def test_cascade_decode_matches_reference(case: dict) -> None:
+    """Shared-prefix decode groups: prefix once on AMX, merged with each row's suffix."""
+    assert _KERNEL is not None
+    specs, num_tokens, kv_cache, num_groups = _shared_prefix_specs(case)
+    calls: list[tuple[int, bool]] = []
+    original = type(_KERNEL).prefill_attention_amx
+
+    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append((args[2].shape[0], bool(kwargs.get("merge"))))
+        return original(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(AMX_ENV_VAR, "1")
+        mp.setattr(type(_KERNEL), "prefill_attention_amx", spy)
+        gen = torch.Generator().manual_seed(case["seed"] + 1)
+        q, k, v = (torch.randn(num_tokens, n, 64, generator=gen).bfloat16() for n in (9, 3, 3))
+        meta = build_attention_metadata(
+            specs,
+            num_tokens=num_tokens,
+            num_dummy_decode_rows=case["num_dummy"],
+            block_size=case["block_size"],
+            kv_segment_size=case["kv_segment_size"],
+            backend="native",
+            kv_dtype=torch.bfloat16,
+        )
+        out = paged_attention(q, k, v, kv_cache, meta, 0.125)
+    for s in specs:
+        ref = reference_attention(q.float(), kv_cache.float(), s, case["block_size"], 0.125)
+        got = out[s.token_start : s.token_start + s.num_tokens].float()
+        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    merges = [n for n, merge in calls if merge]
+    assert merges == ([num_groups] if num_groups else [])

@@ -11,6 +11,10 @@
 //   seqs: [num_seqs, 5] int64 = (row_start, num_rows, num_tokens, cached_seq_len, prior_only)
 //   lse:  [T, H] fp32 or null: log-sum-exp of each row's scaled scores (-inf: no key)
 //   block_tables: [num_seqs, max_blocks] int64 (0 = null block)
+//   row_map: [*] int64 or null: token j of a seq is batch row row_map[row_start + j]
+//            (null: row_start + j), for q, out and lse alike
+//   merge: out and lse already hold another part of the rows' attention (their
+//          suffix, for a cascade group's shared prefix): merge into them exactly
 //
 // Query row j of a sequence (j < num_tokens) sits at position cached_seq_len + j and
 // attends to keys [0, cached_seq_len + j] (its own KV was written before the call),
@@ -80,6 +84,8 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
 struct Args {
   const void* q;
   int64_t q_row_stride, q_head_stride;
@@ -93,14 +99,35 @@ struct Args {
   int seg;
   float scale;
   float* lse;
+  const int64_t* row_map;
+  int merge;
 };
+
+inline int64_t batch_row(const Args& a, int64_t i) { return a.row_map ? a.row_map[i] : i; }
+
+// How a finished row is written: out = old * w_old + acc * w_acc, where acc is the
+// unnormalised sum (running sum l, max mx). Also stores the row's log-sum-exp, merged
+// with the one already there when a.merge.
+inline void finish_row(const Args& a, int64_t row, int64_t head, float mx, float l, float& w_old,
+                       float& w_acc) {
+  const float mine = l > 0.f ? mx + std::log(l) : kNegInf;
+  float lse_new = mine;
+  w_old = 0.f;
+  w_acc = l > 0.f ? 1.f / l : 0.f;
+  if (a.merge && a.lse[row * a.num_heads + head] != kNegInf) {
+    const float old = a.lse[row * a.num_heads + head];
+    lse_new = std::max(old, mine) + std::log1p(std::exp(-std::fabs(old - mine)));
+    w_old = std::exp(old - lse_new);
+    w_acc *= mine == kNegInf ? 0.f : std::exp(mine - lse_new);
+  }
+  if (a.lse) a.lse[row * a.num_heads + head] = lse_new;
+}
 
 struct Task {
   int64_t seq, r0, r1;
   int kvh;
 };
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // What every task reads: its request's rows, block table, and K/V base pointers;
 // the constructor zeroes the output of the task's padding rows.
@@ -135,7 +162,7 @@ struct TaskView {
     M = static_cast<int>(std::max<int64_t>(0, r_end - task.r0)) * g;
     for (int64_t r = std::max(task.r0, num_tokens); r < task.r1; ++r)
       for (int j = 0; j < g; ++j) {
-        T* o = out + (row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
+        T* o = out + batch_row(a, row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
         for (int i = 0; i < D; ++i) from_f32(0.f, o + i);
       }
   }
@@ -166,7 +193,7 @@ void run_task(const Args& a, const Task& task, std::vector<float>& buf) {
   for (int64_t r = task.r0; r < r_end; ++r)
     for (int j = 0; j < g; ++j) {
       const int m = static_cast<int>(r - task.r0) * g + j;
-      const T* qr = q + (row_start + r) * a.q_row_stride + (task.kvh * g + j) * a.q_head_stride;
+      const T* qr = q + batch_row(a, row_start + r) * a.q_row_stride + (task.kvh * g + j) * a.q_head_stride;
       for (int i = 0; i < D; ++i) qf[m * D + i] = to_f32(qr[i]) * a.scale;
       std::fill(acc + m * D, acc + (m + 1) * D, 0.f);
       mx[m] = kNegInf;
@@ -236,11 +263,12 @@ void run_task(const Args& a, const Task& task, std::vector<float>& buf) {
   for (int64_t r = task.r0; r < r_end; ++r)
     for (int j = 0; j < g; ++j) {
       const int m = static_cast<int>(r - task.r0) * g + j;
-      const float inv = l[m] > 0.f ? 1.f / l[m] : 0.f;
-      const int64_t head = task.kvh * g + j;
-      T* o = out + (row_start + r) * a.num_heads * D + head * D;
-      for (int d = 0; d < D; ++d) from_f32(acc[m * D + d] * inv, o + d);
-      if (a.lse) a.lse[(row_start + r) * a.num_heads + head] = l[m] > 0.f ? mx[m] + std::log(l[m]) : kNegInf;
+      const int64_t head = task.kvh * g + j, row = batch_row(a, row_start + r);
+      float w_old, w_acc;
+      finish_row(a, row, head, mx[m], l[m], w_old, w_acc);
+      T* o = out + row * a.num_heads * D + head * D;
+      for (int d = 0; d < D; ++d)
+        from_f32((w_old != 0.f ? to_f32(o[d]) * w_old : 0.f) + acc[m * D + d] * w_acc, o + d);
     }
 }
 
@@ -390,7 +418,7 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   for (int64_t r = task.r0; r < r_end; ++r)
     for (int j = 0; j < g; ++j) {
       const int m = static_cast<int>(r - task.r0) * g + j;
-      const T* qr = q + (row_start + r) * a.q_row_stride + (task.kvh * g + j) * a.q_head_stride;
+      const T* qr = q + batch_row(a, row_start + r) * a.q_row_stride + (task.kvh * g + j) * a.q_head_stride;
       if constexpr (kBf16Dot) {
         std::memcpy(qf + m * D, qr, D * sizeof(bf16_t));  // first half of the row
       } else {
@@ -504,16 +532,19 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   for (int64_t r = task.r0; r < r_end; ++r)
     for (int j = 0; j < g; ++j) {
       const int m = static_cast<int>(r - task.r0) * g + j;
-      const float inv = l[m] > 0.f ? 1.f / l[m] : 0.f;
-      const int64_t head = task.kvh * g + j;
-      if (a.lse) a.lse[(row_start + r) * a.num_heads + head] = l[m] > 0.f ? mx[m] + std::log(l[m]) : kNegInf;
-      T* o = out + (row_start + r) * a.num_heads * D + head * D;
+      const int64_t head = task.kvh * g + j, row = batch_row(a, row_start + r);
+      float w_old, w_acc;
+      finish_row(a, row, head, mx[m], l[m], w_old, w_acc);
+      T* o = out + row * a.num_heads * D + head * D;
       if constexpr (kBf16Dot) {
         for (int dv = 0; dv < DV; ++dv)
-          for (int ln = 0; ln < 16; ++ln)
-            from_f32(acc[m * D + dv * 16 + ln] * inv, o + dpbf16_dim(dv, ln));
+          for (int ln = 0; ln < 16; ++ln) {
+            T* od = o + dpbf16_dim(dv, ln);
+            from_f32((w_old != 0.f ? to_f32(*od) * w_old : 0.f) + acc[m * D + dv * 16 + ln] * w_acc, od);
+          }
       } else {
-        for (int d = 0; d < D; ++d) from_f32(acc[m * D + d] * inv, o + d);
+        for (int d = 0; d < D; ++d)
+          from_f32((w_old != 0.f ? to_f32(o[d]) * w_old : 0.f) + acc[m * D + d] * w_acc, o + d);
       }
     }
 }
@@ -560,16 +591,18 @@ void run_all(const Args& a, int64_t num_seqs, int row_tile, int num_threads) {
 
 extern "C" {
 
-// Returns 0 on success, 1 for an unsupported dtype. dtype: 0 = float32, 1 = bfloat16
+// Returns 0 on success, 1 for an unsupported dtype, 4 for merge without lse. dtype: 0 = float32, 1 = bfloat16
 // (q, out and kv share it).
 int kvs_paged_attention(const void* q, int64_t q_row_stride, int64_t q_head_stride, void* out,
                         const void* kv, int64_t num_blocks, int block_size, int num_heads,
                         int num_kv_heads, int head_dim, const int64_t* seqs, int64_t num_seqs,
                         const int64_t* block_tables, int64_t max_blocks, int seg, float scale,
-                        int dtype, int row_tile, int num_threads, float* lse) {
+                        int dtype, int row_tile, int num_threads, float* lse,
+                        const int64_t* row_map, int merge) {
+  if (merge && lse == nullptr) return 4;
   Args a{q,         q_row_stride, q_head_stride, out,          kv,         num_blocks, block_size,
          num_heads, num_kv_heads, head_dim,      seqs,         block_tables, max_blocks, seg,
-         scale,     lse};
+         scale,     lse,          row_map,       merge};
   if (dtype == 0) {
     run_all<float>(a, num_seqs, row_tile, num_threads);
   } else if (dtype == 1) {

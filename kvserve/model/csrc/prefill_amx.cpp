@@ -13,9 +13,19 @@
 //   kv:   [2, Hk, num_blocks, block_size, D] bfloat16, block_size a multiple of 16
 //   q:    [T, H, D] strided (row stride, head stride; the last dim contiguous)
 //   out:  [T, H, D] contiguous bfloat16; only the rows of the given seqs are written
-//   seqs: [num_seqs, 5] int64 = (row_start, num_rows, num_tokens, cached_seq_len, unused)
+//   seqs: [num_seqs, 5] int64 = (row_start, num_rows, num_tokens, cached_seq_len, prior_only)
 //   lse:  [T, H] fp32 or null
-// Rows j >= num_tokens are padding: output zero, lse -inf.
+//   row_map: [*] int64 or null: token j of a seq is batch row row_map[row_start + j]
+//            (null: row_start + j), for q, out and lse alike
+// Rows j >= num_tokens are padding: output zero, lse -inf. With prior_only = 1 every
+// row of the seq attends to [0, cached_seq_len) alone, whatever its position.
+//
+// Cascade (shared-prefix) decode: decode rows of several requests whose block tables
+// start with the same blocks are one seq (prior_only = 1, cached_seq_len = the shared
+// length, row_map = their rows), so the shared K/V are read and packed once for all of
+// them and their queries fill the tiles. With merge = 1, out and lse already hold each
+// row's attention over its other keys (its own suffix, from the vector kernel): the
+// result is merged into them exactly (lse = logaddexp, weights exp(lse_i - lse)).
 //
 // Work: 1. per (seq, KV head), K and V are repacked once into the tile layouts
 // (K^T and V in pairs of rows, "VNNI"); 2. per (seq, KV head, 16 stacked query rows)
@@ -88,7 +98,17 @@ struct Args {
   int64_t max_blocks;
   float scale;
   float* lse;
+  const int64_t* row_map;
+  int merge;
 };
+
+inline int64_t batch_row(const Args& a, int64_t i) { return a.row_map ? a.row_map[i] : i; }
+
+// keys a seq's rows read: [0, cached_seq_len) with prior_only, else up to the last token
+inline int64_t num_keys(const Args& a, int64_t s) {
+  const int64_t* e = a.seqs + 5 * s;
+  return e[4] ? e[3] : e[3] + e[2];
+}
 
 // V of one (seq, KV head) transposed into tile operands, keys padded with zeros to
 // a multiple of kKC: per 32-key group, four 16x32 bf16 tiles (dims 16c..16c+15):
@@ -105,18 +125,61 @@ inline const bf16_t* key_row(const Args& a, const int64_t* bt, int which, int h,
   return a.kv + ((base + bt[p / bs]) * bs + p % bs) * kD;
 }
 
+// In-register transpose of a 16x16 matrix of 32-bit elements (r[i] is row i).
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + j], 128-bit lane L: column 4L + j of rows 4i..4i+3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // gather lane L of u[j], u[4+j], u[8+j], u[12+j]
+    const __m512i x0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);   // lanes 0, 2
+    const __m512i x1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);   // lanes 1, 3
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_i32x4(x0, x1, 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(x0, x1, 0xDD);
+    r[4 + j] = _mm512_shuffle_i32x4(y0, y1, 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(y0, y1, 0xDD);
+  }
+}
+
 void pack(const Args& a, const int64_t* bt, int h, const Packed& pk) {
   const int64_t padded = (pk.num_keys + kKC - 1) / kKC * kKC;
+  // lane 2n <- x[n], lane 2n + 1 <- y[n]: one key pair per 32-bit element
+  const __m512i idx_lo = _mm512_set_epi16(
+      47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+  const __m512i zero = _mm512_setzero_si512();
   for (int64_t g0 = 0; g0 < padded; g0 += 32) {
-    bf16_t* dst = pk.vt + g0 * kD;  // [4 c][16 d][32 k] = [64 d][32 k]
-    for (int k = 0; k < 32; ++k) {
-      const int64_t p = g0 + k;
-      if (p < pk.num_keys) {
-        const bf16_t* src = key_row(a, bt, 1, h, p);
-        for (int d = 0; d < kD; ++d) dst[d * 32 + k] = src[d];
-      } else {
-        for (int d = 0; d < kD; ++d) dst[d * 32 + k] = 0;
-      }
+    bf16_t* dst = pk.vt + g0 * kD;  // [64 d][32 k]
+    __m512i rows[4][16];  // [16-dim block][key pair] -> 16 dims of (V[2kp], V[2kp + 1])
+    // a 16-key run never straddles a block (block_size % 16 == 0): one lookup per run
+    const bf16_t* run[2] = {
+        g0 < pk.num_keys ? key_row(a, bt, 1, h, g0) : nullptr,
+        g0 + 16 < pk.num_keys ? key_row(a, bt, 1, h, g0 + 16) : nullptr};
+    for (int kp = 0; kp < 16; ++kp) {
+      const int64_t p0 = g0 + 2 * kp, p1 = p0 + 1;
+      const bf16_t* base = run[kp >> 3];
+      const bf16_t* v0 = p0 < pk.num_keys ? base + (2 * kp & 15) * kD : nullptr;
+      const bf16_t* v1 = p1 < pk.num_keys ? base + ((2 * kp & 15) + 1) * kD : nullptr;
+      const __m512i a0 = v0 ? _mm512_loadu_si512(v0) : zero, a1 = v0 ? _mm512_loadu_si512(v0 + 32) : zero;
+      const __m512i b0 = v1 ? _mm512_loadu_si512(v1) : zero, b1 = v1 ? _mm512_loadu_si512(v1 + 32) : zero;
+      rows[0][kp] = _mm512_permutex2var_epi16(a0, idx_lo, b0);  // dims 0..15
+      rows[1][kp] = _mm512_permutex2var_epi16(a0, idx_hi, b0);  // dims 16..31
+      rows[2][kp] = _mm512_permutex2var_epi16(a1, idx_lo, b1);  // dims 32..47
+      rows[3][kp] = _mm512_permutex2var_epi16(a1, idx_hi, b1);  // dims 48..63
+    }
+    for (int c = 0; c < 4; ++c) {  // [key pair][dim] -> [dim][key pair] = [dim][32 keys]
+      transpose16x16(rows[c]);
+      for (int d = 0; d < 16; ++d) _mm512_storeu_si512(dst + (16 * c + d) * 32, rows[c][d]);
     }
   }
 }
@@ -133,7 +196,7 @@ struct Task {
 // sums and rescaling are vertical, one register per key or per head dim.
 void run_task(const Args& a, const Task& t, const Packed& pk, const int64_t* bt) {
   const int64_t* s = a.seqs + 5 * t.seq;
-  const int64_t row_start = s[0], num_tokens = s[2], cached = s[3];
+  const int64_t row_start = s[0], num_tokens = s[2], cached = s[3], prior_only = s[4];
   const int g = a.num_heads / a.num_kv_heads;
   const int64_t m_total = num_tokens * g;
   const int m_hi = static_cast<int>(std::min<int64_t>(kRows, m_total - t.r0));
@@ -150,9 +213,9 @@ void run_task(const Args& a, const Task& t, const Packed& pk, const int64_t* bt)
       const int64_t r = t.r0 + m, j = r / g;
       const int head = t.h * g + static_cast<int>(r % g);
       const uint32_t* src = reinterpret_cast<const uint32_t*>(
-          a.q + (row_start + j) * a.q_row_stride + head * a.q_head_stride);
+          a.q + batch_row(a, row_start + j) * a.q_row_stride + head * a.q_head_stride);
       for (int d = 0; d < 32; ++d) qt[(d >> 4) * 256 + (d & 15) * 16 + m] = src[d];
-      lim_arr[m] = static_cast<int32_t>(cached + j + 1);
+      lim_arr[m] = static_cast<int32_t>(prior_only ? cached : cached + j + 1);
       max_lim = std::max<int64_t>(max_lim, lim_arr[m]);
       min_lim = std::min<int64_t>(min_lim, lim_arr[m]);
     } else {
@@ -269,14 +332,26 @@ void run_task(const Args& a, const Task& t, const Packed& pk, const int64_t* bt)
   _mm512_store_ps(lv, l);
   _mm512_store_ps(mv, mx);
   for (int m = 0; m < m_hi; ++m) {
-    const int64_t r = t.r0 + m, j = r / g;
+    const int64_t r = t.r0 + m, row = batch_row(a, row_start + r / g);
     const int head = t.h * g + static_cast<int>(r % g);
-    const float inv = lv[m] > 0.f ? 1.f / lv[m] : 0.f;
-    bf16_t* o = a.out + (row_start + j) * a.num_heads * kD + head * kD;
-    for (int d = 0; d < kD; ++d) kvs::from_f32(obuf[d * kRows + m] * inv, o + d);
-    if (a.lse) a.lse[(row_start + j) * a.num_heads + head] = lv[m] > 0.f ? mv[m] * 0.6931471805599453f + std::log(lv[m]) : kNegInf;
+    bf16_t* o = a.out + row * a.num_heads * kD + head * kD;
+    float* lse = a.lse ? a.lse + row * a.num_heads + head : nullptr;
+    const float mine = lv[m] > 0.f ? mv[m] * 0.6931471805599453f + std::log(lv[m]) : kNegInf;
+    float w_mine = lv[m] > 0.f ? 1.f / lv[m] : 0.f, w_old = 0.f, lse_new = mine;
+    if (a.merge && *lse != kNegInf) {  // exact merge with the part already in out/lse
+      const float old = *lse;
+      lse_new = std::max(old, mine) + std::log1p(std::exp(-std::fabs(old - mine)));
+      w_old = std::exp(old - lse_new);
+      w_mine *= mine == kNegInf ? 0.f : std::exp(mine - lse_new);
+    }
+    for (int d = 0; d < kD; ++d) {
+      const float prev = w_old != 0.f ? kvs::to_f32(o[d]) * w_old : 0.f;
+      kvs::from_f32(prev + obuf[d * kRows + m] * w_mine, o + d);
+    }
+    if (lse) *lse = lse_new;
   }
 }
+
 
 int run_all(const Args& a, int64_t num_seqs, int num_threads) {
   if (!amx_permitted()) return 2;
@@ -285,7 +360,7 @@ int run_all(const Args& a, int64_t num_seqs, int num_threads) {
   static thread_local std::vector<bf16_t> store;
   std::vector<int64_t> offset(num_seqs * a.num_kv_heads + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t keys = a.seqs[5 * s + 3] + a.seqs[5 * s + 2];
+    const int64_t keys = num_keys(a, s);
     const int64_t padded = (keys + kKC - 1) / kKC * kKC;
     for (int h = 0; h < a.num_kv_heads; ++h) {
       const int64_t i = s * a.num_kv_heads + h;
@@ -296,7 +371,7 @@ int run_all(const Args& a, int64_t num_seqs, int num_threads) {
   std::vector<Packed> packed(num_seqs * a.num_kv_heads);
   std::vector<Task> tasks;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t keys = a.seqs[5 * s + 3] + a.seqs[5 * s + 2];
+    const int64_t keys = num_keys(a, s);
     for (int h = 0; h < a.num_kv_heads; ++h) {
       const int64_t i = s * a.num_kv_heads + h;
       packed[i] = Packed{store.data() + offset[i], keys};
@@ -326,9 +401,10 @@ int run_all(const Args& a, int64_t num_seqs, int num_threads) {
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t row_start = a.seqs[5 * s], rows = a.seqs[5 * s + 1], toks = a.seqs[5 * s + 2];
     for (int64_t j = toks; j < rows; ++j) {
-      std::memset(a.out + (row_start + j) * a.num_heads * kD, 0, a.num_heads * kD * sizeof(bf16_t));
+      const int64_t row = batch_row(a, row_start + j);
+      std::memset(a.out + row * a.num_heads * kD, 0, a.num_heads * kD * sizeof(bf16_t));
       if (a.lse)
-        for (int hh = 0; hh < a.num_heads; ++hh) a.lse[(row_start + j) * a.num_heads + hh] = kNegInf;
+        for (int hh = 0; hh < a.num_heads; ++hh) a.lse[row * a.num_heads + hh] = kNegInf;
     }
   }
   return 0;
@@ -349,23 +425,27 @@ int kvs_prefill_amx_available() {
 }
 
 // Returns 0 on success; 2: AMX unavailable; 3: unsupported shape (head_dim must be
-// 64, block_size a multiple of 16, num_heads a multiple of num_kv_heads).
+// 64, block_size a multiple of 16, num_heads a multiple of num_kv_heads); 4: merge
+// without lse.
 int kvs_prefill_attention_amx(const void* q, int64_t q_row_stride, int64_t q_head_stride,
                               void* out, const void* kv, int64_t num_blocks, int block_size,
                               int num_heads, int num_kv_heads, int head_dim, const int64_t* seqs,
                               int64_t num_seqs, const int64_t* block_tables, int64_t max_blocks,
-                              float scale, int num_threads, float* lse) {
+                              float scale, int num_threads, float* lse, const int64_t* row_map,
+                              int merge) {
 #if defined(KVS_HAVE_AMX)
   if (head_dim != kD || block_size % 16 != 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0)
     return 3;
+  if (merge && lse == nullptr) return 4;
   Args a{static_cast<const bf16_t*>(q), q_row_stride, q_head_stride, static_cast<bf16_t*>(out),
          static_cast<const bf16_t*>(kv), num_blocks, block_size, num_heads, num_kv_heads,
-         seqs, block_tables, max_blocks, scale, lse};
+         seqs, block_tables, max_blocks, scale, lse, row_map, merge};
   return run_all(a, num_seqs, num_threads);
 #else
   (void)q, (void)q_row_stride, (void)q_head_stride, (void)out, (void)kv, (void)num_blocks;
   (void)block_size, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)seqs;
   (void)num_seqs, (void)block_tables, (void)max_blocks, (void)scale, (void)num_threads, (void)lse;
+  (void)row_map, (void)merge;
   return 2;
 #endif
 }
