@@ -5,8 +5,10 @@ The grammar library is llguidance (installs from PyPI as a wheel with no torch
 dependency; builds its token trie from the HF fast tokenizer). Each constraint maps
 to one llguidance grammar:
 
-    json           LLMatcher.grammar_from_json_schema(schema)
-    json_object    the schema {"type": "object"}
+    json           LLMatcher.grammar_from_json_schema(schema), compact whitespace
+                   (", " and ": " separators, no free runs of blanks: a small model
+                   otherwise tends to pad with newlines until max_tokens cuts it)
+    json_object    the schema {"type": "object"}, the same way
     regex          LLMatcher.grammar_from_regex(regex)
     choice         the Lark grammar  start: "a" | "b" | ...
     grammar        Lark as given (GBNF, recognised by ``::=``, is converted to Lark)
@@ -29,6 +31,8 @@ from typing import Any
 from kvserve.request import RequestError
 from kvserve.structured.params import StructuredOutputsParams
 
+# JSON output style: compact, no free whitespace (a schema's x-guidance overrides it).
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}
 # Compiled constraints kept (least recently used dropped first).
 DEFAULT_CACHE_SIZE = 256
 
@@ -141,9 +145,9 @@ def _grammar(params: StructuredOutputsParams) -> str:
         schema: Any = params.json
         if isinstance(schema, str):
             schema = json.loads(schema)
-        return str(LLMatcher.grammar_from_json_schema(schema))
+        return str(LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS))
     if kind == "json_object":
-        return str(LLMatcher.grammar_from_json_schema({"type": "object"}))
+        return str(LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS))
     if kind == "regex":
         return str(LLMatcher.grammar_from_regex(str(params.regex)))
     if kind == "choice":
