@@ -12,6 +12,7 @@ out of that rule.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -20,6 +21,12 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvserve.kv_cache.hashing import BlockHash
+    from kvserve.structured.params import StructuredOutputsParams
+
+# Samples one request may ask for (n, best_of): each is a sequence the scheduler runs.
+MAX_SAMPLES = 128
+LOGIT_BIAS_LIMIT = 100.0
+_MASK64 = (1 << 64) - 1
 
 
 class RequestStatus(enum.Enum):
@@ -116,8 +123,14 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k (vLLM uses -1;
     both are accepted). ``seed`` makes sampling reproducible for this request
     whatever else is in the batch. ``logprobs=N`` returns the sampled token's
-    logprob and the top N. Raises :class:`RequestError` (a ValueError) with the fix in
-    the message and the field in ``param``.
+    logprob and the top N; ``prompt_logprobs=N`` the logprob of every prompt token
+    (the first has none) and the top N at each position. ``n`` samples are
+    returned; ``best_of >= n`` are generated and the ``n`` with the highest
+    cumulative logprob kept. Sample ``i`` draws from :meth:`for_sample` (its own seed,
+    derived from ``seed``). ``logit_bias`` adds a bias in [-100, 100] to a token id's
+    logit; ``structured_outputs`` constrains the text to a grammar. Raises
+    :class:`RequestError` (a ValueError) with the fix in the message and the field in
+    ``param``.
     """
 
     n: int = 1
@@ -137,6 +150,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -151,8 +168,37 @@ class SamplingParams:
                 f"sampling parameter {name}={value!r} is invalid: {rule}", param=name
             )
 
-        if self.n != 1:
-            raise bad("n", self.n, "only n=1 is supported; send several requests instead")
+        if (
+            not isinstance(self.n, int)
+            or isinstance(self.n, bool)
+            or not 1 <= self.n <= MAX_SAMPLES
+        ):
+            raise bad("n", self.n, f"use an integer from 1 to {MAX_SAMPLES}")
+        if self.best_of is not None and (
+            not isinstance(self.best_of, int)
+            or isinstance(self.best_of, bool)
+            or not self.n <= self.best_of <= MAX_SAMPLES
+        ):
+            raise bad("best_of", self.best_of, f"use an integer from n={self.n} to {MAX_SAMPLES}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20
+        ):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "use an integer from 0 to 20")
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                    raise bad("logit_bias", {tok: bias}, "keys must be token ids (integers >= 0)")
+                if not _finite(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                    raise bad("logit_bias", {tok: bias}, "biases must be numbers in [-100, 100]")
+        if self.structured_outputs is not None:
+            from kvserve.structured.params import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad(
+                    "structured_outputs",
+                    self.structured_outputs,
+                    "use kvserve.structured.params.StructuredOutputsParams(json=..., regex=..., ...)",
+                )
         if not _finite(self.temperature) or self.temperature < 0:
             raise bad("temperature", self.temperature, "use a number >= 0 (0 = greedy)")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
@@ -192,6 +238,41 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated: ``best_of`` when set, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params sample ``index`` of this request runs with: one sequence
+        (``n=1``), its own seed (:func:`sample_seed`; sample 0 keeps ``seed``, so it
+        draws what an ``n=1`` request would), prompt logprobs on sample 0 only
+        (the prompt is computed once), and logprobs at least 0 when ``best_of`` must
+        rank the samples by cumulative logprob."""
+        logprobs = self.logprobs
+        if self.num_samples > self.n and logprobs is None:
+            logprobs = 0
+        return dataclasses.replace(
+            self,
+            n=1,
+            best_of=None,
+            seed=None if self.seed is None else sample_seed(self.seed, index),
+            prompt_logprobs=self.prompt_logprobs if index == 0 else None,
+            logprobs=logprobs,
+        )
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``seed``: ``seed`` itself
+    for sample 0, else a splitmix64 mix of (seed, index), so samples draw distinct,
+    reproducible streams."""
+    if index == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
 
 def _finite(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
@@ -206,6 +287,10 @@ class Request:
       the outputs (through :meth:`append_output_token_ids`).
     - ``block_hashes`` is owned by the KV cache manager: it holds the chained hashes
       of the request's full blocks computed so far, and survives preemption.
+    - Samples of one request (``n``/``best_of`` > 1) are one ``Request`` each, built
+      by :meth:`with_samples`: sample 0 (the leader) computes the prompt; the others
+      wait in its ``pending_forks`` (owned by the scheduler) until the prompt is
+      computed, then take its blocks (shared, the partial last block copied).
     """
 
     def __init__(
@@ -247,6 +332,42 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
+        # Samples of one request: index, the whole group (fixed), the forks still
+        # waiting for the prompt (leader only; the scheduler empties it).
+        self.sample_index = 0
+        self.group: list[Request] = [self]
+        self.pending_forks: list[Request] = []
+        self.fork_parent: Request | None = None
+
+    def with_samples(self) -> list[Request]:
+        """Split a fresh request whose params ask for several samples into one request
+        per sample (ids ``<id>`` for sample 0, ``<id>#<i>`` after), each with
+        :meth:`SamplingParams.for_sample`; returns them in sample order, the first
+        holding the others in ``pending_forks``. One sample: ``[self]``."""
+        params = self.sampling_params
+        num = params.num_samples
+        self.sampling_params = params.for_sample(0)
+        if num == 1:
+            return [self]
+        group = [self]
+        for i in range(1, num):
+            sample = Request(
+                f"{self.req_id}#{i}",
+                self.prompt_token_ids,
+                params.for_sample(i),
+                eos_token_id=self.eos_token_id,
+                arrival_time=self.arrival_time,
+                cache_salt=self.cache_salt,
+                adapter_id=self.adapter_id,
+                prompt=self.prompt,
+            )
+            sample.sample_index = i
+            sample.fork_parent = self
+            group.append(sample)
+        for sample in group:
+            sample.group = group
+        self.pending_forks = group[1:]
+        return group
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,7 @@ class EngineFacts:
     model_name: str
     max_model_len: int
     vocab_size: int
+    max_num_seqs: int
     eos_token_ids: tuple[int, ...]
     model_fingerprint: str
     block_size: int

@@ -110,6 +110,7 @@ class RemoteEngine:
         self.model_name = facts.model_name
         self.max_model_len = facts.max_model_len
         self.vocab_size = facts.vocab_size
+        self.max_num_seqs = facts.max_num_seqs
         self.router_metrics = RouterMetrics()
         self.max_attempts = max_attempts
         self.retry_timeout_s = retry_timeout_s
@@ -163,6 +164,19 @@ class RemoteEngine:
                 request.block_hashes, request.all_token_ids, f.block_size, extra, "sha256"
             )
         return request
+
+    async def submit_samples(
+        self, request: Request, *, max_waiting: int | None = None
+    ) -> list[RemoteStream]:
+        """One stream per sample. Replicas serve one sample per request: ``n`` or
+        ``best_of`` above 1 is refused (RequestError) before anything is queued."""
+        if request.sampling_params.num_samples > 1:
+            raise RequestError(
+                "n and best_of above 1 are not supported with --replicas yet: send n "
+                "separate requests (each with its own seed), or serve one engine",
+                param="n",
+            )
+        return [await self.submit(request, max_waiting=max_waiting)]
 
     async def submit(self, request: Request, *, max_waiting: int | None = None) -> RemoteStream:
         """Route and queue ``request``; returns once a replica accepted it."""

@@ -68,6 +68,7 @@ class EngineReplica:
             model_name=self.engine.model_name,
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.vocab_size,
+            max_num_seqs=self.engine.config.scheduler.max_num_seqs,
             eos_token_ids=tuple(self.engine.eos_token_ids),
             model_fingerprint=self.engine.loaded.fingerprint,
             block_size=cache.block_size,

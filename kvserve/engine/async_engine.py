@@ -155,6 +155,7 @@ class AsyncEngine:
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.vocab_size: int = engine.vocab_size
+        self.max_num_seqs: int = engine.config.scheduler.max_num_seqs
 
         self._lock = threading.Lock()  # guards the fields below shared by both threads
         self._commands: deque[_Command] = deque()
@@ -266,10 +267,20 @@ class AsyncEngine:
 
     async def submit(self, request: Request, *, max_waiting: int | None = None) -> RequestStream:
         """Queue a request built by :meth:`make_request` (it is not validated again);
-        return its stream. Raises as :meth:`generate` does."""
+        return the stream of its first sample (:meth:`submit_samples` returns all).
+        Raises as :meth:`generate` does."""
+        return (await self.submit_samples(request, max_waiting=max_waiting))[0]
+
+    async def submit_samples(
+        self, request: Request, *, max_waiting: int | None = None
+    ) -> list[RequestStream]:
+        """Queue a request built by :meth:`make_request` and return one stream per
+        sample (``n``/``best_of``; ``request.group`` order). Aborting a stream aborts
+        that sample; the caller must drain or abort every stream."""
         self._check_available()
         req_id = request.req_id
-        if req_id in self._requests:
+        ids = [r.req_id for r in request.group]
+        if any(r in self._requests for r in ids):
             raise RequestError(
                 f"request id {req_id!r} is already in use: pick a unique id", param="request_id"
             )
@@ -282,20 +293,22 @@ class AsyncEngine:
                     "retry after a few seconds"
                 )
             self._num_pending_adds += 1
-        live = _Live(asyncio.Queue())
-        self._requests[req_id] = live
+        lives = [_Live(asyncio.Queue()) for _ in ids]
+        self._requests.update(zip(ids, lives, strict=True))
         added: concurrent.futures.Future[str] = concurrent.futures.Future()
         self._submit(_Add(request, added))
         try:
             await asyncio.wrap_future(added)
         except asyncio.CancelledError:
-            self._requests.pop(req_id, None)
-            self._submit(_Abort([req_id]))
+            for r in ids:
+                self._requests.pop(r, None)
+            self._submit(_Abort(ids))
             raise
         except BaseException:
-            self._requests.pop(req_id, None)
+            for r in ids:
+                self._requests.pop(r, None)
             raise
-        return RequestStream(self, req_id, live.queue)
+        return [RequestStream(self, r, live.queue) for r, live in zip(ids, lives, strict=True)]
 
     def _check_available(self) -> None:
         self.start()
@@ -405,20 +418,22 @@ class AsyncEngine:
     def _record(self, delta: RequestDelta) -> None:
         """Latency histograms and counters from the delta's own timestamps (the
         scheduler's clock): TTFT on the step of the first token, ITL from the
-        previous token step of the same request, e2e when it finishes."""
+        previous token step of the same request, e2e when it finishes. Each sample of
+        an ``n > 1`` request counts as a request; its prompt tokens count once."""
         m = delta.metrics
         n = len(delta.new_token_ids)
         if n and m is not None and m.last_token_time is not None:
             live = self._requests.get(delta.request_id)
             if m.first_token_time == m.last_token_time:
-                self.metrics.count_prompt_tokens(delta.num_prompt_tokens)
-                self.metrics.count_prompt_tokens_by_source(
-                    local_cache_hit=delta.num_cached_tokens,
-                    external_kv_transfer=delta.num_external_tokens,
-                    local_compute=delta.num_prompt_tokens
-                    - delta.num_cached_tokens
-                    - delta.num_external_tokens,
-                )
+                if delta.sample_index == 0:
+                    self.metrics.count_prompt_tokens(delta.num_prompt_tokens)
+                    self.metrics.count_prompt_tokens_by_source(
+                        local_cache_hit=delta.num_cached_tokens,
+                        external_kv_transfer=delta.num_external_tokens,
+                        local_compute=delta.num_prompt_tokens
+                        - delta.num_cached_tokens
+                        - delta.num_external_tokens,
+                    )
                 self.metrics.observe_ttft(m.last_token_time - m.arrival_time)
             elif live is not None and live.last_token_time is not None:
                 self.metrics.observe_itl((m.last_token_time - live.last_token_time) / n)

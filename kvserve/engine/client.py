@@ -9,7 +9,7 @@ Nothing here imports torch or ray.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 from kvserve.engine.outputs import RequestDelta
@@ -35,7 +35,8 @@ class EngineClient(Protocol):
     """An engine (or a fleet of them) the OpenAI server can serve.
 
     ``make_request`` validates (raising ``RequestError``) without changing any
-    state; ``submit`` queues a request built by it and returns its stream, or raises
+    state; ``submit`` (``submit_samples``: one stream per sample) queues a request
+    built by it and returns its stream, or raises
     ``QueueFullError`` / ``EngineUnavailableError`` / ``RequestError`` before
     anything is queued. ``start`` and ``shutdown`` follow the app's lifespan.
     """
@@ -44,6 +45,7 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     vocab_size: int
+    max_num_seqs: int
 
     async def render_metrics(self) -> bytes:
         """``/metrics`` in Prometheus text format."""
@@ -67,3 +69,9 @@ class EngineClient(Protocol):
     ) -> Request: ...
 
     async def submit(self, request: Request, *, max_waiting: int | None = None) -> DeltaStream: ...
+
+    async def submit_samples(
+        self, request: Request, *, max_waiting: int | None = None
+    ) -> Sequence[DeltaStream]:
+        """Queue a request and return one stream per sample (``n``/``best_of``)."""
+        ...

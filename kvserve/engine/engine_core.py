@@ -41,14 +41,20 @@ from kvserve.request import (
 )
 from kvserve.sched import make_scheduler
 from kvserve.sched.output import Logprobs, ModelRunnerOutput
+from kvserve.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _RequestState:
+    """One sample's engine-side state. ``prompt_logprobs`` is shared by the samples of
+    one request (filled by sample 0, which computes the prompt): index ``p`` scores
+    prompt token ``p`` (index 0 stays None)."""
+
     request: Request
     detokenizer: IncrementalDetokenizer
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 class EngineCore:
@@ -93,7 +99,14 @@ class EngineCore:
         self.max_model_len: int = config.scheduler.max_model_len
         self.eos_token_ids: list[int] = list(loaded.eos_token_ids)
         self.vocab_size: int = loaded.vocab_size
-        self.runner: Runner = runner if runner is not None else _model_runner(config, loaded)
+        self.grammar_compiler = GrammarCompiler(
+            loaded.tokenizer,
+            loaded.vocab_size,
+            self.eos_token_ids[0] if self.eos_token_ids else None,
+        )
+        self.runner: Runner = (
+            runner if runner is not None else _model_runner(config, loaded, self.grammar_compiler)
+        )
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks,
             config.cache.block_size,
@@ -141,6 +154,23 @@ class EngineCore:
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
         )
+        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"logit_bias names token id {bad[0]}, past the vocabulary: token ids must be "
+                f"in [0, {self.vocab_size})",
+                param="logit_bias",
+            )
+        if params.structured_outputs is not None:
+            try:
+                self.grammar_compiler.check(params.structured_outputs)
+            except RequestError:
+                raise
+            except Exception as e:  # e.g. a tokenizer the grammar library cannot read
+                raise RequestError(
+                    f"structured outputs are not available for this model: {e}",
+                    param="structured_outputs",
+                ) from None
 
     def make_request(
         self,
@@ -154,13 +184,15 @@ class EngineCore:
     ) -> Request:
         """Validate (:meth:`validate_request`) and build a request for :meth:`add`:
         an id when none is given, ``max_tokens`` filled in when None. Changes no
-        engine state, so any thread may call it."""
+        engine state, so any thread may call it. With ``n``/``best_of`` > 1 the
+        result is sample 0, holding the other samples (``Request.group``, ids
+        ``<id>#<i>``); :meth:`add` queues them all."""
         self.validate_request(prompt_token_ids, params)
         if params.max_tokens is None:
             params = dataclasses.replace(
                 params, max_tokens=self.max_model_len - len(prompt_token_ids)
             )
-        return Request(
+        request = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids,
             params,
@@ -169,21 +201,27 @@ class EngineCore:
             cache_salt=cache_salt,
             prompt=prompt,
         )
+        request.with_samples()
+        return request
 
     def add(self, request: Request) -> str:
         """Queue a request built by :meth:`make_request` (not validated again); returns
         its id. Raises :class:`RequestError` and changes nothing when the id is in use
         or the request could never fit in the KV cache."""
-        if request.req_id in self._states:
+        if any(r.req_id in self._states for r in request.group):
             raise RequestError(
                 f"request id {request.req_id!r} is already in use: pick a unique id",
                 param="request_id",
             )
-        detok = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.sampling_params
-        )
         self.scheduler.add_request(request)
-        self._states[request.req_id] = _RequestState(request, detok)
+        shared: list[Logprobs | None] | None = None
+        if request.sampling_params.prompt_logprobs is not None:
+            shared = [None] * request.num_prompt_tokens
+        for sample in request.group:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, sample.prompt_token_ids, sample.sampling_params
+            )
+            self._states[sample.req_id] = _RequestState(sample, detok, shared)
         return request.req_id
 
     def add_request(
@@ -236,7 +274,7 @@ class EngineCore:
         self.last_step_idle = sched_out.is_empty
         if (
             sched_out.is_empty
-            and not sched_out.finished_req_ids
+            and not (sched_out.finished_req_ids or sched_out.block_copies)
             and sched_out.kv_connector_metadata is None
         ):
             return failed
@@ -253,6 +291,11 @@ class EngineCore:
             return failed + self.abort_requests(list(sched_out.num_scheduled_tokens))
         if sched_out.is_empty:
             runner_out = ModelRunnerOutput(sampled_token_ids={})
+        for req_id, (start, entries) in runner_out.prompt_logprobs.items():
+            state = self._states.get(req_id)
+            if state is not None and state.prompt_logprobs is not None:
+                # entry j scores prompt token start + j + 1 (a recomputed chunk overwrites)
+                state.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries
         core_outs = self.scheduler.update_from_output(sched_out, runner_out)
         deltas: list[RequestDelta] = failed
         for out in core_outs:
@@ -276,16 +319,18 @@ class EngineCore:
                 else:
                     stop_reason = detok.stop_reason
                 del self._states[out.req_id]
-            deltas.append(
-                self._delta(
-                    request,
-                    finish_reason,
-                    stop_reason,
-                    new_token_ids=out.new_token_ids,
-                    new_text=text,
-                    new_logprobs=out.new_logprobs,
-                )
+            delta = self._delta(
+                request,
+                finish_reason,
+                stop_reason,
+                new_token_ids=out.new_token_ids,
+                new_text=text,
+                new_logprobs=out.new_logprobs,
             )
+            first = out.new_token_ids and request.num_output_tokens == len(out.new_token_ids)
+            if first and state.prompt_logprobs is not None:
+                delta.prompt_logprobs = list(state.prompt_logprobs)
+            deltas.append(delta)
         return deltas
 
     def poll_kv_transfer(self) -> list[RequestDelta]:
@@ -341,6 +386,7 @@ class EngineCore:
             metrics=_metrics(request),
             num_external_tokens=request.num_external_tokens,
             error=error,
+            sample_index=request.sample_index,
         )
 
     # ------------------------------------------------------------------ health
@@ -387,7 +433,9 @@ def _metrics(request: Request) -> RequestMetrics:
     )
 
 
-def _model_runner(config: EngineConfig, loaded: ModelInfo) -> Runner:
+def _model_runner(
+    config: EngineConfig, loaded: ModelInfo, grammar_compiler: GrammarCompiler
+) -> Runner:
     """The real model runner (imported here: torch only loads when an engine needs it)."""
     from kvserve.model.loader import LoadedModel
     from kvserve.worker.model_runner import ModelRunner
@@ -397,4 +445,10 @@ def _model_runner(config: EngineConfig, loaded: ModelInfo) -> Runner:
             f"EngineCore builds its ModelRunner from a LoadedModel, got {type(loaded).__name__}: "
             "pass runner= for any other model"
         )
-    return ModelRunner(loaded, config.cache, config.scheduler, compile=config.model.compile)
+    return ModelRunner(
+        loaded,
+        config.cache,
+        config.scheduler,
+        compile=config.model.compile,
+        grammar_compiler=grammar_compiler,
+    )

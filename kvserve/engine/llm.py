@@ -130,45 +130,76 @@ class LLM:
                 raise RequestError(f"prompt {i}: {e}", param=e.param, code=e.code) from None
 
         results: dict[str, RequestOutput] = {}
+        samples: dict[str, tuple[RequestOutput, CompletionOutput]] = {}  # sample id -> where
         order: list[str] = []
         try:
             for request in requests:
                 req_id = engine.add(request)
                 order.append(req_id)
-                results[req_id] = RequestOutput(
+                out = results[req_id] = RequestOutput(
                     request_id=req_id,
                     prompt=request.prompt,
                     prompt_token_ids=request.prompt_token_ids,
-                    outputs=[CompletionOutput(index=0, text="", token_ids=[], logprobs=None)],
+                    outputs=[],
                     finished=False,
                     num_cached_tokens=0,
                     metrics=RequestMetrics(arrival_time=0.0),
                 )
+                for sample in request.group:
+                    comp = CompletionOutput(index=sample.sample_index, text="", token_ids=[])
+                    out.outputs.append(comp)
+                    samples[sample.req_id] = (out, comp)
             bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
-            pending = set(order)
+            pending = set(samples)
             while pending:
                 for delta in engine.step():
-                    out = results.get(delta.request_id)
-                    if out is None:
+                    if delta.request_id not in samples:
                         continue
-                    comp = out.outputs[0]
+                    out, comp = samples[delta.request_id]
                     comp.text += delta.new_text
                     comp.token_ids.extend(delta.new_token_ids)
                     if delta.new_logprobs:
                         comp.logprobs = (comp.logprobs or []) + delta.new_logprobs
-                    out.num_cached_tokens = delta.num_cached_tokens
-                    if delta.metrics is not None:
-                        out.metrics = delta.metrics
+                    if delta.prompt_logprobs is not None:
+                        out.prompt_logprobs = delta.prompt_logprobs
+                    if delta.sample_index == 0:
+                        out.num_cached_tokens = delta.num_cached_tokens
+                        if delta.metrics is not None:
+                            out.metrics = delta.metrics
                     if delta.finished:
                         comp.finish_reason = delta.finish_reason
                         comp.stop_reason = delta.stop_reason
-                        out.finished = True
                         pending.discard(delta.request_id)
-                        bar.update(1)
+                        if all(c.finished for c in out.outputs):
+                            out.finished = True
+                            bar.update(1)
                 if pending and not engine.has_unfinished_requests():
                     raise RuntimeError(f"engine lost requests {sorted(pending)}")
             bar.close()
         except BaseException:
-            engine.abort_requests([r for r in order if not results[r].finished])
+            engine.abort_requests([r for r, (_, c) in samples.items() if not c.finished])
             raise
+        for out, params in zip((results[r] for r in order), params_list, strict=True):
+            out.outputs = select_samples(out.outputs, params)
         return [results[r] for r in order]
+
+
+def select_samples(
+    outputs: list[CompletionOutput], params: SamplingParams
+) -> list[CompletionOutput]:
+    """The ``n`` samples to return: all of them (sample order), or with ``best_of > n``
+    the ``n`` with the highest cumulative logprob, renumbered 0..n-1. Sets each
+    sample's ``cumulative_logprob`` and drops logprobs the caller did not ask for."""
+    for comp in outputs:
+        if comp.logprobs:
+            comp.cumulative_logprob = sum(lp.sampled_logprob for lp in comp.logprobs)
+    chosen = outputs
+    if len(outputs) > params.n:
+        ranked = sorted(outputs, key=lambda c: -(c.cumulative_logprob or 0.0))
+        chosen = sorted(ranked[: params.n], key=lambda c: c.index)
+        for i, comp in enumerate(chosen):
+            comp.index = i
+    if params.logprobs is None:
+        for comp in chosen:
+            comp.logprobs = None
+    return chosen

@@ -27,12 +27,16 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
+    """One sample of a request. ``cumulative_logprob`` is the sum of its tokens'
+    logprobs when they were computed (``logprobs`` or ``best_of`` set), else None."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     logprobs: list[Logprobs] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -48,11 +52,18 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # With SamplingParams(prompt_logprobs=k): None for the first prompt token, then
+    # the logprob (and top k) of each prompt token given those before it.
+    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 @dataclass
 class RequestDelta:
-    """One step's news for one request (for streaming)."""
+    """One step's news for one sample of a request (for streaming).
+
+    ``sample_index`` is the sample's index among the request's ``n``/``best_of``;
+    ``prompt_logprobs`` (requests with ``prompt_logprobs`` set) comes on each
+    sample's first delta that has tokens, the same list for every sample."""
 
     request_id: str
     new_token_ids: list[int]
@@ -69,6 +80,8 @@ class RequestDelta:
     # Set when the engine ended the request on an error (a failed KV transfer under
     # --kv-load-failure-policy fail); finish_reason is then "abort".
     error: str | None = None
+    sample_index: int = 0
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

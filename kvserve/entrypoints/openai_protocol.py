@@ -19,132 +19,62 @@ Defaults that differ between OpenAI and vLLM, and the ones kvserve picks:
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
+from kvserve.entrypoints.openai_errors import (
+    EXAMPLES,
+    bad_request,
+    request_error_to_api,
+    short_repr,
+)
+from kvserve.entrypoints.openai_structured import (
+    RESPONSE_FORMAT_NAMES,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    structured_params,
+)
 from kvserve.request import RequestError, SamplingParams
+from kvserve.structured.params import StructuredOutputsParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
 
 
-class APIError(Exception):
-    """An error answered to the client in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | int | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-# Valid examples shown in messages about a field.
-_EXAMPLES: dict[str, str] = {
-    "model": '"model": "smollm2-135m-instruct"',
-    "prompt": '"prompt": "Once upon a time" (or a list of token ids such as [1, 2, 3])',
-    "messages": '"messages": [{"role": "user", "content": "Hello"}]',
-    "max_tokens": '"max_tokens": 16',
-    "max_completion_tokens": '"max_completion_tokens": 16',
-    "temperature": '"temperature": 0.7',
-    "top_p": '"top_p": 0.9',
-    "top_k": '"top_k": 40',
-    "min_p": '"min_p": 0.05',
-    "seed": '"seed": 42',
-    "stop": '"stop": ["\\n"]',
-    "n": '"n": 1',
-    "logprobs": '"logprobs": 2',
-    "top_logprobs": '"top_logprobs": 2',
-    "stream": '"stream": true',
-    "stream_options": '"stream_options": {"include_usage": true}',
-    "cache_salt": '"cache_salt": "tenant-a"',
-    "stop_token_ids": '"stop_token_ids": [2]',
-    "ignore_eos": '"ignore_eos": true',
-    "min_tokens": '"min_tokens": 4',
-    "presence_penalty": '"presence_penalty": 0.5',
-    "frequency_penalty": '"frequency_penalty": 0.5',
-    "repetition_penalty": '"repetition_penalty": 1.1',
-    "tokens": '"tokens": [1, 2, 3]',
+# --------------------------------------------------------------------- JSON schemas
+# What the OpenAPI document says the free-form fields accept (the validators below
+# enforce the same).
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        _TOKEN_IDS,
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+    ]
 }
-
-
-def example_for(param: str | None) -> str:
-    key = re.split(r"[.\[]", param)[0] if param else ""
-    return _EXAMPLES.get(key, "")
-
-
-def validation_error_to_api(err: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field, the rule and an example."""
-    first = err.errors(include_url=False)[0]
-    param = _loc_to_param(first.get("loc", ()))
-    msg = str(first.get("msg", "invalid value"))
-    msg = msg.removeprefix("Value error, ")
-    if first.get("type") == "missing":
-        text = f"missing required field '{param}'"
-        code = "missing_required_parameter"
-    else:
-        got = first.get("input")
-        text = f"invalid value for '{param}': {msg} (got {_short(got)})"
-        code = "invalid_type"
-    example = example_for(param)
-    if example:
-        text += f"; for example {example}"
-    return bad_request(text, param=param, code=code)
-
-
-def request_error_to_api(err: RequestError, names: dict[str, str]) -> APIError:
-    """A refused request as a 400 naming the request's own field (``names`` maps
-    engine names such as ``"prompt"``/``"max_tokens"`` to the request's), with an
-    example when there is one."""
-    param = names.get(err.param, err.param) if err.param else None
-    text = str(err)
-    if param != err.param:
-        text += f" ({err.param} is this request's {param})"
-    example = example_for(param)
-    if example:
-        text += f"; for example {example}"
-    return bad_request(text, param=param, code=err.code)
-
-
-def _loc_to_param(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out or "body"
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+_STOP_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}},
+        {"type": "null"},
+    ]
+}
+_CONTENT_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string"},
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                "required": ["type", "text"],
+            },
+        },
+        {"type": "null"},
+    ]
+}
 
 
 # --------------------------------------------------------------------- validators
@@ -171,31 +101,64 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+def _present(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"required": [name], "properties": {name: schema}}
+
+
+# Rules between fields, stated in the JSON schema as if/then (the checks below
+# enforce them with a message).
+_STREAM_OPTIONS_RULE: Any = {
+    "if": _present("stream_options", {"type": "object"}),
+    "then": _present("stream", {"const": True}),
+}
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by completions and chat."""
 
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    max_tokens: int | None = Field(default=None, json_schema_extra={"minimum": 0})
+    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0})
+    top_p: float | None = Field(
+        default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1}
+    )
+    top_k: int | None = Field(default=None, json_schema_extra={"minimum": -1})
+    min_p: float | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 1})
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
-    stop: Any = None
-    stop_token_ids: list[int] | None = None
-    n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    stop: Annotated[Any, WithJsonSchema(_STOP_SCHEMA)] = None
+    stop_token_ids: list[int] | None = Field(
+        default=None, json_schema_extra={"items": {"type": "integer", "minimum": 0}}
+    )
+    n: int | None = Field(default=None, json_schema_extra={"minimum": 1, "maximum": 128})
+    presence_penalty: float | None = Field(
+        default=None, json_schema_extra={"minimum": -2, "maximum": 2}
+    )
+    frequency_penalty: float | None = Field(
+        default=None, json_schema_extra={"minimum": -2, "maximum": 2}
+    )
+    repetition_penalty: float | None = Field(
+        default=None, json_schema_extra={"exclusiveMinimum": 0}
+    )
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, json_schema_extra={"minimum": 0})
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(default=None, json_schema_extra={"minLength": 1})
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        default=None,
+        json_schema_extra={
+            "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,8})$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+    )
+    prompt_logprobs: int | None = Field(
+        default=None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS}
+    )
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -211,11 +174,6 @@ class _SamplingRequest(_Strict):
 
     def check_common(self) -> None:
         """Refuse what kvserve does not support, with the fix."""
-        if self.logit_bias:
-            raise bad_request(
-                "logit_bias is not supported by this server: remove it from the request",
-                param="logit_bias",
-            )
         if self.stream_options is not None and not self.stream:
             raise bad_request(
                 "stream_options is only allowed when stream is true: set "
@@ -237,9 +195,13 @@ class _SamplingRequest(_Strict):
             "stop_token_ids": self.stop_token_ids or [],
             "logprobs": logprobs,
             "seed": self.seed,
+            "prompt_logprobs": self.prompt_logprobs,
+            "logit_bias": self.token_logit_bias(),
+            "structured_outputs": self.structured(),
         }
         for name in (
             "n",
+            "best_of",
             "temperature",
             "top_p",
             "top_k",
@@ -248,7 +210,7 @@ class _SamplingRequest(_Strict):
             "frequency_penalty",
             "repetition_penalty",
         ):
-            value = getattr(self, name)
+            value = getattr(self, name, None)
             if value is not None:
                 kwargs[name] = value
         try:
@@ -258,17 +220,58 @@ class _SamplingRequest(_Strict):
 
     def param_names(self, max_tokens_param: str) -> dict[str, str]:
         """Engine field name -> this request's field name, for :func:`request_error_to_api`."""
-        return {"max_tokens": max_tokens_param}
+        return {"max_tokens": max_tokens_param, **self._structured_names()}
+
+    def _structured_names(self) -> dict[str, str]:
+        if self.response_format is None or self.structured_outputs is not None:
+            return {}
+        return dict(RESPONSE_FORMAT_NAMES)
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids; 400 naming it for a key that is not one."""
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            if not re.fullmatch(r"0|[1-9][0-9]{0,8}", key):
+                raise bad_request(
+                    f"logit_bias key {key!r} is not a token id: keys are token ids as strings; "
+                    "for example " + EXAMPLES["logit_bias"],
+                    param="logit_bias",
+                )
+            out[int(key)] = bias
+        return out
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """``structured_outputs`` or ``response_format`` as engine params (see
+        :func:`structured_params`); 400 naming the request's field."""
+        return structured_params(self.structured_outputs, self.response_format)
 
 
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: Any
-    logprobs: int | None = None
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra={
+            "allOf": [
+                _STREAM_OPTIONS_RULE,
+                {
+                    "if": _present("max_tokens", {"const": 0}),
+                    "then": _present("echo", {"const": True}),
+                },
+            ]
+        },
+    )
+
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]
+    logprobs: int | None = Field(
+        default=None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS}
+    )
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
+    best_of: int | None = Field(default=None, json_schema_extra={"minimum": 1, "maximum": 128})
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list (one element per completion to generate).
@@ -289,13 +292,13 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(p, list) and not p:
             raise bad_request(
                 "prompt is an empty list: send at least one prompt; for example "
-                + _EXAMPLES["prompt"],
+                + EXAMPLES["prompt"],
                 param="prompt",
             )
         raise bad_request(
-            f"invalid value for 'prompt' (got {_short(p)}): use a string, a list of strings, "
+            f"invalid value for 'prompt' (got {short_repr(p)}): use a string, a list of strings, "
             "a list of token ids (integers) or a list of such lists; for example "
-            + _EXAMPLES["prompt"],
+            + EXAMPLES["prompt"],
             param="prompt",
             code="invalid_type",
         )
@@ -304,18 +307,39 @@ class CompletionRequest(_SamplingRequest):
         self.check_common()
         if self.suffix:
             raise bad_request("suffix is not supported by this server: remove it", param="suffix")
-        if self.best_of is not None and self.best_of != 1:
+        n = self.n or 1
+        if self.best_of is not None and self.best_of < n:
             raise bad_request(
-                f"best_of={self.best_of} is not supported: only best_of=1 is; send several "
-                "requests instead",
+                f"best_of={self.best_of} is less than n={n}: best_of samples are generated "
+                "and the n best returned, so use best_of >= n",
                 param="best_of",
             )
-        if self.echo and self.logprobs is not None:
+        if self.stream and self.best_of is not None and self.best_of > n:
             raise bad_request(
-                "echo together with logprobs is not supported (prompt logprobs are not "
-                "computed): drop echo or logprobs",
-                param="echo",
+                f"best_of={self.best_of} > n={n} cannot be streamed (the best samples are "
+                "known only at the end): set stream to false or best_of to n",
+                param="best_of",
             )
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request(
+                "invalid value for 'max_tokens': 0 is allowed only with \"echo\": true (to "
+                "score the prompt); otherwise use a positive integer, for example "
+                + EXAMPLES["max_tokens"],
+                param="max_tokens",
+            )
+
+    @property
+    def echo_only(self) -> bool:
+        """``max_tokens: 0`` with ``echo``: return the prompt (and its logprobs) only."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """Prompt logprobs to compute: ``prompt_logprobs``, or ``logprobs`` with echo."""
+        wanted = [
+            k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None
+        ]
+        return max(wanted) if wanted else None
 
 
 def _check_content(value: Any) -> str | None:
@@ -341,7 +365,7 @@ def _check_content(value: Any) -> str | None:
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None
+    content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)] = None
     name: str | None = None
 
     @field_validator("content", mode="before")
@@ -361,34 +385,40 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra={
+            "allOf": [
+                _STREAM_OPTIONS_RULE,
+                {
+                    "if": _present("top_logprobs", {"type": "integer"}),
+                    "then": _present("logprobs", {"const": True}),
+                },
+            ]
+        },
+    )
+
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: int | None = Field(default=None, json_schema_extra={"minimum": 1})
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 20})
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
+    tool_choice: Annotated[Any, WithJsonSchema({})] = None
 
     def check(self) -> None:
         self.check_common()
         if not self.messages:
             raise bad_request(
-                "messages is empty: send at least one message; for example "
-                + _EXAMPLES["messages"],
+                "messages is empty: send at least one message; for example " + EXAMPLES["messages"],
                 param="messages",
             )
         if self.tools:
             raise bad_request(
                 "tools are not supported by this server: remove tools and tool_choice",
                 param="tools",
-            )
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request(
-                f"response_format={self.response_format!r} is not supported: only "
-                '{"type": "text"} is',
-                param="response_format",
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request(
@@ -398,12 +428,17 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(
                 f"top_logprobs={self.top_logprobs} is out of range: use an integer from 0 to "
-                f"{MAX_LOGPROBS}; for example " + _EXAMPLES["top_logprobs"],
+                f"{MAX_LOGPROBS}; for example " + EXAMPLES["top_logprobs"],
                 param="top_logprobs",
             )
 
     def param_names(self, max_tokens_param: str) -> dict[str, str]:
-        return {"max_tokens": max_tokens_param, "prompt": "messages", "logprobs": "top_logprobs"}
+        return {
+            "max_tokens": max_tokens_param,
+            "prompt": "messages",
+            "logprobs": "top_logprobs",
+            **self._structured_names(),
+        }
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -422,6 +457,26 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Strict):
     """POST /tokenize (vLLM's shape): either ``prompt`` or ``messages``."""
 
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra={
+            "oneOf": [
+                {
+                    "required": ["prompt"],
+                    "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}},
+                },
+                {
+                    "required": ["messages"],
+                    "properties": {
+                        "messages": {"type": "array", "minItems": 1},
+                        "prompt": {"type": "null"},
+                    },
+                },
+            ]
+        },
+    )
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -434,4 +489,4 @@ class DetokenizeRequest(_Strict):
     """POST /detokenize (vLLM's shape)."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[int] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})

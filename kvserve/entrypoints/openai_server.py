@@ -7,6 +7,7 @@ Routes:
     POST /v1/completions         stream and non-stream (``openai_serving``)
     POST /v1/chat/completions    stream and non-stream
     POST /tokenize, /detokenize  vLLM's shapes
+    GET  /openapi.json           every route's request body and responses (``openapi_doc``)
 
 Rules this module keeps:
 - Every error a client can cause is answered in OpenAI's shape
@@ -39,16 +40,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.client import EngineClient
+from kvserve.entrypoints.openai_errors import APIError, bad_request, validation_error_to_api
 from kvserve.entrypoints.openai_protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    bad_request,
-    validation_error_to_api,
 )
 from kvserve.entrypoints.openai_serving import Generation, OpenAIServing, abort_all
+from kvserve.entrypoints.openapi_doc import openapi_document
 from kvserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,15 @@ def build_app(
     app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = async_engine
     app.state.serving = serving
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(
+                vocab_size=async_engine.vocab_size, max_num_seqs=async_engine.max_num_seqs
+            )
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
 
@@ -104,7 +113,7 @@ def build_app(
             message = (
                 f"no route {request.method} {request.url.path}: this server has "
                 "/v1/models, /v1/completions, /v1/chat/completions, /tokenize, "
-                "/detokenize, /health and /metrics"
+                "/detokenize, /health, /metrics, /version and /openapi.json"
             )
         else:
             message = f"{exc.detail} ({request.method} {request.url.path})"
@@ -218,7 +227,7 @@ def build_app(
 async def _parse(request: Request, model: type[M]) -> M:
     raw = await request.body()
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_float=_json_number)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(
             f"the request body is not valid JSON ({e}): send a JSON object, for example "
@@ -237,6 +246,15 @@ async def _parse(request: Request, model: type[M]) -> M:
         raise validation_error_to_api(e) from None
 
 
+def _json_number(text: str) -> float | int:
+    """A JSON number with a fraction or exponent: an int when it is integral (JSON
+    Schema counts ``2.0`` as an integer, so the strict models accept it as one)."""
+    value = float(text)
+    if value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    return value
+
+
 T = TypeVar("T")
 
 
@@ -248,7 +266,7 @@ async def _respond(
     if stream:
         return _SSEResponse(serving.events(gen), on_close=abort_all(gen.streams))
     choices = await _until_disconnect(
-        request, serving.collect(gen.streams), on_disconnect=abort_all(gen.streams)
+        request, serving.collect(gen), on_disconnect=abort_all(gen.streams)
     )
     if choices is None:
         return Response(status_code=499)

@@ -15,6 +15,7 @@ per-choice shapes come from the endpoint's renderer (``openai_render``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -30,19 +31,18 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.engine.client import DeltaStream, EngineClient
 from kvserve.engine.outputs import RequestDelta
+from kvserve.entrypoints.openai_errors import APIError, bad_request, request_error_to_api
 from kvserve.entrypoints.openai_protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    bad_request,
-    request_error_to_api,
 )
 from kvserve.entrypoints.openai_render import (
     ChatRenderer,
     Choice,
     CompletionRenderer,
     Renderer,
+    best_choices,
     usage,
 )
 from kvserve.entrypoints.token_texts import TokenTexts
@@ -117,13 +117,23 @@ def error_event(e: BaseException) -> str:
 # --------------------------------------------------------------------- serving
 @dataclass
 class Generation:
-    """One HTTP request's queued engine requests (one stream per choice) and the
-    renderer of its endpoint. The caller must drain or abort every stream."""
+    """One HTTP request's queued engine requests (one stream per sample: prompt ``p``
+    sample ``j`` is stream ``p * num_samples + j``) and the renderer of its endpoint.
+    ``n`` choices per prompt are returned (the best ``n`` of ``num_samples`` by
+    cumulative logprob when ``best_of > n``). The caller must drain or abort every
+    stream."""
 
     req_id: str
     streams: list[DeltaStream]
     renderer: Renderer
     include_usage: bool
+    prompt_index: list[int]
+    n: int = 1
+    num_samples: int = 1
+    count_outputs: bool = True
+
+    def new_choices(self) -> list[Choice]:
+        return [Choice(index=i, prompt_index=p) for i, p in enumerate(self.prompt_index)]
 
 
 def _include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
@@ -167,8 +177,9 @@ class OpenAIServing:
         names: dict[str, str],
     ) -> list[DeltaStream]:
         """Queue every prompt, all or none: each is validated once (``make_request``)
-        before any is queued. Refusals become APIError naming the request's field
-        (``names``: engine field -> request field)."""
+        before any is queued. Returns one stream per sample, prompt by prompt.
+        Refusals become APIError naming the request's field (``names``: engine field
+        -> request field)."""
         requests = []
         try:
             for i, (text, ids, params) in enumerate(inputs):
@@ -188,7 +199,7 @@ class OpenAIServing:
             for i, request in enumerate(requests):
                 # One queue-length check per HTTP request: a batch is admitted whole.
                 max_waiting = self.max_queue_len if i == 0 else None
-                streams.append(await self.engine.submit(request, max_waiting=max_waiting))
+                streams += await self.engine.submit_samples(request, max_waiting=max_waiting)
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -213,11 +224,12 @@ class OpenAIServing:
             raise
         return streams
 
-    async def collect(self, streams: list[DeltaStream]) -> list[Choice]:
-        """Drain the streams into one choice each; engine failures become a 500."""
-        choices = [Choice(index=i) for i in range(len(streams))]
+    async def collect(self, gen: Generation) -> list[Choice]:
+        """Drain the streams into one choice each (all samples, best_of included);
+        engine failures become a 500."""
+        choices = gen.new_choices()
         try:
-            async for i, delta in merge(streams):
+            async for i, delta in merge(gen.streams):
                 _check_finish(delta)
                 choices[i].add(delta)
         except KVTransferFailedError as e:
@@ -239,25 +251,39 @@ class OpenAIServing:
         req.check()
         inputs: list[tuple[str | None, list[int], SamplingParams]] = []
         echo_texts: list[str] = []
+        prompt_ids: list[list[int]] = []
         for prompt in req.prompts():
             if isinstance(prompt, str):
                 text: str | None = prompt
                 ids = list(self.tokenizer.encode(prompt))
             else:
                 text, ids = None, prompt
-            max_tokens = req.max_tokens
+            max_tokens = 1 if req.echo_only else req.max_tokens  # echo only: one unused token
             if max_tokens is None:
                 # Never below 1, so that a too-long prompt is refused for its length.
                 room = max(self.engine.max_model_len - len(ids), 1)
                 max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
             params = req.sampling_params(max_tokens, req.logprobs, max_tokens_param="max_tokens")
+            params = dataclasses.replace(params, prompt_logprobs=req.engine_prompt_logprobs)
             inputs.append((text, ids, params))
+            prompt_ids.append(ids)
             if req.echo:
                 echo_texts.append(text if text is not None else str(self.tokenizer.decode(ids)))
         req_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(req_id, inputs, req.cache_salt, req.param_names("max_tokens"))
-        renderer = CompletionRenderer(req, self.token_texts, echo_texts, len(streams))
-        return Generation(req_id, streams, renderer, _include_usage(req))
+        num_samples = inputs[0][2].num_samples
+        prompt_index = [i // num_samples for i in range(len(streams))]
+        renderer = CompletionRenderer(req, self.token_texts, echo_texts, prompt_ids, prompt_index)
+        return Generation(
+            req_id,
+            streams,
+            renderer,
+            _include_usage(req),
+            prompt_index,
+            n=inputs[0][2].n,
+            num_samples=num_samples,
+            count_outputs=not req.echo_only,
+        )
 
     # ------------------------------------------------------------------ chat
     def render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -287,7 +313,10 @@ class OpenAIServing:
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
         names = req.param_names(max_param)
         streams = await self.submit(req_id, [(text, ids, params)], req.cache_salt, names)
-        return Generation(req_id, streams, ChatRenderer(req, self.token_texts), _include_usage(req))
+        renderer = ChatRenderer(req, self.token_texts, ids)
+        return Generation(
+            req_id, streams, renderer, _include_usage(req), [0] * len(streams), n=params.n
+        )
 
     # ------------------------------------------------------------------ responses
     def _envelope(
@@ -302,14 +331,21 @@ class OpenAIServing:
         }
 
     def response(self, gen: Generation, choices: list[Choice]) -> dict[str, Any]:
-        """The non-streamed response from the collected choices."""
+        """The non-streamed response from the collected choices (all samples; the
+        best ``n`` per prompt are returned, usage counts them all)."""
+        returned = best_choices(choices, gen.n) if gen.num_samples > gen.n else choices
         body = self._envelope(
             gen,
             gen.renderer.response_object,
             int(time.time()),
-            [gen.renderer.choice(c) for c in choices],
+            [gen.renderer.choice(c) for c in returned],
         )
-        return {**body, "usage": usage(choices), "system_fingerprint": None}
+        return {
+            **body,
+            **gen.renderer.response_fields(choices),
+            "usage": usage(choices, count_outputs=gen.count_outputs),
+            "system_fingerprint": None,
+        }
 
     async def events(self, gen: Generation) -> AsyncIterator[str]:
         """The Server-Sent Events of a streamed response: the renderer's opening
@@ -317,10 +353,10 @@ class OpenAIServing:
         then ``[DONE]``. An engine failure becomes an error event before ``[DONE]``."""
         created = int(time.time())
         obj = gen.renderer.chunk_object
-        choices = [Choice(index=i) for i in range(len(gen.streams))]
+        choices = gen.new_choices()
 
-        def chunk(choice: dict[str, Any]) -> str:
-            body = self._envelope(gen, obj, created, [choice])
+        def chunk(choice: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
+            body = {**self._envelope(gen, obj, created, [choice]), **(extra or {})}
             if gen.include_usage:
                 body["usage"] = None
             return sse(body)
@@ -333,9 +369,10 @@ class OpenAIServing:
                 choices[i].add(delta)
                 rendered = gen.renderer.chunk(i, delta)
                 if rendered is not None:
-                    yield chunk(rendered)
+                    yield chunk(rendered, gen.renderer.chunk_fields(delta))
             if gen.include_usage:
-                yield sse({**self._envelope(gen, obj, created, []), "usage": usage(choices)})
+                counts = usage(choices, count_outputs=gen.count_outputs)
+                yield sse({**self._envelope(gen, obj, created, []), "usage": counts})
         except (RequestFailedError, EngineUnavailableError, APIError) as e:
             yield error_event(e)
         yield sse("[DONE]")

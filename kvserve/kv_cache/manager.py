@@ -17,6 +17,10 @@ Scheduler protocol (what a caller must keep):
 3. After the step's tokens have KV: ``cache_blocks(req, req.num_computed_tokens)``.
 4. Finished, aborted or preempted: ``free(req)`` (preemption also resets
    ``num_computed_tokens`` to 0; the request is then admitted again from step 1).
+5. Samples of one request: once the leader's prompt has KV, ``fork(leader, sample,
+   num_prompt_tokens)`` gives a sample the prompt's blocks (full ones shared, ref
+   count up; the partial last one copied into a new block, copy on write) and
+   returns the (src, dst) copies the model runner makes before the next forward.
 
 Prefix-cache stats count a request once per admission (the first successful
 ``allocate_slots`` since it held no blocks): a refused and retried lookup is not
@@ -164,10 +168,11 @@ class KVCacheManager:
         least one token is always left to compute (for the logits): the hit covers at
         most ``num_tokens - 1`` tokens, rounded down to a whole block. Returns the
         blocks and the number of hit tokens (``len(blocks) * block_size``); ``([], 0)``
-        when caching is off. Changes no ref counts and no stats; extends
-        ``request.block_hashes``.
+        when caching is off, and for a request that wants prompt logprobs (every prompt
+        position needs its logits, so it computes the whole prompt, as vLLM does).
+        Changes no ref counts and no stats; extends ``request.block_hashes``.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = self._update_block_hashes(request)
         bs = self.block_size
@@ -257,6 +262,49 @@ class KVCacheManager:
         new_blocks = pool.get_new_blocks(num_new_blocks)
         held.extend(new_blocks)
         return new_blocks
+
+    def fork(
+        self, parent: Request, child: Request, num_tokens: int
+    ) -> list[tuple[int, int]] | None:
+        """Give ``child`` (holding no blocks) the KV of ``parent``'s first ``num_tokens``
+        tokens, which must be computed::
+
+            parent blocks: [ full | full | partial ]      num_tokens = 2*B + r, 0 < r < B
+            child blocks:  [ full | full | copy    ]      full ones shared (ref_cnt + 1),
+                                                          the partial one copied to a new block
+
+        Returns the ``(src, dst)`` block copies the model runner must make before the
+        child's next step (empty when ``num_tokens`` is a multiple of the block size), or
+        None, changing nothing, when no block is free for the copy. The child's
+        ``num_computed_tokens`` is the caller's to set.
+        """
+        if child.req_id in self.req_to_blocks:
+            raise ValueError(f"fork: {child.req_id!r} already holds blocks")
+        bs = self.block_size
+        blocks = self.req_to_blocks.get(parent.req_id, [])
+        num_full, rest = divmod(num_tokens, bs)
+        if len(blocks) < num_full + (rest > 0):
+            raise ValueError(
+                f"fork: {parent.req_id!r} holds {len(blocks)} blocks, fewer than its "
+                f"{num_tokens} computed tokens need"
+            )
+        pool = self.block_pool
+        if rest and pool.num_free_blocks < 1:
+            return None
+        shared = blocks[:num_full]
+        pool.touch(shared)
+        held = list(shared)
+        copies: list[tuple[int, int]] = []
+        if rest:
+            (new,) = pool.get_new_blocks(1)
+            held.append(new)
+            copies.append((blocks[num_full].block_id, new.block_id))
+        self.req_to_blocks[child.req_id] = held
+        self.num_cached_blocks[child.req_id] = min(
+            self.num_cached_blocks.get(parent.req_id, 0), num_full
+        )
+        child.block_hashes = list(parent.block_hashes[:num_full])
+        return copies
 
     def _record_admission(self, queries: int, hits: int) -> None:
         self.prefix_cache_queries += queries
@@ -350,5 +398,5 @@ class KVCacheManager:
                 )
             if len(set(owners)) != len(owners):
                 raise RuntimeError(f"{block} is held twice by request {owners}")
-            if len(owners) > 1 and block.block_hash is None:
-                raise RuntimeError(f"{block} is shared by {owners} but is not a cached block")
+            # A shared block is a prefix-cache hit or a prompt block shared by the
+            # samples of one request (fork); the latter need not be cached.

@@ -25,6 +25,16 @@ Rules a caller (the engine) must keep:
   ``num_computed_tokens`` reaches ``num_tokens`` in that step.
 - Finished requests leave :attr:`Scheduler.requests` inside the call that finishes
   them (``update_from_output`` or ``finish_requests``); keep your own reference.
+
+Samples of one request (``Request.with_samples``): only the leader is queued; the
+other samples are in :attr:`Scheduler.requests` but in neither queue until the step
+that computes the leader's prompt, whose runner output carries each sample's first
+token (``SchedulerOutput.forks``). Then each sample *forks*: it shares the prompt's
+blocks (``KVCacheManager.fork``) and runs as a decode, so the prompt is computed
+once. A sample that got no token (a runner without fork support) or no block for its
+copy is queued at the front of ``waiting`` instead and computes the prompt itself
+(a prefix-cache hit for all its full blocks). A group is admitted only when all its
+samples fit under ``max_num_seqs``.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from kvserve.kv_cache.manager import KVCacheManager, cdiv
 from kvserve.kv_transfer.connector import KVConnectorScheduler
 from kvserve.request import Request, RequestError, RequestStatus, check_prompt
 from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvserve.sched.samples import SampleForker, core_output
 from kvserve.sched.step_builder import StepBuilder, chunk_size
 
 
@@ -114,6 +125,7 @@ class Scheduler(abc.ABC):
         self.failed_requests: list[tuple[Request, str]] = []
         # Finished, aborted or preempted since the last output: the runner drops them.
         self._finished_req_ids: set[str] = set()
+        self.forker = SampleForker(kv_cache_manager)
         self._state = SchedulerState.IDLE
         self.num_preemptions = 0
         self.num_prefill_padding_tokens = 0
@@ -156,6 +168,8 @@ class Scheduler(abc.ABC):
         :meth:`check_request` refuses it."""
         self.check_request(request)
         self.requests[request.req_id] = request
+        for sample in request.pending_forks:
+            self.requests[sample.req_id] = sample
         self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
@@ -176,6 +190,19 @@ class Scheduler(abc.ABC):
         ):
             raise ValueError(
                 f"request {req_id!r} is not fresh ({request!r}): add a new Request object"
+            )
+        group = 1 + len(request.pending_forks)
+        if group > self.max_num_seqs:
+            raise RequestError(
+                f"request {req_id!r} asks for {group} samples but max_num_seqs is "
+                f"{self.max_num_seqs}: lower n/best_of to at most {self.max_num_seqs} or start "
+                f"the engine with max_num_seqs >= {group}",
+                param="n",
+            )
+        if any(s.req_id in self.requests for s in request.pending_forks):
+            raise RequestError(
+                f"a sample id of request {req_id!r} is already queued: use a unique id",
+                param="request_id",
             )
         # The engine checked max_tokens too; generating up to max_model_len finishes
         # the request as "length", so here only the prompt must leave room.
@@ -208,19 +235,41 @@ class Scheduler(abc.ABC):
             request = self.requests.get(req_id)
             if request is None:
                 continue
+            parent = request.fork_parent
+            idx = 0  # where an heir waits: the leader's place, or the front
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif req_id in self.waiting_for_remote:
                 del self.waiting_for_remote[req_id]
+            elif parent is not None and request in parent.pending_forks:
+                parent.pending_forks.remove(request)  # never queued
             else:
-                self.waiting.remove(request)
+                idx = self.waiting.index(request)
+                del self.waiting[idx]
+            if request.pending_forks:
+                # The prompt is not computed yet: the next sample leads the rest.
+                heir, rest = request.pending_forks[0], request.pending_forks[1:]
+                heir.pending_forks, request.pending_forks = rest, []
+                heir.fork_parent = None
+                for sample in rest:
+                    sample.fork_parent = heir
+                self.waiting.insert(idx, heir)
             request.status = status
             self._free_finished(request)
         self._set_state(self._state)
 
+    def _group_fits(self, request: Request) -> bool:
+        """Whether admitting ``request`` and its pending samples keeps ``max_num_seqs``."""
+        return len(self.running) + 1 + len(request.pending_forks) <= self.max_num_seqs
+
+    def _new_step(self) -> StepBuilder:
+        """A StepBuilder that sends forked samples to the runner as new requests."""
+        return StepBuilder(self.forker.new_to_runner, self.kv_cache_manager.get_block_ids)
+
     def _free_finished(self, request: Request) -> None:
         """Release a finished request (already out of both queues)."""
         self._release_blocks(request)
+        self.forker.new_to_runner.discard(request.req_id)
         request.finished_time = self.clock()
         self._finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]
@@ -341,6 +390,7 @@ class Scheduler(abc.ABC):
         """Preempt by recompute: free the blocks, reset progress, requeue at the front."""
         self.running.remove(request)
         self._release_blocks(request)
+        self.forker.new_to_runner.discard(request.req_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -391,6 +441,8 @@ class Scheduler(abc.ABC):
         finished since the last output."""
         self._set_state(self._active_state(step))
         finished, self._finished_req_ids = self._finished_req_ids, set()
+        copies = self.forker.take_block_copies()
+        forks = self.forker.forks_of(step.num_scheduled_tokens, self.requests)
         self.num_steps += 1
         out = SchedulerOutput(
             phase=step.phase,
@@ -407,6 +459,8 @@ class Scheduler(abc.ABC):
             kv_segment_size=self.config.kv_segment_size,
             finished_req_ids=finished,
             decode_batch_size_padded=decode_batch_size_padded,
+            forks=forks,
+            block_copies=copies,
         )
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
@@ -460,20 +514,20 @@ class Scheduler(abc.ABC):
                 request.first_token_time = now
             request.last_token_time = now
             logprobs = model_runner_output.logprobs.get(req_id)
+            forked = None
+            if request.pending_forks:
+                forked = self.forker.fork(request, model_runner_output, now, self._check_stop)
+                self.running.extend(forked.running)
+                self.waiting.extendleft(reversed(forked.requeue))
+                for sample in forked.finished:
+                    self._free_finished(sample)
             finish_reason = request.finish_reason
             if request.is_finished:
                 self.running.remove(request)
                 self._free_finished(request)
-            outputs.append(
-                EngineCoreOutput(
-                    req_id=req_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
-                    finish_reason=finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=max(0, request.num_cached_tokens),
-                )
-            )
+            outputs.append(core_output(request, new_token_ids, logprobs, finish_reason))
+            if forked is not None:
+                outputs.extend(forked.outputs)
         self._set_state(self._state)
         return outputs
 

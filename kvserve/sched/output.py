@@ -10,6 +10,12 @@ later steps appear in ``scheduled_cached_reqs`` with only the blocks added since
 ``finished_req_ids`` lists requests that finished or were aborted/preempted since the
 previous step so the runner drops their state.
 
+Samples of one request (``n`` > 1): in the step where the leader's prompt is done,
+``forks[leader]`` names the other samples; the runner samples each one's first token
+from the leader's last logits row (same logits, the sample's own params and seed).
+The scheduler then gives each sample the prompt's blocks; ``block_copies`` are the
+partial-block copies (copy on write) the runner makes before the next forward.
+
 For every scheduled request ``r``:
     token range computed this step = [cached_seq_len[r], cached_seq_len[r] + num_scheduled_tokens[r])
     cached_seq_len[r] == num_computed_tokens before the step
@@ -44,6 +50,14 @@ class NewRequestData:
 
 
 @dataclass
+class ForkData:
+    """A sample that takes its first token from its leader's prompt logits."""
+
+    req_id: str
+    sampling_params: SamplingParams
+
+
+@dataclass
 class CachedRequestData:
     """Requests the runner already knows, in parallel lists."""
 
@@ -59,7 +73,9 @@ class SchedulerOutput:
     ``scheduled_token_ids[r]`` are the token ids of ``r`` computed this step
     (length ``num_scheduled_tokens[r]``), so the runner never guesses inputs.
     ``decode_batch_size_padded`` is set for separated-policy decode steps: the
-    runner pads the batch with dummy rows up to it (they write no KV).
+    runner pads the batch with dummy rows up to it (they write no KV). ``forks`` and
+    ``block_copies``: see the module docstring; copies run before the forward, also
+    in a step that schedules nothing.
     """
 
     phase: Phase
@@ -74,6 +90,8 @@ class SchedulerOutput:
     decode_batch_size_padded: int | None = None
     # KVConnectorMetadata for the worker side of a KV connector (None: nothing to do).
     kv_connector_metadata: Any = None
+    forks: dict[str, list[ForkData]] = field(default_factory=dict)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -93,19 +111,28 @@ class SchedulerOutput:
 
 @dataclass
 class Logprobs:
-    """Logprob of the sampled token and the top-N alternatives (ids, logprobs)."""
+    """Logprob of the sampled (or, for a prompt position, the actual next) token, its
+    rank (1 = most likely; set for prompt logprobs) and the top-N alternatives."""
 
     sampled_logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None
 
 
 @dataclass
 class ModelRunnerOutput:
-    """Per scheduled request: the sampled token ids (empty while mid-prefill)."""
+    """Per scheduled request: the sampled token ids (empty while mid-prefill), and for
+    forks the samples' first tokens under their own ids.
+
+    ``prompt_logprobs[r] = (start, entries)``: for a request with
+    ``prompt_logprobs`` set, ``entries[j]`` scores prompt token ``start + j + 1`` given
+    the tokens before it (the chunk's positions whose next token is in the prompt).
+    """
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
 
 
 @dataclass

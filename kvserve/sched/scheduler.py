@@ -35,7 +35,7 @@ class MixedScheduler(Scheduler):
     """One token budget, no phases; prefill chunks and decodes share steps."""
 
     def schedule(self) -> SchedulerOutput:
-        step = StepBuilder()
+        step = self._new_step()
         budget = self.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         cap = threshold if self.get_num_unfinished_requests() > 1 else 0
@@ -58,7 +58,7 @@ class MixedScheduler(Scheduler):
             budget -= num_tokens
 
         if self.num_preemptions == preemptions_before:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and budget > 0 and self._group_fits(self.waiting[0]):
                 admitted = self._admit(self.waiting[0], budget, cap, step)
                 if admitted is None:
                     break

@@ -75,15 +75,18 @@ class SeparatedScheduler(Scheduler):
         return next((r for r in self.running if not is_decode(r)), None)
 
     def can_schedule(self) -> bool:
-        """Admission rules (1), (2) and (4); rule (3) holds because a step admits at most one."""
-        return (
-            not self.at_capacity
-            and self._prefill_in_running() is None
-            and len(self.running) < self.max_kv_concurrent
-        )
+        """Admission rules (1), (2) and (4) for the head of the holdback queue, whose
+        samples (n > 1) all count; rule (3) holds because a step admits at most one.
+        A group larger than the KV concurrency runs alone."""
+        if self.at_capacity or self._prefill_in_running() is not None:
+            return False
+        group = 1 + len(self.waiting[0].pending_forks) if self.waiting else 1
+        if self.waiting and not self._group_fits(self.waiting[0]):
+            return False
+        return not self.running or len(self.running) + group <= self.max_kv_concurrent
 
     def schedule(self) -> SchedulerOutput:
-        step = StepBuilder()
+        step = self._new_step()
         budget = self.max_num_batched_tokens
 
         prefill = self._prefill_in_running()

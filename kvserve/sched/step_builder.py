@@ -3,6 +3,8 @@ token-range rules both policies use (:func:`is_decode`, :func:`chunk_size`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvserve.kv_cache.block_pool import KVCacheBlock
 from kvserve.request import Request
 from kvserve.sched.output import CachedRequestData, NewRequestData, Phase
@@ -30,9 +32,17 @@ class StepBuilder:
     for ``num_tokens`` tokens were allocated and before ``num_computed_tokens``
     changes; ``add_new`` for a request just admitted (the runner gets its prompt and
     all its blocks), ``add_running`` for one the runner already holds (only the
-    blocks added this step)."""
+    blocks added this step). ``new_to_runner`` (shared with the scheduler, emptied
+    here) names running requests the runner has not seen yet (forked samples):
+    ``add_running`` sends them as new, with all their blocks from ``block_ids_of``."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        new_to_runner: set[str] | None = None,
+        block_ids_of: Callable[[str], list[int]] | None = None,
+    ) -> None:
+        self.new_to_runner = new_to_runner if new_to_runner is not None else set()
+        self.block_ids_of = block_ids_of
         self.new_reqs: list[NewRequestData] = []
         self.cached_reqs = CachedRequestData()
         self.num_scheduled_tokens: dict[str, int] = {}
@@ -50,6 +60,7 @@ class StepBuilder:
         (self.decode_ids if is_decode(request) else self.prefill_ids).append(req_id)
 
     def add_new(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+        self.new_to_runner.discard(request.req_id)
         self.new_reqs.append(
             NewRequestData(
                 req_id=request.req_id,
@@ -65,6 +76,9 @@ class StepBuilder:
     def add_running(
         self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]
     ) -> None:
+        if request.req_id in self.new_to_runner and self.block_ids_of is not None:
+            self.add_new(request, num_tokens, self.block_ids_of(request.req_id))
+            return
         self.cached_reqs.req_ids.append(request.req_id)
         self.cached_reqs.new_block_ids.append([b.block_id for b in new_blocks])
         self.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)

@@ -32,6 +32,7 @@ from kvserve.model.attention import (
     build_attention_metadata,
 )
 from kvserve.sched.output import SchedulerOutput
+from kvserve.worker.prompt_logprobs import PromptLogprobsRows, rows_to_score
 from kvserve.worker.sampler import SamplingRequestState
 
 
@@ -64,6 +65,7 @@ class StepInputs:
     logits_rows: torch.Tensor  # [num_sampled] int64: last real row of each sampled request
     sample_req_ids: list[str]  # request ids in logits_rows order
     num_rows: int  # real + padding + dummy rows
+    prompt_logprob_rows: list[PromptLogprobsRows]  # requests with prompt_logprobs set
 
 
 class InputBatch:
@@ -149,6 +151,7 @@ class InputBatch:
         specs: list[SeqSpec] = []
         logits_rows: list[int] = []
         sample_req_ids: list[str] = []
+        scored: list[PromptLogprobsRows] = []
         for req_id in prefill_ids + single_ids:
             state = self.requests[req_id]
             n = so.num_scheduled_tokens[req_id]
@@ -167,6 +170,12 @@ class InputBatch:
                 input_ids.extend([self.pad_token_id] * (rows - n))
                 positions.extend([start + n - 1] * (rows - n))
             specs.append(SeqSpec(row, rows, n, start, state.block_ids))
+            num_top = state.sampling.params.prompt_logprobs
+            if num_top is not None:
+                prompt = state.sampling.prompt_token_ids
+                to_score = rows_to_score(req_id, row, start, n, prompt, num_top)
+                if to_score is not None:
+                    scored.append(to_score)
             if start + n >= state.num_tokens:  # all its tokens have KV: sample the next
                 logits_rows.append(row + n - 1)
                 sample_req_ids.append(req_id)
@@ -191,4 +200,5 @@ class InputBatch:
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             sample_req_ids=sample_req_ids,
             num_rows=num_rows,
+            prompt_logprob_rows=scored,
         )

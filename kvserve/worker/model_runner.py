@@ -21,10 +21,13 @@ from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
-from kvserve.sched.output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.structured.compiler import GrammarCompiler
+from kvserve.structured.matcher import StructuredBatch
 from kvserve.worker.compiled_step import CompiledDecode
-from kvserve.worker.input_batch import InputBatch
-from kvserve.worker.sampler import Sampler
+from kvserve.worker.input_batch import InputBatch, StepInputs
+from kvserve.worker.prompt_logprobs import score
+from kvserve.worker.sampler import Sampler, SamplingRequestState
 
 
 def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -63,6 +66,8 @@ class ModelRunner:
 
     Rules for callers: pass every ``SchedulerOutput`` exactly once, in order (the
     runner keeps diffs); ``block_ids`` must never point past ``num_kv_blocks``.
+    ``grammar_compiler`` (optional) serves requests with structured outputs; without
+    one their params are refused by the engine before they get here.
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class ModelRunner:
         *,
         sampler: Sampler | None = None,
         compile: bool = False,
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
         self.loaded = loaded
         self.model: LlamaForCausalLM = loaded.model
@@ -109,6 +115,7 @@ class ModelRunner:
         )
         self.sampler = sampler if sampler is not None else Sampler()
         self.kv_connector: KVConnectorWorker | None = None
+        self.structured = StructuredBatch(grammar_compiler) if grammar_compiler else None
         self.compiled: CompiledDecode | None = None
         if compile:
             policy = scheduler_config.scheduler_policy
@@ -130,38 +137,100 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: returns sampled token ids per scheduled request.
 
-        A request gets ``[token]`` when all its tokens have KV after this step
-        (prefill finished or decode), else ``[]`` (mid-prefill); ``logprobs`` holds
-        one entry for requests whose params ask for them.
+        Block copies (forked samples) run first. A request gets ``[token]`` when all
+        its tokens have KV after this step (prefill finished or decode), else ``[]``
+        (mid-prefill); each fork of it gets its own first token from the same logits
+        row. ``logprobs`` holds one entry for requests whose params ask for them,
+        ``prompt_logprobs`` the scored rows of requests with ``prompt_logprobs``.
         """
         so = scheduler_output
         batch = self.input_batch
+        self._copy_blocks(so.block_copies)
+        if self.structured is not None:
+            for req_id in so.finished_req_ids:
+                self.structured.drop(req_id)
         batch.update_states(so)
-        meta = so.kv_connector_metadata
-        if meta is not None and self.kv_connector is not None:
-            self.kv_connector.load_kv(meta)  # received blocks, before the forward pass
+        kv_meta = so.kv_connector_metadata
+        if kv_meta is not None and self.kv_connector is not None:
+            self.kv_connector.load_kv(kv_meta)  # received blocks, before the forward pass
+        if self.structured is not None:
+            for new in so.scheduled_new_reqs:
+                self.structured.add(new.req_id, new.sampling_params, new.output_token_ids)
         if so.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = batch.prepare_inputs(so)
+        masks = None
+        if self.structured is not None:  # filled on the mask thread during the forward
+            masks = self.structured.start_masks(inputs.sample_req_ids)
         attn_meta = inputs.attn_meta
         if self.compiled is not None and self.compiled.supports(attn_meta):
             hidden = self.compiled(inputs.input_ids, inputs.positions, self.kv_caches, attn_meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_meta)
-        if meta is not None and self.kv_connector is not None:
-            self.kv_connector.save_kv(meta)  # blocks this step completed, right after it
+        if kv_meta is not None and self.kv_connector is not None:
+            self.kv_connector.save_kv(kv_meta)  # blocks this step completed, right after it
 
-        sampled: dict[str, list[int]] = {req_id: [] for req_id in so.scheduled_req_ids}
-        logprobs: dict[str, list[Logprobs]] = {}
+        out = ModelRunnerOutput(
+            sampled_token_ids={req_id: [] for req_id in so.scheduled_req_ids},
+            prompt_logprobs={
+                rows.req_id: (rows.start, score(hidden, rows, self.model.compute_logits))
+                for rows in inputs.prompt_logprob_rows
+            },
+        )
         if inputs.sample_req_ids:
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
-            states = [batch.requests[r].sampling for r in inputs.sample_req_ids]
-            out = self.sampler(logits, states)
-            for req_id, state, token_id, lp in zip(
-                inputs.sample_req_ids, states, out.token_ids, out.logprobs, strict=True
-            ):
+            self._sample(so, inputs, hidden, masks.result() if masks else None, out)
+        return out
+
+    def _sample(
+        self,
+        so: SchedulerOutput,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        out: ModelRunnerOutput,
+    ) -> None:
+        """Sample every request whose tokens all have KV, and each of its forks from
+        the same logits row (a fork's state: the prompt, no outputs, its own params)."""
+        batch = self.input_batch
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
+        req_ids = list(inputs.sample_req_ids)
+        states = [batch.requests[r].sampling for r in req_ids]
+        rows = list(range(len(req_ids)))
+        for i, req_id in enumerate(inputs.sample_req_ids):
+            for fork in so.forks.get(req_id, ()):
+                leader = states[i]
+                rows.append(i)
+                req_ids.append(fork.req_id)
+                states.append(
+                    SamplingRequestState(
+                        params=fork.sampling_params,
+                        prompt_token_ids=leader.prompt_token_ids,
+                        output_token_ids=[],
+                        eos_token_id=leader.eos_token_id,
+                    )
+                )
+        if len(rows) > logits.shape[0]:
+            index = torch.tensor(rows, device=logits.device)
+            logits = logits.index_select(0, index)
+            mask = mask.index_select(0, index.to(mask.device)) if mask is not None else None
+        result = self.sampler(logits, states, token_mask=mask)
+        num_own = len(inputs.sample_req_ids)
+        for k, (req_id, state, token_id, lp) in enumerate(
+            zip(req_ids, states, result.token_ids, result.logprobs, strict=True)
+        ):
+            out.sampled_token_ids[req_id] = [token_id]
+            if lp is not None:
+                out.logprobs[req_id] = [lp]
+            if k < num_own:  # a fork's state is built when it arrives as a new request
                 state.output_token_ids.append(token_id)
-                sampled[req_id] = [token_id]
-                if lp is not None:
-                    logprobs[req_id] = [lp]
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+                if self.structured is not None:
+                    self.structured.accept(req_id, token_id)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (all layers, K and V): ``dst <- src`` for each pair."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.kv_cache.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.kv_cache.device)
+        # kv_cache: [layers, 2, Hk, blocks, block_size, D]; blocks are dim 3
+        self.kv_cache.index_copy_(3, dst, self.kv_cache.index_select(3, src))

@@ -10,6 +10,9 @@ Order of operations (vLLM V1 semantics):
 
     raw logits ──▶ logprobs = log_softmax(raw logits)        (reported, see below)
         │
+        ├─ token mask (structured outputs; given by the caller, True = allowed):
+        │  disallowed tokens get -inf
+        ├─ logit_bias: bias added to the listed token ids
         ├─ min_tokens: stop tokens (and EOS unless ignore_eos) get -inf while
         │  len(output) < min_tokens
         ├─ repetition penalty over prompt + output tokens (HF/vLLM): a seen token's
@@ -119,8 +122,16 @@ class Sampler:
             self._generator = torch.Generator()
             self._generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> SamplerOutput:
-        """Sample from ``logits`` (``[B, V]``, one row per state). Does not modify ``logits``."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingRequestState],
+        token_mask: torch.Tensor | None = None,
+    ) -> SamplerOutput:
+        """Sample from ``logits`` (``[B, V]``, one row per state). Does not modify
+        ``logits``. ``token_mask`` (``[B, V]`` bool, True = allowed; e.g. a grammar's)
+        is applied as given; if a row's other rules (min_tokens) then leave nothing,
+        that row falls back to the mask alone."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(
                 f"logits of shape {tuple(logits.shape)} do not match {len(states)} states: "
@@ -135,18 +146,34 @@ class Sampler:
         need_freq_pres = any(
             p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
         )
+        need_bias = any(p.logit_bias for p in params)
         is_greedy = [p.temperature < _SAMPLING_EPS for p in params]
 
         # Fast path: argmax of the raw logits.
-        if all(is_greedy) and not (need_logprobs or need_min_tokens or need_rep or need_freq_pres):
+        if (
+            all(is_greedy)
+            and token_mask is None
+            and not (need_logprobs or need_min_tokens or need_rep or need_freq_pres or need_bias)
+        ):
             return SamplerOutput(token_ids=_argmax(logits).tolist(), logprobs=[None] * len(states))
 
         logits = logits.float()  # [B, V]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
-        if need_min_tokens or need_rep or need_freq_pres:
-            logits = logits.clone()  # the penalties below work in place on a private copy
+        masked: torch.Tensor | None = None
+        if token_mask is not None:
+            masked = logits.masked_fill(~token_mask, float("-inf"))  # a private copy
+            logits = masked
+        if (need_min_tokens or need_rep or need_freq_pres or need_bias) and masked is None:
+            logits = logits.clone()  # the rules below work in place on a private copy
+        if need_bias:
+            _apply_logit_bias(logits, states)
         if need_min_tokens:
+            logits = logits.clone() if masked is logits else logits
             _apply_min_tokens(logits, states)
+            if masked is not None:
+                dead = torch.isneginf(logits.amax(dim=-1))  # [B]: nothing left
+                if bool(dead.any()):
+                    logits[dead] = masked[dead]
         if need_rep:
             _apply_repetition_penalty(logits, states)
         if need_freq_pres:
@@ -273,6 +300,28 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
     counts = torch.zeros(len(rows), vocab_size + 1, device=device, dtype=torch.float32)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def _apply_logit_bias(logits: torch.Tensor, states: list[SamplingRequestState]) -> None:
+    """Add each row's ``logit_bias`` (token id -> bias) in place; ids past the
+    vocabulary are ignored (the engine refuses them)."""
+    vocab_size = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, s in enumerate(states):
+        for tok, bias in (s.params.logit_bias or {}).items():
+            if 0 <= tok < vocab_size:
+                rows.append(i)
+                cols.append(tok)
+                values.append(float(bias))
+    if rows:
+        device = logits.device
+        logits.index_put_(
+            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+            torch.tensor(values, device=device, dtype=logits.dtype),
+            accumulate=True,
+        )
 
 
 def _apply_min_tokens(logits: torch.Tensor, states: list[SamplingRequestState]) -> None:

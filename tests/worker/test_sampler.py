@@ -425,3 +425,52 @@ def test_native_top_p_and_draw_match_portable(
         atol=1e-6,
         rtol=1e-4,
     )
+
+
+# ---------------------------------------------------------------- logit_bias, token masks
+
+
+def test_logit_bias_forces_and_bans_tokens() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]] * 2)
+    states = [
+        state(temperature=0.0, logit_bias={3: 100.0}),
+        state(temperature=0.0, logit_bias={0: -100.0}),
+    ]
+    out = Sampler()(logits, states)
+    assert out.token_ids == [3, 1]
+    # sampled rows: a -100 bias makes a token (practically) never drawn
+    sampler = Sampler(seed=0)
+    draws = [
+        sampler(torch.zeros(1, 4), [state(temperature=1.0, logit_bias={1: -100.0})]).token_ids[0]
+        for _ in range(200)
+    ]
+    assert 1 not in draws and set(draws) == {0, 2, 3}
+    # logprobs stay the model's own (before the bias)
+    out = Sampler()(logits[:1], [state(temperature=0.0, logprobs=0, logit_bias={3: 100.0})])
+    assert out.logprobs[0] is not None
+    assert out.logprobs[0].sampled_logprob == pytest.approx(
+        torch.log_softmax(logits[0], -1)[3].item(), abs=1e-5
+    )
+
+
+def test_token_mask_restricts_greedy_and_sampled_rows() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0]] * 2)
+    mask = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    out = Sampler()(logits, [state(temperature=0.0), state(temperature=0.0)], token_mask=mask)
+    assert out.token_ids == [2, 0]
+    sampler = Sampler(seed=1)
+    only = torch.tensor([[False, True, False, True]])
+    draws = {
+        sampler(torch.zeros(1, 4), [state(temperature=1.0)], token_mask=only).token_ids[0]
+        for _ in range(100)
+    }
+    assert draws == {1, 3}
+
+
+def test_token_mask_wins_over_min_tokens() -> None:
+    # the grammar allows only EOS (3) while min_tokens bans it: the mask decides
+    mask = torch.tensor([[False, False, False, True]])
+    out = Sampler()(
+        torch.zeros(1, 4), [state(eos=3, temperature=0.0, min_tokens=5)], token_mask=mask
+    )
+    assert out.token_ids == [3]

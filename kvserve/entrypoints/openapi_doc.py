@@ -1,0 +1,295 @@
+"""The server's ``/openapi.json``: every route's request body (the pydantic request
+models of ``openai_protocol``) and its responses (200, 400, 401, 404, 503), with
+schemas that the server's answers match.
+
+The routes parse their bodies themselves (strict types, errors in OpenAI's shape), so
+FastAPI sees no body parameters; this module writes the document instead:
+
+    request bodies   CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                     DetokenizeRequest (``model_json_schema``), with the engine's own
+                     limits filled in (token ids below the vocabulary size)
+    200              the response shape (JSON; ``text/event-stream`` too for the
+                     streaming routes)
+    400/401/404/503  OpenAI's error body ``{"error": {message, type, param, code}}``
+
+Rules a request follows that a JSON schema cannot state (prompt + max_tokens within
+``max_model_len``, ``best_of >= n``, ``max_tokens: 0`` only with ``echo``,
+``top_logprobs`` only with ``logprobs``, ``stream_options`` only with ``stream``, a
+schema or grammar that compiles) are in the operation descriptions and answered 400.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from kvserve.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+REF = "#/components/schemas/{model}"
+
+_NULLABLE_STR = {"type": ["string", "null"]}
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": _NULLABLE_STR,
+                "code": {"type": ["string", "integer", "null"]},
+            },
+        }
+    },
+}
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens": {"type": "integer", "minimum": 0},
+        "completion_tokens": {"type": "integer", "minimum": 0},
+        "total_tokens": {"type": "integer", "minimum": 0},
+    },
+}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", None]}
+_COMPLETION_CHOICE = {
+    "type": "object",
+    "required": ["index", "text", "logprobs", "finish_reason"],
+    "properties": {
+        "index": {"type": "integer", "minimum": 0},
+        "text": {"type": "string"},
+        "logprobs": {
+            "type": ["object", "null"],
+            "properties": {
+                "tokens": {"type": "array", "items": {"type": "string"}},
+                "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+                "top_logprobs": {"type": "array", "items": {"type": ["object", "null"]}},
+                "text_offset": {"type": "array", "items": {"type": "integer"}},
+            },
+        },
+        "finish_reason": _FINISH,
+        "prompt_logprobs": {"type": "array", "items": {"type": ["object", "null"]}},
+    },
+}
+_CHAT_CHOICE = {
+    "type": "object",
+    "required": ["index", "message", "finish_reason"],
+    "properties": {
+        "index": {"type": "integer", "minimum": 0},
+        "message": {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {"role": {"const": "assistant"}, "content": _NULLABLE_STR},
+        },
+        "logprobs": {"type": ["object", "null"]},
+        "finish_reason": _FINISH,
+    },
+}
+
+
+def _envelope(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": obj},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice},
+            "usage": _USAGE,
+        },
+    }
+
+
+_MODELS_LIST = {
+    "type": "object",
+    "required": ["object", "data"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["id", "object"],
+                "properties": {"id": {"type": "string"}, "object": {"const": "model"}},
+            },
+        },
+    },
+}
+_TOKENIZE = {
+    "type": "object",
+    "required": ["count", "max_model_len", "tokens"],
+    "properties": {
+        "count": {"type": "integer"},
+        "max_model_len": {"type": "integer"},
+        "tokens": {"type": "array", "items": {"type": "integer"}},
+        "token_strs": {"type": ["array", "null"]},
+    },
+}
+_DETOKENIZE = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {"prompt": {"type": "string"}},
+}
+# One Server-Sent Event: ``data:`` is a JSON chunk of the response, an error body, or
+# ``[DONE]``.
+_SSE = {
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+        }
+    }
+}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": _json({"$ref": REF.format(model="Error")})}
+
+
+_ERRORS = {
+    "400": _error("Bad request: the message says what to change and `param` names the field"),
+    "401": _error("Missing or wrong API key (when the server has one)"),
+    "404": _error("Unknown model"),
+    "503": _error("Overloaded (`Retry-After`) or shutting down"),
+}
+
+
+def _post(
+    summary: str, model: type[BaseModel], ok: dict[str, Any], *, streams: bool
+) -> dict[str, Any]:
+    content = dict(_json(ok))
+    if streams:
+        content.update(_SSE)
+    return {
+        "post": {
+            "summary": summary,
+            "description": (model.__doc__ or "").strip() + "\n\n" + (__doc__ or ""),
+            "requestBody": {
+                "required": True,
+                "content": _json({"$ref": REF.format(model=model.__name__)}),
+            },
+            "responses": {
+                "200": {"description": "OK", "content": content},
+                **copy.deepcopy(_ERRORS),
+            },
+        }
+    }
+
+
+def _get(summary: str, ok: dict[str, Any] | None, codes: tuple[str, ...]) -> dict[str, Any]:
+    responses: dict[str, Any] = {"200": {"description": "OK"}}
+    if ok is not None:
+        responses["200"]["content"] = ok
+    for code in codes:
+        responses[code] = copy.deepcopy(_ERRORS[code])
+    return {"get": {"summary": summary, "responses": responses}}
+
+
+def openapi_document(
+    *, vocab_size: int, max_num_seqs: int, title: str = "kvserve", version: str = "0.1.0"
+) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the server (see the module docstring): token ids
+    below ``vocab_size``, ``n``/``best_of`` at most ``max_num_seqs`` (the samples of
+    one request run at once)."""
+    models: list[type[BaseModel]] = [
+        CompletionRequest,
+        ChatCompletionRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+    ]
+    _, top = models_json_schema([(m, "validation") for m in models], ref_template=REF)
+    schemas: dict[str, Any] = dict(top.get("$defs", {}))
+    _limit_token_ids(schemas, vocab_size)
+    for name, field in (
+        ("CompletionRequest", "n"),
+        ("CompletionRequest", "best_of"),
+        ("ChatCompletionRequest", "n"),
+    ):
+        schemas[name]["properties"][field]["maximum"] = max_num_seqs
+    schemas["Error"] = _ERROR
+    paths = {
+        "/v1/completions": _post(
+            "Completions",
+            CompletionRequest,
+            _envelope("text_completion", _COMPLETION_CHOICE),
+            streams=True,
+        ),
+        "/v1/chat/completions": _post(
+            "Chat completions",
+            ChatCompletionRequest,
+            _envelope("chat.completion", _CHAT_CHOICE),
+            streams=True,
+        ),
+        "/tokenize": _post("Tokenize", TokenizeRequest, _TOKENIZE, streams=False),
+        "/detokenize": _post("Detokenize", DetokenizeRequest, _DETOKENIZE, streams=False),
+        "/v1/models": _get("The served model", _json(_MODELS_LIST), ("401",)),
+        "/health": _get("200 while the engine runs", None, ("503",)),
+        "/metrics": _get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}, ()),
+        "/version": _get(
+            "Server version",
+            _json({"type": "object", "properties": {"version": {"type": "string"}}}),
+            (),
+        ),
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+def _limit_token_ids(schemas: dict[str, Any], vocab_size: int) -> None:
+    """Token ids in prompts, ``tokens`` and ``logit_bias`` keys: below ``vocab_size``."""
+    for name, field in (("CompletionRequest", "prompt"), ("DetokenizeRequest", "tokens")):
+        _set_token_max(schemas.get(name, {}).get("properties", {}).get(field), vocab_size - 1)
+    pattern = f"^({_below_regex(vocab_size)})$"
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        bias = schemas.get(name, {}).get("properties", {}).get("logit_bias")
+        if bias is not None:
+            bias["propertyNames"] = {"pattern": pattern}
+
+
+def _set_token_max(node: Any, maximum: int) -> None:
+    if isinstance(node, dict):
+        if node.get("type") == "integer" and node.get("minimum") == 0 and "maximum" not in node:
+            node["maximum"] = maximum
+        for value in node.values():
+            _set_token_max(value, maximum)
+    elif isinstance(node, list):
+        for value in node:
+            _set_token_max(value, maximum)
+
+
+def _below_regex(n: int) -> str:
+    """A regex matching the decimal numbers 0..n-1 (n >= 1) without leading zeros."""
+    top = str(n - 1)
+    parts = ["0"]
+    for length in range(1, len(top)):  # every number with fewer digits than n - 1
+        parts.append("[1-9]" + "[0-9]" * (length - 1))
+    for i, digit in enumerate(top):  # as many digits: below n - 1 from position i on
+        lo, d = (1 if i == 0 else 0), int(digit)
+        if d - 1 >= lo:
+            parts.append(top[:i] + f"[{lo}-{d - 1}]" + "[0-9]" * (len(top) - i - 1))
+    parts.append(top)
+    return "|".join(dict.fromkeys(parts))

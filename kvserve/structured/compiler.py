@@ -1,0 +1,159 @@
+"""``GrammarCompiler``: a request's :class:`StructuredOutputsParams` -> a compiled
+llguidance matcher, compiled once per distinct constraint and cached.
+
+The grammar library is llguidance (installs from PyPI as a wheel with no torch
+dependency; builds its token trie from the HF fast tokenizer). Each constraint maps
+to one llguidance grammar:
+
+    json           LLMatcher.grammar_from_json_schema(schema), compact whitespace
+                   (", " and ": " separators, no free runs of blanks: a small model
+                   otherwise tends to pad with newlines until max_tokens cuts it)
+    json_object    the schema {"type": "object"}, the same way
+    regex          LLMatcher.grammar_from_regex(regex)
+    choice         the Lark grammar  start: "a" | "b" | ...
+    grammar        Lark as given (GBNF, recognised by ``::=``, is converted to Lark)
+
+:meth:`GrammarCompiler.check` compiles (or finds in the cache) and raises
+:class:`RequestError` naming the field when the grammar is invalid, so a bad schema
+is a 400 before anything is queued; :meth:`GrammarCompiler.matcher` hands out a
+fresh copy of the compiled matcher (``deep_copy``: the compiled lexer and parser
+tables are shared, only the parse state is new). Thread-safe: the server checks
+on its event loop thread while the model runner asks for matchers on the engine's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from kvserve.request import RequestError
+from kvserve.structured.params import StructuredOutputsParams
+
+# JSON output style: compact, no free whitespace (a schema's x-guidance overrides it).
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}
+# Compiled constraints kept (least recently used dropped first).
+DEFAULT_CACHE_SIZE = 256
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary.
+
+    ``tokenizer``: a HF fast tokenizer; ``vocab_size``: the model's logits width (the
+    masks cover it, tokens past the tokenizer's vocabulary are never allowed);
+    ``eos_token_id``: the token the matcher allows once the grammar is complete.
+    The llguidance tokenizer (about 0.5 s to build) is built on first use.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_id: int | None,
+        *,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.cache_size = cache_size
+        self._lock = threading.Lock()
+        self._ll_tokenizer: Any = None
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.num_compiled = 0  # cache misses, for tests and stats
+
+    def _llg_tokenizer(self) -> Any:
+        if self._ll_tokenizer is None:
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_id
+            )
+        return self._ll_tokenizer
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        """Compile ``params`` (once; later calls hit the cache). Raises
+        :class:`RequestError` with ``param="structured_outputs.<kind>"`` when the
+        schema, regex or grammar is invalid. Changes nothing else."""
+        self._compiled(params)
+
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        """A fresh ``llguidance.LLMatcher`` at the start of the constrained output."""
+        return self._compiled(params).deep_copy()
+
+    def _compiled(self, params: StructuredOutputsParams) -> Any:
+        key = params.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+            compiled = self._compile(params)
+            self._cache[key] = compiled
+            self.num_compiled += 1
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            return compiled
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        from llguidance import LLMatcher
+
+        kind = params.kind
+        field = f"structured_outputs.{kind}"
+        try:
+            grammar = _grammar(params)
+        except (ValueError, TypeError) as e:
+            raise RequestError(f"invalid {kind} for structured outputs: {e}", param=field) from None
+        tokenizer = self._llg_tokenizer()
+        error = LLMatcher.validate_grammar(grammar, tokenizer)
+        if not error:
+            matcher = LLMatcher(tokenizer, grammar, log_level=0)
+            error = matcher.get_error() if matcher.is_error() else ""
+        if error:
+            raise RequestError(
+                f"invalid {kind} for structured outputs: {error.strip()}; fix the "
+                f"{_WHAT[kind]} (for example {_EXAMPLE[kind]})",
+                param=field,
+            )
+        return matcher
+
+
+_WHAT = {
+    "json": "JSON schema",
+    "json_object": "request",
+    "regex": "regular expression",
+    "choice": "choices",
+    "grammar": "Lark grammar",
+}
+_EXAMPLE = {
+    "json": '{"type": "object", "properties": {"name": {"type": "string"}}}',
+    "json_object": '{"type": "json_object"}',
+    "regex": '"[0-9]{3}-[a-z]+"',
+    "choice": '["yes", "no"]',
+    "grammar": 'start: "yes" | "no"',
+}
+
+
+def _grammar(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar text of a constraint (not yet validated)."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    kind = params.kind
+    if kind == "json":
+        schema: Any = params.json
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        return str(LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS))
+    if kind == "json_object":
+        return str(LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS))
+    if kind == "regex":
+        return str(LLMatcher.grammar_from_regex(str(params.regex)))
+    if kind == "choice":
+        alternatives = " | ".join(json.dumps(c) for c in params.choice or ())
+        return str(LLMatcher.grammar_from_lark(f"start: {alternatives}"))
+    text = str(params.grammar)
+    if "::=" in text:
+        text = gbnf_to_lark(text)
+    return str(LLMatcher.grammar_from_lark(text))

@@ -1,0 +1,47 @@
+"""A schemathesis check for ``tests/entrypoints/test_openapi.py`` (loaded through
+``SCHEMATHESIS_HOOKS``): ``positive_data_acceptance`` narrowed to the rules JSON Schema
+can state. A schema-valid request refused with 400 passes only when the error names
+one of the rules below (by ``param`` and ``code``); every other refusal fails."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import schemathesis
+from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+# (param's first part, error code): rules between fields, or on the content of a
+# grammar / regex / JSON schema, that a JSON schema cannot state.
+CROSS_FIELD_RULES = [
+    ("prompt", "context_length_exceeded"),
+    ("messages", "context_length_exceeded"),
+    ("max_tokens", "context_length_exceeded"),
+    ("max_completion_tokens", "context_length_exceeded"),
+    ("best_of", "invalid_value"),  # best_of >= n
+    ("min_tokens", "invalid_value"),  # min_tokens <= max_tokens
+    ("structured_outputs", "invalid_value"),
+    ("response_format", "invalid_value"),
+]
+
+
+def cross_field_refusal(status_code: int, content: bytes) -> bool:
+    if status_code != 400:
+        return False
+    try:
+        error = json.loads(content)["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    param = error.get("param") or ""
+    return any(
+        param.split(".")[0] == prefix and error.get("code") == code
+        for prefix, code in CROSS_FIELD_RULES
+    )
+
+
+@schemathesis.check
+def positive_data_acceptance_beyond_json_schema(ctx: Any, response: Any, case: Any) -> bool | None:
+    """``positive_data_acceptance``, except refusals for the rules JSON Schema cannot state."""
+    if cross_field_refusal(response.status_code, response.content):
+        return None
+    return positive_data_acceptance(ctx, response, case)
