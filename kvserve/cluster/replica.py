@@ -52,7 +52,7 @@ class EngineReplica:
         from ray import serve
 
         from kvserve.engine.args import build_engine_config
-        from kvserve.engine.async_engine import AsyncEngine
+        from kvserve.engine.async_engine import AsyncEngine, run_in_scratch_thread
         from kvserve.engine.engine_core import EngineCore
 
         torch.set_num_threads(threads)
@@ -60,7 +60,8 @@ class EngineReplica:
         self.name: str = context.replica_id.unique_id
         self.epoch = uuid.uuid4().hex
         self._seq = 0
-        self.engine = EngineCore(build_engine_config(**engine_options))
+        config = build_engine_config(**engine_options)
+        self.engine = run_in_scratch_thread(lambda: EngineCore(config))
         self.async_engine = AsyncEngine(self.engine)
         self.async_engine.start()
         cache = self.engine.config.cache

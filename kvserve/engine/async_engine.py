@@ -40,8 +40,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.outputs import EngineStats, RequestDelta
@@ -49,6 +50,34 @@ from kvserve.metrics import EngineMetrics
 from kvserve.request import Request, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def run_in_scratch_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread that ends when it returns; its result or exception.
+
+    Loading and warming the model run PyTorch's parallel kernels, and GNU OpenMP
+    keeps a pool of worker threads for every thread that ever ran one. A pool left
+    on the main thread plus the engine thread's own pool is more OpenMP threads than
+    cores, and libgomp then stops spinning between parallel regions: every one of a
+    decode step's ~400 kernels waits for its workers to wake up. A pool made by a
+    thread that ended is freed, so the engine thread's is the only one."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:
+            error.append(e)
+
+    thread = threading.Thread(target=target, name="kvserve-build")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 class QueueFullError(RuntimeError):
@@ -185,7 +214,8 @@ class AsyncEngine:
         """Build the engine from flat engine options (``kvserve.engine.args``)."""
         from kvserve.engine.args import build_engine_config
 
-        return cls(EngineCore(build_engine_config(**engine_options)))
+        config = build_engine_config(**engine_options)
+        return cls(run_in_scratch_thread(lambda: EngineCore(config)))
 
     def start(self) -> None:
         """Start the engine thread, bound to the running event loop. Idempotent."""

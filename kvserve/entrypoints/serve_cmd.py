@@ -180,7 +180,7 @@ def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.async_engine import AsyncEngine, run_in_scratch_thread
     from kvserve.engine.engine_core import EngineCore
     from kvserve.entrypoints.openai_server import build_app
 
@@ -198,9 +198,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = build_engine_config(**engine_kwargs_from_args(args))
         kv_config = kv_transfer_config_from_args(args)
-        if kv_config.kv_role == "both":
-            engine = EngineCore(config)
-        else:
+
+        def build() -> EngineCore:
+            if kv_config.kv_role == "both":
+                return EngineCore(config)
             from kvserve.model.loader import load_model
 
             loaded = load_model(
@@ -212,7 +213,9 @@ def run(args: argparse.Namespace) -> int:
                 kv_dtype=loaded.dtype_name,
                 hash_algo=config.cache.hash_algo,
             )
-            engine = EngineCore(config, loaded=loaded, kv_connector=connector)
+            return EngineCore(config, loaded=loaded, kv_connector=connector)
+
+        engine = run_in_scratch_thread(build)
     except (ValueError, TypeError) as e:
         print(f"kvserve serve: {e}", file=sys.stderr)
         return 2

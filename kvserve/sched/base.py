@@ -54,6 +54,9 @@ from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerO
 from kvserve.sched.samples import SampleForker, core_output
 from kvserve.sched.step_builder import StepBuilder, chunk_size
 
+DEFERRED = -1
+"""What :meth:`Scheduler._admit` returns for a request whose next block is in flight."""
+
 
 class SchedulerState(enum.StrEnum):
     """What the last step did, exposed for metrics.
@@ -319,10 +322,42 @@ class Scheduler(abc.ABC):
     def schedule(self) -> SchedulerOutput:
         """Decide this step's requests and token counts; allocate their KV blocks."""
 
-    def _admit(self, request: Request, budget: int, cap: int, step: StepBuilder) -> int | None:
-        """Try to move ``request`` (the head of ``waiting``) to ``running`` with its
-        first chunk: prefix lookup, then one ``allocate_slots``. Returns the tokens
-        scheduled, or None when the blocks do not fit (nothing changed)."""
+    def _in_flight_blocks(self) -> set[object]:
+        """Hashes of the full prompt blocks that running requests have not computed
+        yet (they compute them this step or a later one); see :meth:`_admit`."""
+        in_flight: set[object] = set()
+        for request in self.running:
+            self._add_in_flight(request, in_flight)
+        return in_flight
+
+    def _add_in_flight(self, request: Request, in_flight: set[object]) -> None:
+        """Add ``request``'s not yet computed full prompt blocks to ``in_flight``."""
+        if request.num_computed_tokens >= request.num_prompt_tokens:
+            return
+        bs = self.kv_cache_manager.block_size
+        end = min(request.num_prompt_tokens // bs, len(request.block_hashes))
+        in_flight.update(request.block_hashes[request.num_computed_tokens // bs : end])
+
+    def _admit(
+        self,
+        request: Request,
+        budget: int,
+        cap: int,
+        step: StepBuilder,
+        in_flight: set[object] | None = None,
+    ) -> int | None:
+        """Try to move ``request`` (in ``waiting``, usually its head) to ``running``
+        with its first chunk: prefix lookup, then one ``allocate_slots``. Returns the
+        tokens scheduled, or None when the blocks do not fit (nothing changed).
+
+        With ``in_flight`` (from :meth:`_in_flight_blocks`): returns :data:`DEFERRED`
+        (nothing changed) when the first block the request would compute is one a
+        running request is computing now. Waiting for it turns the block into a
+        prefix-cache hit a step later instead of computing the same KV twice (16
+        requests on one new system prompt compute it once, not once per step's
+        worth of budget). The caller admits later requests meanwhile; the deferral
+        ends when the block is cached or its owner stops computing it (finished,
+        preempted, aborted), so it cannot starve."""
         kv = self.kv_cache_manager
         if request.req_id in kv.req_to_blocks:
             return self._admit_loaded(request, budget, cap, step)
@@ -330,6 +365,14 @@ class Scheduler(abc.ABC):
             hit_blocks, num_hit = kv.get_computed_blocks(request)
         else:
             hit_blocks, num_hit = [], 0
+        if in_flight:
+            first_missing = len(hit_blocks)
+            hashes = request.block_hashes
+            if (
+                first_missing < min((request.num_tokens - 1) // kv.block_size, len(hashes))
+                and hashes[first_missing] in in_flight
+            ):
+                return DEFERRED
         connector = self.kv_connector
         num_external = 0
         if connector is not None:
@@ -340,7 +383,7 @@ class Scheduler(abc.ABC):
             # Blocks for the external tokens only; nothing is computed until they arrive.
             if kv.allocate_slots(request, num_external, hit_blocks, num_hit) is None:
                 return None
-            self.waiting.popleft()
+            self._remove_waiting(request)
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -357,7 +400,7 @@ class Scheduler(abc.ABC):
             return None
         if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
             return None
-        self.waiting.popleft()
+        self._remove_waiting(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit
@@ -380,11 +423,17 @@ class Scheduler(abc.ABC):
         num_new = chunk_size(request.num_tokens - request.num_computed_tokens, budget, cap)
         if num_new <= 0 or kv.allocate_slots(request, num_new) is None:
             return None
-        self.waiting.popleft()
+        self._remove_waiting(request)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         step.add_new(request, num_new, kv.get_block_ids(request.req_id))
         return num_new
+
+    def _remove_waiting(self, request: Request) -> None:
+        if self.waiting[0] is request:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: free the blocks, reset progress, requeue at the front."""

@@ -15,7 +15,10 @@ Each step has ``max_num_batched_tokens`` tokens of budget::
 2. Then waiting requests, FCFS, while budget and a sequence slot (``max_num_seqs``)
    remain: prefix-cache lookup (``num_computed_tokens`` starts at the hit length),
    then the first chunk. A request that does not fit stops admission (no skipping).
-   No admission happens in a step that preempted.
+   No admission happens in a step that preempted. One exception to FCFS: a request
+   whose first block to compute is being computed by a running request (in flight)
+   is deferred and later requests are admitted past it; a step later that block is a
+   prefix-cache hit, so a burst of requests on one new shared prefix computes it once.
 
 When decodes take the whole budget, prompts get 0 tokens that step: they are
 deferred, never dropped, and continue when budget frees. When blocks run out,
@@ -26,7 +29,7 @@ the requester itself) frees its blocks and goes back to the front of ``waiting``
 from __future__ import annotations
 
 from kvserve.request import RequestStatus
-from kvserve.sched.base import Scheduler, SchedulerState
+from kvserve.sched.base import DEFERRED, Scheduler, SchedulerState
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
 
@@ -57,12 +60,22 @@ class MixedScheduler(Scheduler):
             step.add_running(request, num_tokens, new_blocks)
             budget -= num_tokens
 
-        if self.num_preemptions == preemptions_before:
-            while self.waiting and budget > 0 and self._group_fits(self.waiting[0]):
-                admitted = self._admit(self.waiting[0], budget, cap, step)
+        if self.num_preemptions == preemptions_before and self.waiting:
+            in_flight = self._in_flight_blocks() if self.enable_prefix_caching else None
+            i = 0
+            while i < len(self.waiting) and budget > 0:
+                request = self.waiting[i]
+                if not self._group_fits(request):
+                    break
+                admitted = self._admit(request, budget, cap, step, in_flight)
                 if admitted is None:
                     break
+                if admitted == DEFERRED:
+                    i += 1  # its next block is being computed: skip it this step
+                    continue
                 budget -= admitted
+                if in_flight is not None:
+                    self._add_in_flight(request, in_flight)
 
         return self._build_output(step)
 

@@ -460,3 +460,79 @@ def test_kv_connector_failed_load_and_delayed_free():
     sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)
     assert kv.num_active_blocks == 0 and not sched.has_unfinished_requests()
     kv.check_invariants()
+
+
+# ---------------------------------------------------------------- in-flight prefixes
+
+
+def shared_prefix_burst(sched, n, prefix_len, suffix_len=64, max_tokens=2, start=50_000):
+    prefix = list(range(start, start + prefix_len))
+    reqs = []
+    for i in range(n):
+        suffix = list(
+            range(start + prefix_len + i * suffix_len, start + prefix_len + (i + 1) * suffix_len)
+        )
+        r = Request(f"r{i}", prefix + suffix, SamplingParams(max_tokens=max_tokens))
+        sched.add_request(r)
+        reqs.append(r)
+    return reqs
+
+
+def test_burst_on_one_new_prefix_computes_it_once():
+    # 8 requests arrive together on one uncached 1,024-token prefix: the first
+    # computes it, the others wait one step for it and then compute only their
+    # 64-token suffixes (without the deferral: r1 would compute the prefix again).
+    sched, kv = make(max_num_batched_tokens=2048)
+    reqs = shared_prefix_burst(sched, 8, 1024)
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"r0": 1088}
+    assert [r.req_id for r in sched.waiting] == [f"r{i}" for i in range(1, 8)]
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"r0": 1} | {f"r{i}": 64 for i in range(1, 8)}
+    assert out.cached_seq_len == {"r0": 1088} | {f"r{i}": 1024 for i in range(1, 8)}
+    assert all(r.num_cached_tokens == 1024 for r in reqs[1:])
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert kv.num_active_blocks == 0
+    kv.check_invariants()
+
+
+def test_deferred_request_follows_a_chunked_owner_and_never_recomputes_its_blocks():
+    # Chunks of 512: r0 computes the 1,024-token prefix in two; r1 waits while the
+    # block it needs next is in flight, picks up what is cached, and waits again.
+    sched, kv = make(max_num_batched_tokens=1024, long_prefill_token_threshold=512)
+    _, r1 = shared_prefix_burst(sched, 2, 1024)
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"r0": 512}
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"r0": 512}
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"r0": 64, "r1": 64}
+    assert out.cached_seq_len["r1"] == 1024 and r1.num_cached_tokens == 1024
+
+
+def test_deferral_skips_past_to_later_requests_and_ends_when_the_owner_is_aborted():
+    sched, kv = make(max_num_batched_tokens=600, long_prefill_token_threshold=256)
+    shared_prefix_burst(sched, 2, 1024)
+    sched.add_request(req("other", 40, max_tokens=1))
+    out, _ = run_step(sched)
+    # r1 is deferred (the block it needs is in flight), "other" is admitted past it
+    assert out.num_scheduled_tokens == {"r0": 256, "other": 40}
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"r0": 256}
+    sched.finish_requests("r0", RequestStatus.FINISHED_ABORTED)
+    out, _ = run_step(sched)
+    # the owner is gone: r1 computes the rest itself, from the 32 blocks r0 cached
+    assert out.num_scheduled_tokens == {"r1": 576}  # alone now: no cap
+    assert out.cached_seq_len == {"r1": 512}
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert kv.num_active_blocks == 0
+    kv.check_invariants()
+
+
+def test_no_deferral_without_prefix_caching():
+    sched, kv = make(max_num_batched_tokens=2048, enable_prefix_caching=False)
+    shared_prefix_burst(sched, 2, 1024)
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"r0": 1088, "r1": 960}
