@@ -86,6 +86,10 @@ class SchedulerConfig:
     - ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``: positive integers.
     - ``block_size``: a power of two. ``long_prefill_token_threshold``: integer >= 0
       (0 = off).
+    - ``prefill_budget_with_decodes``: integer >= 0 (0 = off). Mixed policy: in a
+      step that also runs decodes, prompt chunks get at most this many tokens in all
+      (the step's length is what every running stream waits between two tokens);
+      steps without decodes still use all of ``max_num_batched_tokens``.
     - ``scheduler_policy``: ``"mixed"`` or ``"separated"``.
     - ``kv_segment_size``: one of 0 (off), 512, 1024, 2048, 4096 and, when not 0, a
       multiple of ``block_size``. Prefill chunks need NOT equal it.
@@ -100,6 +104,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     scheduler_policy: SchedulerPolicy = "mixed"
     long_prefill_token_threshold: int = 0
+    prefill_budget_with_decodes: int = 0
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     num_seqs_buckets: tuple[int, ...] | None = None
     kv_segment_size: int = 512
@@ -130,6 +135,13 @@ class SchedulerConfig:
             "long_prefill_token_threshold",
             self.long_prefill_token_threshold,
             "long_prefill_token_threshold=256",
+            minimum=0,
+            why=" (0 = off)",
+        )
+        check_int(
+            "prefill_budget_with_decodes",
+            self.prefill_budget_with_decodes,
+            "prefill_budget_with_decodes=1024",
             minimum=0,
             why=" (0 = off)",
         )

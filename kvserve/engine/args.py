@@ -67,6 +67,13 @@ OPTIONS: tuple[_Option, ...] = (
         "cap on one prompt's chunk when several compete (0 = off)",
     ),
     _Option(
+        "prefill_budget_with_decodes",
+        "scheduler",
+        int,
+        "mixed policy: most prompt tokens in a step that also decodes, bounding the "
+        "inter-token latency (0 = off: max_num_batched_tokens)",
+    ),
+    _Option(
         "num_batched_tokens_buckets",
         "scheduler",
         tuple,

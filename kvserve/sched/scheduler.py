@@ -12,6 +12,9 @@ Each step has ``max_num_batched_tokens`` tokens of budget::
    each in running (admission) order. A prompt chunk is
    ``min(remaining tokens, remaining budget)``, further capped by
    ``long_prefill_token_threshold`` when more than one request is unfinished.
+   With ``prefill_budget_with_decodes`` set, a step that runs decodes gives prompt
+   chunks at most that many tokens (a shorter step, so a shorter wait between two
+   tokens of every stream); a step without decodes still uses the whole budget.
 2. Then waiting requests, FCFS, while budget and a sequence slot (``max_num_seqs``)
    remain: prefix-cache lookup (``num_computed_tokens`` starts at the hit length),
    then the first chunk. A request that does not fit stops admission (no skipping).
@@ -46,7 +49,11 @@ class MixedScheduler(Scheduler):
 
         ordered = [r for r in self.running if is_decode(r)]
         ordered += [r for r in self.running if not is_decode(r)]
+        # streams wait on a step that runs decodes: bound the prompt work in it
+        prompt_limit = self.config.prefill_budget_with_decodes
         for request in ordered:
+            if prompt_limit and step.decode_ids and not is_decode(request):
+                budget, prompt_limit = min(budget, prompt_limit), 0
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -59,6 +66,8 @@ class MixedScheduler(Scheduler):
                 continue
             step.add_running(request, num_tokens, new_blocks)
             budget -= num_tokens
+        if prompt_limit and step.decode_ids:
+            budget = min(budget, prompt_limit)
 
         if self.num_preemptions == preemptions_before and self.waiting:
             in_flight = self._in_flight_blocks() if self.enable_prefix_caching else None

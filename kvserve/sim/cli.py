@@ -49,6 +49,7 @@ _CONFIG_FLAGS = {
     "num_batched_tokens_buckets": "num_batched_tokens_buckets",
     "num_seqs_buckets": "num_seqs_buckets",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
+    "prefill_budget_with_decodes": "prefill_budget_with_decodes",
     "kv_segment_size": "kv_segment_size",
 }
 
@@ -69,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         (
             "--long-prefill-token-threshold",
             "mixed policy: cap on one prompt's chunk when several compete (0 = off)",
+        ),
+        (
+            "--prefill-budget-with-decodes",
+            "mixed policy: most prompt tokens in a step that also decodes (0 = off)",
         ),
         ("--kv-segment-size", "0, 512, 1024, 2048 or 4096 (a multiple of the block size)"),
     ):

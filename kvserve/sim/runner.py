@@ -153,6 +153,7 @@ def simulate(
             "num_kv_blocks": num_kv_blocks,
             "enable_prefix_caching": config.enable_prefix_caching,
             "long_prefill_token_threshold": config.long_prefill_token_threshold,
+            "prefill_budget_with_decodes": config.prefill_budget_with_decodes,
             "num_batched_tokens_buckets": list(config.num_batched_tokens_buckets or ()),
             "num_seqs_buckets": list(config.num_seqs_buckets or ()),
             "kv_segment_size": config.kv_segment_size,

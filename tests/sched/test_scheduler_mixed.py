@@ -536,3 +536,39 @@ def test_no_deferral_without_prefix_caching():
     shared_prefix_burst(sched, 2, 1024)
     out, _ = run_step(sched)
     assert out.num_scheduled_tokens == {"r0": 1088, "r1": 960}
+
+
+# ---------------------------------------------------------------- prompt budget with decodes
+
+
+def test_prefill_budget_with_decodes_bounds_prompt_work_only_in_steps_that_decode(tmp_path):
+    # Budget 2048, at most 512 prompt tokens beside decodes: the first step (nothing
+    # decoding) takes 2048 prompt tokens; once a and b decode, steps carry 2 decodes +
+    # 512 prompt tokens; after the decodes end the whole budget is back.
+    workload = [
+        {"id": "a", "prompt_len": 1024, "max_tokens": 6},
+        {"id": "b", "prompt_len": 1024, "max_tokens": 6},
+        {"id": "c", "prompt_len": 4096, "max_tokens": 2},
+    ]
+    result = simulate(
+        tmp_path,
+        workload,
+        "--max-num-batched-tokens",
+        "2048",
+        "--prefill-budget-with-decodes",
+        "512",
+    )
+    assert result["config"]["prefill_budget_with_decodes"] == 512
+    steps = [s["num_scheduled_tokens"] for s in result["steps"]]
+    assert steps[0] == {"a": 1024, "b": 1024}
+    for s in steps[1:6]:
+        assert s == {"a": 1, "b": 1, "c": 512}
+    assert steps[6]["c"] == 4096 - 5 * 512  # no decodes left: the rest at once
+    assert chunks(result, "c")[0] == (512, 0)
+
+
+def test_prefill_budget_with_decodes_is_validated():
+    from kvserve.config import SchedulerConfig
+
+    with pytest.raises(ValueError, match="prefill_budget_with_decodes"):
+        SchedulerConfig(prefill_budget_with_decodes=-1).validate()
