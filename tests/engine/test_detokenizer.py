@@ -300,3 +300,26 @@ def test_stream_invariants_property(
     # No stop string lies wholly before this one's end and starts before it.
     end = start + len(s)
     assert not any(0 <= full.find(t, 0, end - 1) < start for t in stops)
+
+
+def test_fast_tokenizer_decodes_through_its_rust_backend_with_the_same_text() -> None:
+    import random
+
+    from transformers import AutoTokenizer
+
+    from kvserve.engine.detokenizer import _backend_decoder
+    from kvserve.model.loader import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m-instruct"))
+    backend = _backend_decoder(tok)
+    assert backend is not None
+    rng = random.Random(0)
+    special = list(tok.all_special_ids)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 12))]
+        ids += rng.sample(special, k=min(2, len(special)))
+        rng.shuffle(ids)
+        for skip in (True, False):
+            want = tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+            assert backend(ids, skip_special_tokens=skip) == want
+    assert _backend_decoder(object()) is None

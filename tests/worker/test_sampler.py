@@ -474,3 +474,26 @@ def test_token_mask_wins_over_min_tokens() -> None:
         torch.zeros(1, 4), [state(eos=3, temperature=0.0, min_tokens=5)], token_mask=mask
     )
     assert out.token_ids == [3]
+
+
+def test_native_argmax_matches_torch_on_ties_nans_infs_and_odd_widths() -> None:
+    from kvserve.model.native import get_kernel
+
+    kernel = get_kernel()
+    if kernel is None:
+        pytest.skip("native kernels not built here")
+    gen = torch.Generator().manual_seed(0)
+    for cols in (1, 7, 16, 17, 33, 100, 49152):
+        x = torch.randn(9, cols, generator=gen)
+        x[1] = 0.0  # all ties: the first
+        x[2, cols // 2 :] = float("-inf")
+        x[3] = float("-inf")
+        x[4, -1] = float("nan")  # a NaN wins, even after the maximum
+        x[5, cols // 3] = float("inf")
+        x[6, :] = -0.0
+        x[6, -1] = 0.0  # -0.0 == 0.0: still the first
+        x[7, cols // 2] = x[7].max() + 1
+        x[7, -1] = x[7, cols // 2]  # a tie with the maximum: the first
+        if cols > 1:
+            x[8, 0], x[8, 1] = float("nan"), float("nan")
+        assert kernel.argmax_rows(x).tolist() == x.argmax(-1).tolist(), cols

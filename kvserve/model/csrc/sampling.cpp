@@ -14,30 +14,51 @@
 extern "C" {
 
 // out[r] = index of the first maximum of row r (NaN rows: index of the first NaN,
-// as torch.argmax).
+// as torch.argmax). Two passes over the row, both vectorized: the maximum (and
+// whether a NaN occurs), then the first index holding it. -0.0 == 0.0, so ties
+// between zeros also go to the first, as a single scalar pass would.
+static int64_t kvs_argmax_row(const float* row, int64_t cols) {
+  int64_t i = 0;
+  float mx = row[0];
+  bool nan = mx != mx;
+#if defined(__AVX512F__)
+  if (cols >= 16) {
+    __m512 vmx = _mm512_loadu_ps(row);
+    __mmask16 unord = _mm512_cmp_ps_mask(vmx, vmx, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= cols; i += 16) {
+      const __m512 v = _mm512_loadu_ps(row + i);
+      unord |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      vmx = _mm512_max_ps(vmx, v);
+    }
+    nan = nan || unord != 0;
+    mx = _mm512_reduce_max_ps(vmx);
+  }
+#endif
+  for (; i < cols; ++i) {
+    const float v = row[i];
+    nan = nan || v != v;
+    mx = v > mx ? v : mx;
+  }
+  if (nan) {
+    for (int64_t j = 0; j < cols; ++j)
+      if (row[j] != row[j]) return j;
+  }
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(mx);
+  for (; j + 16 <= cols; j += 16) {
+    const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), vm, _CMP_EQ_OQ);
+    if (eq) return j + __builtin_ctz(static_cast<unsigned>(eq));
+  }
+#endif
+  for (; j < cols; ++j)
+    if (row[j] == mx) return j;
+  return 0;  // unreachable: mx is an element of the row
+}
+
 void kvs_argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t* out, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * cols > 65536)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x + r * cols;
-    int64_t best = 0;
-    float bv = row[0];
-    if (bv != bv) {
-      out[r] = 0;
-      continue;
-    }
-    for (int64_t i = 1; i < cols; ++i) {
-      const float v = row[i];
-      if (v != v) {  // NaN wins, as in torch.argmax
-        best = i;
-        break;
-      }
-      if (v > bv) {
-        bv = v;
-        best = i;
-      }
-    }
-    out[r] = best;
-  }
+  for (int64_t r = 0; r < rows; ++r) out[r] = kvs_argmax_row(x + r * cols, cols);
 }
 
 // Nucleus threshold per row: with the row's probabilities sorted descending
