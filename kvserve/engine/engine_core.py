@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import EngineConfig
+from kvserve.engine.allocator import tune_allocator
 from kvserve.engine.args import with_max_model_len
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestMetrics
@@ -84,6 +85,8 @@ class EngineCore:
                 "EngineCore(runner=...) needs loaded= too: the tokenizer, EOS ids and context "
                 "length of the model the runner runs"
             )
+        if runner is None:
+            tune_allocator()  # step-sized buffers stay in the heap (engine/allocator.py)
         if loaded is None:
             # Imported here so that torch is only loaded by engines, not by the CLI's help.
             from kvserve.model.loader import load_model

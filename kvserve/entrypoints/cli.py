@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvserve.engine.allocator import tune_allocator
+
+    tune_allocator()  # before any thread starts (see kvserve/engine/allocator.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
