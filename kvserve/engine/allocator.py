@@ -11,7 +11,9 @@ prefills went from 458-472 ms to 347-393 ms, with 3-75 page faults instead of
 30,000-39,000. Call it before the process starts threads (``kvserve``'s CLI does,
 first thing; engines call it again, which is then a no-op).
 
-The cost: the process keeps its peak heap instead of returning it. Set
+The cost: the process keeps its peak heap instead of returning it (measured, bf16
+server after the 32-request random workload: 2,027 MB resident against 2,023 MB
+without the thresholds, whose peak was 2,059 MB). Set
 ``KVSERVE_MALLOPT=0`` to leave the allocator alone (also for non-glibc systems,
 where this is a no-op)."""
 
