@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.block_pool import KVCacheBlock
+from kvserve.kv_cache.hashing import BlockHash
 from kvserve.kv_cache.manager import KVCacheManager, cdiv
 from kvserve.kv_transfer.connector import KVConnectorScheduler
 from kvserve.request import Request, RequestError, RequestStatus, check_prompt
@@ -322,15 +323,15 @@ class Scheduler(abc.ABC):
     def schedule(self) -> SchedulerOutput:
         """Decide this step's requests and token counts; allocate their KV blocks."""
 
-    def _in_flight_blocks(self) -> set[object]:
+    def _in_flight_blocks(self) -> set[BlockHash]:
         """Hashes of the full prompt blocks that running requests have not computed
         yet (they compute them this step or a later one); see :meth:`_admit`."""
-        in_flight: set[object] = set()
+        in_flight: set[BlockHash] = set()
         for request in self.running:
             self._add_in_flight(request, in_flight)
         return in_flight
 
-    def _add_in_flight(self, request: Request, in_flight: set[object]) -> None:
+    def _add_in_flight(self, request: Request, in_flight: set[BlockHash]) -> None:
         """Add ``request``'s not yet computed full prompt blocks to ``in_flight``."""
         if request.num_computed_tokens >= request.num_prompt_tokens:
             return
@@ -344,7 +345,7 @@ class Scheduler(abc.ABC):
         budget: int,
         cap: int,
         step: StepBuilder,
-        in_flight: set[object] | None = None,
+        in_flight: set[BlockHash] | None = None,
     ) -> int | None:
         """Try to move ``request`` (in ``waiting``, usually its head) to ``running``
         with its first chunk: prefix lookup, then one ``allocate_slots``. Returns the
