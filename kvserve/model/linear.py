@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kvserve.model.native import PagedAttentionKernel
 
 # Rows up to which ``x @ W^T`` runs on a [K, N] copy of the weight (a streaming
 # vector-matrix product: about 2x faster than MKL's gemv for decode at batch 1-2).
 _SMALL_M = 2
+# float32 rows up to which the native panel kernel runs (``linear_f32.cpp``): 1.3-1.6x
+# oneDNN's prepacked GEMM from 8 to 32 rows (30 layers' weights, out of cache), even
+# at 64 rows, and as fast as the [K, N] product at 1-2 rows.
+NATIVE_F32_MAX_M = 32
 
 
 def mkldnn_linear_works(dtype: torch.dtype) -> bool:
@@ -28,7 +37,9 @@ def mkldnn_linear_works(dtype: torch.dtype) -> bool:
 class FastLinear:
     """``y = x @ W^T + b`` for x [M, K], W [N, K], with the fastest CPU kernel per M.
 
-    - float32, ``M <= 2`` (decode): ``x @ wt`` on a contiguous [K, N] copy;
+    - float32 with the native kernel (``native`` given, AVX-512), ``M <=
+      NATIVE_F32_MAX_M`` (decode): the native panel kernel on a packed copy;
+    - float32 without it, ``M <= 2``: ``x @ wt`` on a contiguous [K, N] copy;
     - otherwise (bfloat16 at any M, float32 prefill and batched decode): oneDNN with a
       prepacked weight (about 1.5x MKL's sgemm for float32, and 1.6x ``F.linear`` for
       bfloat16 even at M = 1, on this kind of CPU), falling back to ``F.linear``.
@@ -37,24 +48,40 @@ class FastLinear:
     valid [N, K] tensor (a view of ``wt`` when there is one) for anything else.
     """
 
-    __slots__ = ("bias", "packed", "weight", "wt")
+    __slots__ = ("bias", "native", "packed", "panels", "weight", "wt")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, *, fast: bool, pack: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        fast: bool,
+        pack: bool = False,
+        native: PagedAttentionKernel | None = None,
     ) -> None:
         self.bias = bias
         self.weight = weight
         self.wt: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
+        self.panels: torch.Tensor | None = None
+        self.native = native
         if fast and weight.device.type == "cpu":
             if pack:  # the caller checked mkldnn_linear_works(weight.dtype)
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            if weight.dtype == torch.float32 or self.packed is None:
+            f32 = weight.dtype == torch.float32
+            if f32 and native is not None and native.linear_f32_available:
+                self.panels = native.pack_linear_f32(weight)
+                if bias is not None:
+                    self.bias = bias.contiguous()
+            elif f32 or self.packed is None:
                 self.wt = weight.t().contiguous()  # [K, N]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # inductor cannot lower the prepacked weight
             return F.linear(x, self.weight, self.bias)
+        if self.panels is not None and x.shape[0] <= NATIVE_F32_MAX_M:
+            assert self.native is not None
+            return self.native.linear_f32(x, self.panels, self.weight.shape[0], self.bias)
         if self.wt is not None and x.shape[0] <= _SMALL_M:
             if self.bias is None:
                 return torch.mm(x, self.wt)

@@ -187,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
         self._ops = []
         pack = fast and self.embed_tokens.device.type == "cpu"
         pack = pack and mkldnn_linear_works(self.embed_tokens.dtype)
+        native = get_kernel() if fast and self.embed_tokens.device.type == "cpu" else None
         for layer in self.layers:
             lins = []
             for name, bias in (
@@ -197,7 +198,11 @@ class LlamaForCausalLM(nn.Module):
             ):
                 param = getattr(layer, name)
                 lin = FastLinear(
-                    param.data, None if bias is None else bias.data, fast=fast, pack=pack
+                    param.data,
+                    None if bias is None else bias.data,
+                    fast=fast,
+                    pack=pack,
+                    native=native,
                 )
                 if lin.wt is not None:
                     param.data = lin.wt.t()  # same values, no second [N, K] copy
@@ -214,8 +219,9 @@ class LlamaForCausalLM(nn.Module):
                     down=lins[3],
                 )
             )
-        self._lm_head = FastLinear(self.lm_head_weight.data, None, fast=fast, pack=pack)
-        native = get_kernel() if fast and self.embed_tokens.device.type == "cpu" else None
+        self._lm_head = FastLinear(
+            self.lm_head_weight.data, None, fast=fast, pack=pack, native=native
+        )
         usable = native is not None and PagedAttentionKernel.supports(self.embed_tokens.dtype)
         self._native = native if usable and not self.config.qk_norm else None
 

@@ -35,7 +35,14 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [
-    _CSRC / n for n in ("paged_attention.cpp", "prefill_amx.cpp", "fused_ops.cpp", "sampling.cpp")
+    _CSRC / n
+    for n in (
+        "paged_attention.cpp",
+        "prefill_amx.cpp",
+        "fused_ops.cpp",
+        "sampling.cpp",
+        "linear_f32.cpp",
+    )
 ]
 _HEADERS = [_CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -150,6 +157,50 @@ class PagedAttentionKernel:
         self._amx.restype = i32
         lib.kvs_prefill_amx_available.restype = i32
         self.amx_available: bool = bool(lib.kvs_prefill_amx_available())
+        self._linear_f32 = lib.kvs_linear_f32
+        self._linear_f32.argtypes = [vp, i64, i64, i64, vp, i64, vp, vp, i64, i32]
+        self._linear_f32.restype = i32
+        lib.kvs_linear_f32_available.restype = i32
+        self.linear_f32_available: bool = bool(lib.kvs_linear_f32_available())
+
+    @staticmethod
+    def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] float32 -> the panel layout of :meth:`linear_f32`:
+        [ceil(N / 32), K, 32], columns past N zero."""
+        n, k = weight.shape
+        panels = -(-n // 32)
+        padded = torch.zeros(panels * 32, k, dtype=torch.float32)
+        padded[:n] = weight
+        return padded.view(panels, 32, k).transpose(1, 2).contiguous()
+
+    def linear_f32(
+        self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ W^T + bias`` for float32 x [M, K] (last dim contiguous), ``panels`` from
+        :meth:`pack_linear_f32` of W [n, K], bias [n] contiguous or None -> [M, n].
+
+        Rule: ``linear_f32_available`` holds (else RuntimeError). Made for M up to a
+        few dozen rows, where it streams each weight panel once (see linear_f32.cpp).
+        """
+        rows, k = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(rows, n, dtype=torch.float32)
+        rc = self._linear_f32(
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            k,
+            panels.data_ptr(),
+            n,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"kvs_linear_f32 returned {rc}")
+        return out
 
     def amx_prefill_supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         """Whether :meth:`prefill_attention_amx` runs for this dtype and shape here: a

@@ -107,3 +107,55 @@ def test_native_forward_matches_portable(loaded_model) -> None:
                 out.append(model.compute_logits(hidden))
         logits[backend] = torch.cat(out)
     torch.testing.assert_close(logits["native"], logits["portable"], atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [
+        (1, 960, 576),
+        (2, 70, 37),
+        (8, 64, 16),
+        (13, 100, 48),
+        (16, 3072, 64),
+        (33, 40, 9),
+        (0, 32, 8),
+    ],
+)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_f32_matches_float64(nk, rows: int, n: int, k: int, with_bias: bool) -> None:
+    """The panel kernel: every row block size (1-8 and more), N not a multiple of 32
+    (masked last panel), strided input rows, optional bias."""
+    if not nk.linear_f32_available:
+        pytest.skip("build without AVX-512")
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    x = torch.randn(rows, k + 5, generator=gen)[:, :k]  # strided rows
+    panels = nk.pack_linear_f32(w)
+    assert panels.shape == (-(-n // 32), k, 32)
+    got = nk.linear_f32(x, panels, n, bias)
+    expect = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), expect, atol=1e-4, rtol=1e-5)
+
+
+def test_fast_linear_routes_float32_decode_rows_to_the_panel_kernel(nk, monkeypatch) -> None:
+    """float32 FastLinear uses the panel kernel up to NATIVE_F32_MAX_M rows and the
+    prepacked GEMM above; both agree with F.linear."""
+    import kvserve.model.linear as lin_mod
+
+    if not nk.linear_f32_available:
+        pytest.skip("build without AVX-512")
+    gen = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
+    lin = lin_mod.FastLinear(w, b, fast=True, pack=lin_mod.mkldnn_linear_works(w.dtype), native=nk)
+    assert lin.panels is not None and lin.wt is None
+    calls: list[int] = []
+    real = nk.linear_f32
+    monkeypatch.setattr(nk, "linear_f32", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    for rows in (1, lin_mod.NATIVE_F32_MAX_M, lin_mod.NATIVE_F32_MAX_M + 1, 200):
+        x = torch.randn(rows, 40, generator=gen)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    assert calls == [1, lin_mod.NATIVE_F32_MAX_M]
+    bf16 = lin_mod.FastLinear(w.bfloat16(), None, fast=True, native=nk)
+    assert bf16.panels is None  # bfloat16 keeps oneDNN
