@@ -306,13 +306,17 @@ def native_attention(
             out=out,
         )
         return out
-    native_prior = any(p.native_prior and p.seq.cached_seq_len > 0 for p in nb.prefills)
+    native_prior = any(
+        p.native_prior and not p.whole and p.seq.cached_seq_len > 0 for p in nb.prefills
+    )
     lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32) if native_prior else None
     if nb.seqs.shape[0]:
         out = nb.kernel(q, kv_cache, nb.seqs, nb.block_tables, seg, scale, lse=lse)
     else:
         out = torch.empty(q.shape, dtype=q.dtype)
     for p in nb.prefills:
+        if p.whole:  # the kernel call above covered these rows entirely
+            continue
         s = p.seq
         rows = slice(s.token_start, s.token_start + s.num_rows)
         if not p.native_prior:  # causal part + prior segments gathered for flash

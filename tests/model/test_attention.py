@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.model import attention_metadata as am
 from kvserve.model.attention import (
     SeqSpec,
     build_attention_metadata,
@@ -95,11 +97,23 @@ def _make_step(case: dict) -> tuple[list[SeqSpec], int, torch.Tensor]:
     return specs, row + case["num_dummy"], kv_cache
 
 
-@pytest.mark.parametrize("backend", ["native", "portable"])
+@pytest.mark.parametrize("backend", ["native", "native-split", "portable"])
 @settings(max_examples=60, deadline=None)
 @given(case=batches())
 def test_paged_attention_matches_reference(case: dict, backend: str) -> None:
-    """Both implementations against the gather-all reference, over random batches."""
+    """Both implementations against the gather-all reference, over random batches.
+
+    "native" runs these small float32 prefills whole in the kernel; "native-split"
+    sets ``NATIVE_WHOLE_MAX_CONTEXT`` to 0, so their causal part goes through flash
+    and merges with the kernel's prior part (the path of longer contexts).
+    """
+    limit = 0 if backend == "native-split" else am.NATIVE_WHOLE_MAX_CONTEXT
+    backend = backend.removesuffix("-split")
+    with mock.patch.object(am, "NATIVE_WHOLE_MAX_CONTEXT", limit):
+        _check_against_reference(case, backend)
+
+
+def _check_against_reference(case: dict, backend: str) -> None:
     specs, num_tokens, kv_cache = _make_step(case)
     gen = torch.Generator().manual_seed(case["seed"] + 1)
     h, hk, d = case["num_heads"], case["num_kv_heads"], case["head_dim"]
@@ -116,6 +130,9 @@ def test_paged_attention_matches_reference(case: dict, backend: str) -> None:
         backend=backend,  # type: ignore[arg-type]
     )
     assert (meta.native is not None) == (backend == "native")
+    if meta.native is not None:
+        whole = [p.whole for p in meta.native.prefills]
+        assert whole == [c + n <= am.NATIVE_WHOLE_MAX_CONTEXT for c, n, _ in case["prefills"]]
     before = kv_cache.clone()
     out = paged_attention(q, k, v, kv_cache, meta, scale)
     assert out.shape == (num_tokens, h, d)
