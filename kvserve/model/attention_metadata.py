@@ -64,11 +64,16 @@ class DecodeBatch:
 # flash kernel (its AMX/oneDNN GEMMs beat the kernel's vector loop from 16 rows on:
 # 2.45 vs 1.27 ms per layer at 64 rows x 1,024 prior tokens, bf16, this machine kind).
 NATIVE_PREFILL_MAX_ROWS = 16
-# float32 prefill requests whose whole context (cached + new tokens) is at most this
-# many tokens run entirely in the kernel (prior and causal part in place, no flash
-# call, no merge): 4 x 512 new tokens took 8.6-9.8 ms per layer against 14.1 ms through
-# flash, 1 x 128 0.21 against 0.39 ms; at 1,024 the two tie and past it flash wins
-# (1 x 2,048: 37 against 29 ms). bfloat16 prefills go to the AMX kernel instead.
+# float32 prefill requests with at most NATIVE_WHOLE_MAX_TOKENS new tokens, or whose
+# whole context (cached + new) is at most NATIVE_WHOLE_MAX_CONTEXT tokens, run entirely
+# in the kernel (prior and causal part in place, no gather, flash call or merge).
+# Measured per step of 30 layers (attention ms, kernel whole vs flash split): 16 x 64
+# new over 1,024 cached 597 vs 960; 16 x 64 over 3,072 1,710 vs 2,723; 8 x 128 over
+# 2,048 1,334 vs 1,456; 2 x 512 over 1,024 648 vs 897; 4 x 256 over 1,536 even; 4 x 512
+# new tokens alone 8.6-9.8 vs 14.1 per layer; 1 x 1,024 over 512 593 vs 532 and 1 x
+# 2,048 alone 37 vs 29 per layer (flash wins long chunks over long contexts).
+# bfloat16 prefills go to the AMX kernel instead.
+NATIVE_WHOLE_MAX_TOKENS = 512
 NATIVE_WHOLE_MAX_CONTEXT = 1024
 
 
@@ -79,8 +84,8 @@ class NativePrefill:
     ``native_prior``: the kernel covered ``[0, cached_seq_len)`` in place and left the
     rows' output and log-sum-exp; otherwise ``seq.prior_slots`` is gathered segment by
     segment (``prefill_attention``). ``whole``: the kernel computed the rows' whole
-    attention (prior and causal part; see ``NATIVE_WHOLE_MAX_CONTEXT``), nothing is left
-    to do for them.
+    attention (prior and causal part), nothing is left
+    to do for them (float32 only, see ``NATIVE_WHOLE_MAX_TOKENS``).
     """
 
     seq: PrefillSeq
@@ -334,7 +339,10 @@ def _build_native(
         table[i, :nb] = bt
         prior_only = int(s.num_rows > 1)
         whole = bool(prior_only) and kv_dtype == torch.float32
-        whole = whole and s.cached_seq_len + s.num_tokens <= NATIVE_WHOLE_MAX_CONTEXT
+        whole = whole and (
+            s.num_tokens <= NATIVE_WHOLE_MAX_TOKENS
+            or s.cached_seq_len + s.num_tokens <= NATIVE_WHOLE_MAX_CONTEXT
+        )
         if whole:
             info[i] = (row, s.num_rows, s.num_tokens, s.cached_seq_len, 0)
             prefills.append(

@@ -103,13 +103,17 @@ def _make_step(case: dict) -> tuple[list[SeqSpec], int, torch.Tensor]:
 def test_paged_attention_matches_reference(case: dict, backend: str) -> None:
     """Both implementations against the gather-all reference, over random batches.
 
-    "native" runs these small float32 prefills whole in the kernel; "native-split"
-    sets ``NATIVE_WHOLE_MAX_CONTEXT`` to 0, so their causal part goes through flash
-    and merges with the kernel's prior part (the path of longer contexts).
+    "native" runs float32 prefills of up to 20 new tokens or 200 of context whole in
+    the kernel (both limits lowered from their defaults so that hypothesis draws
+    both kinds); "native-split" sets both limits to 0, so
+    every causal part goes through flash and merges with the kernel's prior part.
     """
-    limit = 0 if backend == "native-split" else am.NATIVE_WHOLE_MAX_CONTEXT
+    split = backend == "native-split"
     backend = backend.removesuffix("-split")
-    with mock.patch.object(am, "NATIVE_WHOLE_MAX_CONTEXT", limit):
+    with (
+        mock.patch.object(am, "NATIVE_WHOLE_MAX_CONTEXT", 0 if split else 200),
+        mock.patch.object(am, "NATIVE_WHOLE_MAX_TOKENS", 0 if split else 20),
+    ):
         _check_against_reference(case, backend)
 
 
@@ -132,7 +136,10 @@ def _check_against_reference(case: dict, backend: str) -> None:
     assert (meta.native is not None) == (backend == "native")
     if meta.native is not None:
         whole = [p.whole for p in meta.native.prefills]
-        assert whole == [c + n <= am.NATIVE_WHOLE_MAX_CONTEXT for c, n, _ in case["prefills"]]
+        assert whole == [
+            n <= am.NATIVE_WHOLE_MAX_TOKENS or c + n <= am.NATIVE_WHOLE_MAX_CONTEXT
+            for c, n, _ in case["prefills"]
+        ]
     before = kv_cache.clone()
     out = paged_attention(q, k, v, kv_cache, meta, scale)
     assert out.shape == (num_tokens, h, d)
