@@ -75,6 +75,10 @@ class CacheConfig:
             )
 
 
+# A burst wait (``SchedulerConfig.batch_wait_ms``) lasts at most this many times it.
+BATCH_WAIT_MAX_FACTOR = 8
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Scheduling policy and budgets (names follow vLLM and the seed documents).
@@ -90,6 +94,10 @@ class SchedulerConfig:
       step that also runs decodes, prompt chunks get at most this many tokens in all
       (the step's length is what every running stream waits between two tokens);
       steps without decodes still use all of ``max_num_batched_tokens``.
+    - ``batch_wait_ms``: number >= 0 (0 = off). A server engine that was idle waits,
+      before its first step, until no new request has arrived for this long (at most
+      ``BATCH_WAIT_MAX_FACTOR`` times it), so a burst's requests, which the front end
+      hands over one by one as it parses and tokenizes them, start as one batch.
     - ``scheduler_policy``: ``"mixed"`` or ``"separated"``.
     - ``kv_segment_size``: one of 0 (off), 512, 1024, 2048, 4096 and, when not 0, a
       multiple of ``block_size``. Prefill chunks need NOT equal it.
@@ -105,6 +113,7 @@ class SchedulerConfig:
     scheduler_policy: SchedulerPolicy = "mixed"
     long_prefill_token_threshold: int = 0
     prefill_budget_with_decodes: int = 0
+    batch_wait_ms: float = 5.0
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     num_seqs_buckets: tuple[int, ...] | None = None
     kv_segment_size: int = 512
@@ -145,6 +154,11 @@ class SchedulerConfig:
             minimum=0,
             why=" (0 = off)",
         )
+        wait = self.batch_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1000:
+            raise config_error(
+                "batch_wait_ms", wait, "must be a number from 0 (off) to 1000", "batch_wait_ms=5"
+            )
         if not isinstance(self.enable_prefix_caching, bool):
             raise config_error(
                 "enable_prefix_caching",

@@ -74,6 +74,13 @@ OPTIONS: tuple[_Option, ...] = (
         "inter-token latency (0 = off: max_num_batched_tokens)",
     ),
     _Option(
+        "batch_wait_ms",
+        "scheduler",
+        float,
+        "server: after idling, wait until requests stop arriving for this many ms "
+        "(at most 8x) before the first step, so a burst starts as one batch (0 = off)",
+    ),
+    _Option(
         "num_batched_tokens_buckets",
         "scheduler",
         tuple,

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvserve.config import BATCH_WAIT_MAX_FACTOR
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.outputs import EngineStats, RequestDelta
 from kvserve.metrics import EngineMetrics
@@ -363,16 +364,21 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            idle = True
             while not self._stop:
                 self._drain_commands()
                 if self._stop:
                     break
                 if not self.engine.has_unfinished_requests():
+                    idle = True
                     self._poll_transfers()
                     self._refresh_stats()
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
+                if idle:
+                    idle = False
+                    self._await_burst()
                 self._step()
                 if self.engine.last_step_idle:
                     # Only remote loads pending: sleep until something arrives.
@@ -384,6 +390,21 @@ class AsyncEngine:
             self._fail(list(self._requests), EngineUnavailableError(f"the engine thread died: {e}"))
         finally:
             self._refresh_stats()
+
+    def _await_burst(self) -> None:
+        """After idling: take commands until none has come for ``batch_wait_ms`` (at
+        most ``BATCH_WAIT_MAX_FACTOR`` times it), so that a burst's first step holds
+        all of it rather than the first request alone (engine thread)."""
+        gap = self.engine.config.scheduler.batch_wait_ms / 1000.0
+        if gap <= 0:
+            return
+        deadline = time.monotonic() + gap * BATCH_WAIT_MAX_FACTOR
+        while not self._stop:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._wake.wait(timeout=min(gap, remaining)):
+                return
+            self._wake.clear()
+            self._drain_commands()
 
     def _drain_commands(self) -> None:
         while True:

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.fake_runner import POISON_TOKEN, fake_engine
 from support.server_helpers import scrape, serve_thread
 
+from kvserve.config import SchedulerConfig
 from kvserve.engine.async_engine import (
     AsyncEngine,
     EngineUnavailableError,
@@ -96,6 +97,36 @@ def test_failing_engine_step_fails_its_requests_only(tokenizer: Any) -> None:
     asyncio.run(run())
     assert 'finished_reason="error"' in engine.metrics.render().decode()
     core.check_no_leaks()
+
+
+@pytest.mark.parametrize("batch_wait_ms", [40.0, 0.0])
+def test_idle_engine_takes_a_burst_as_one_batch(tokenizer: Any, batch_wait_ms: float) -> None:
+    """Requests handed over 3 ms apart to an idle engine: with a burst wait they all
+    run in its first step; without one the first step holds the first request alone.
+    Once busy, the engine does not wait again."""
+    core, runner = fake_engine(tokenizer, batch_wait_ms=batch_wait_ms, step_s=0.02)
+    engine = AsyncEngine(core)
+
+    async def run() -> None:
+        streams = []
+        for i in range(4):
+            streams.append(await engine.generate([5, 6 + i], SamplingParams(max_tokens=3)))
+            await asyncio.sleep(0.003)
+        for stream in streams:
+            assert [d async for d in stream][-1].finish_reason == "length"
+        await engine.shutdown()
+
+    asyncio.run(run())
+    if batch_wait_ms:
+        assert runner.step_sizes == [4, 4, 4]
+    else:
+        assert runner.step_sizes[0] == 1 and len(runner.step_sizes) > 3
+    core.check_no_leaks()
+
+
+def test_batch_wait_ms_is_validated() -> None:
+    with pytest.raises(ValueError, match="batch_wait_ms"):
+        SchedulerConfig(batch_wait_ms=-1).validate()
 
 
 def test_openai_client_batch_prompts_and_echo(fake_server: tuple[str, EngineCore]) -> None:

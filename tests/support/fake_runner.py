@@ -50,6 +50,7 @@ class FakeRunner:
         self.gate = threading.Event()
         self.gate.set()
         self.num_steps = 0
+        self.step_sizes: list[int] = []  # requests scheduled in each step
         self._prompts: dict[str, list[int]] = {}
         self._num_outputs: dict[str, int] = {}
         self._num_logprobs: dict[str, int | None] = {}
@@ -59,6 +60,7 @@ class FakeRunner:
         self.gate.wait()
         time.sleep(self.step_s)
         self.num_steps += 1
+        self.step_sizes.append(len(so.num_scheduled_tokens))
         for r in so.finished_req_ids:
             self._prompts.pop(r, None)
         for new in so.scheduled_new_reqs:
@@ -84,13 +86,21 @@ class FakeRunner:
 
 
 def fake_engine(
-    tokenizer: Any, *, max_model_len: int = 256, max_num_seqs: int = 8, step_s: float = 0.002
+    tokenizer: Any,
+    *,
+    max_model_len: int = 256,
+    max_num_seqs: int = 8,
+    step_s: float = 0.002,
+    batch_wait_ms: float = 0.0,
 ) -> tuple[EngineCore, FakeRunner]:
-    """A real EngineCore on a :class:`FakeRunner`; returns both."""
+    """A real EngineCore on a :class:`FakeRunner`; returns both. No burst wait unless
+    ``batch_wait_ms`` is given (the tests time their own arrivals)."""
     runner = FakeRunner(step_s=step_s)
     config = EngineConfig(
         cache=CacheConfig(num_kv_blocks=runner.num_kv_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=512, batch_wait_ms=batch_wait_ms
+        ),
     )
     model = FakeModel(tokenizer, max_model_len=max_model_len)
     return EngineCore(config, loaded=model, runner=runner), runner
