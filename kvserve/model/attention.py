@@ -71,7 +71,7 @@ from kvserve.model.attention_metadata import (  # noqa: F401  (re-exported)
     build_attention_metadata,
     resolve_attention_backend,
 )
-from kvserve.model.native import paged_attention_op
+from kvserve.model.native import paged_attention_op, write_kv_and_attend_op
 
 _NEG_INF = float("-inf")
 
@@ -239,8 +239,24 @@ def paged_attention(
     (skipping padding), then runs segmented prefill per request and one batched decode
     call. Returns [T, H, D]; padding and dummy rows hold meaningless values.
     """
+    nb = meta.native
+    if nb is not None and torch.compiler.is_compiling():
+        if nb.prefills or meta.write_rows is not None:
+            raise RuntimeError("compiled steps run decode-only native batches, every row written")
+        # one opaque operator that writes the cache in place (no cascade: whole contexts)
+        return write_kv_and_attend_op(
+            q,
+            k,
+            v,
+            kv_cache,
+            meta.write_slots,
+            nb.seqs,
+            nb.block_tables,
+            meta.kv_segment_size,
+            scale,
+        )
     write_kv(kv_cache, k, v, meta)
-    if meta.native is not None:
+    if nb is not None:
         return native_attention(q, k, v, kv_cache, meta, scale)
     if not meta.prefills and meta.decode is not None and meta.decode.token_start == 0:
         return decode_attention(q, kv_cache, meta.decode, scale)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,7 +50,7 @@ class FastLinear:
     valid [N, K] tensor (a view of ``wt`` when there is one) for anything else.
     """
 
-    __slots__ = ("bias", "native", "packed", "panels", "weight", "wt")
+    __slots__ = ("__weakref__", "bias", "handle", "native", "packed", "panels", "weight", "wt")
 
     def __init__(
         self,
@@ -61,6 +63,8 @@ class FastLinear:
     ) -> None:
         self.bias = bias
         self.weight = weight
+        self.handle = next(_handles)  # how compiled graphs name it (``kvserve::fast_linear``)
+        _LINEARS[self.handle] = self
         self.wt: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
@@ -77,8 +81,12 @@ class FastLinear:
                 self.wt = weight.t().contiguous()  # [K, N]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # inductor cannot lower the prepacked weight
-            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # one opaque operator in compiled graphs
+            return torch.ops.kvserve.fast_linear(x, self.handle, self.weight.shape[0])
+        return self.eager(x)
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel choice of the class docstring, outside any graph."""
         if self.panels is not None and x.shape[0] <= NATIVE_F32_MAX_M:
             assert self.native is not None
             return self.native.linear_f32(x, self.panels, self.weight.shape[0], self.bias)
@@ -89,3 +97,20 @@ class FastLinear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+_handles = itertools.count()
+_LINEARS: weakref.WeakValueDictionary[int, FastLinear] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("kvserve::fast_linear", mutates_args=())
+def fast_linear_op(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """``FastLinear`` number ``handle`` as an operator ``torch.compile`` keeps opaque, so
+    compiled graphs use the same prepacked oneDNN and native kernels as eager steps
+    (inductor cannot lower a prepacked weight). Rule: the layer is alive."""
+    return _LINEARS[handle].eager(x)
+
+
+@fast_linear_op.register_fake
+def _(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)

@@ -534,3 +534,40 @@ def _(
     scale: float,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("kvserve::write_kv_and_attend", mutates_args=("kv_cache",))
+def write_kv_and_attend_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    write_slots: torch.Tensor,
+    seqs: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_segment_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Write the step's K/V [T, Hk, D] to ``write_slots`` [T] of ``kv_cache`` (in place),
+    then :func:`paged_attention_op`. One operator, so that a compiled graph mutates the
+    cache where it lies: an in-place write followed by a separate read made inductor
+    copy each layer's whole cache twice per step."""
+    flat = kv_cache.view(2, kv_cache.shape[1], -1, kv_cache.shape[-1])  # [2, Hk, slots, D]
+    flat[0].index_copy_(1, write_slots, k.transpose(0, 1))
+    flat[1].index_copy_(1, write_slots, v.transpose(0, 1))
+    return paged_attention_op(q, kv_cache, seqs, block_tables, kv_segment_size, scale)
+
+
+@write_kv_and_attend_op.register_fake
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    write_slots: torch.Tensor,
+    seqs: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_segment_size: int,
+    scale: float,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)

@@ -15,7 +15,11 @@ def tokenizer():
 
 
 @pytest.mark.slow
-def test_compiled_decode_buckets_match_eager(tokenizer) -> None:
+def test_compiled_decode_buckets_match_eager(tokenizer, tmp_path, monkeypatch) -> None:
+    """Compiled steps give eager's greedy tokens, every bucket is warmed at startup,
+    and no compiled kernel walks a whole layer's KV cache (the cache is written where
+    it lies, not copied and copied back each step)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold compile
     common = dict(
         dtype="float32",
         max_model_len=256,
@@ -42,6 +46,10 @@ def test_compiled_decode_buckets_match_eager(tokenizer) -> None:
     for a, b in zip(eager, outs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     llm.engine.check_no_leaks()
+    code = "\n".join(p.read_text() for p in tmp_path.rglob("*.py"))
+    assert "def call(" in code and "kvserve.write_kv_and_attend" in code
+    layer_cache = llm.engine.runner.kv_caches[0]  # type: ignore[attr-defined]
+    assert f"{layer_cache.numel()}L" not in code, "a compiled kernel copies a layer's cache"
 
 
 def test_compile_needs_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
