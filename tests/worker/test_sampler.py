@@ -497,3 +497,28 @@ def test_native_argmax_matches_torch_on_ties_nans_infs_and_odd_widths() -> None:
         if cols > 1:
             x[8, 0], x[8, 1] = float("nan"), float("nan")
         assert kernel.argmax_rows(x).tolist() == x.argmax(-1).tolist(), cols
+
+
+def test_native_draw_and_softmax_match_portable_on_wide_rows() -> None:
+    """Draws over 256 rows of a 49,157-token vocabulary (blocks of 16 plus a tail, most
+    mass spread wide, one row zero past a cut-off, one with a threshold) equal the
+    portable inverse CDF, and the vectorized softmax matches torch's."""
+    from kvserve.model.native import get_kernel
+    from kvserve.worker.sampler import _inverse_cdf_sample
+
+    kernel = get_kernel()
+    assert kernel is not None, "the test machine has a C++ compiler"
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(256, 49157, generator=gen) * 3
+    temps = torch.full((256,), 0.8)
+    probs = kernel.softmax_rows(logits, 1.0 / temps)
+    torch.testing.assert_close(probs, torch.softmax(logits / 0.8, -1), atol=1e-7, rtol=1e-4)
+    probs[5, 1000:] = 0.0
+    threshold = torch.zeros(256)
+    threshold[9] = float(probs[9].quantile(0.99))
+    uniforms = torch.rand(256, dtype=torch.float64, generator=gen)
+    uniforms[:4] = torch.tensor([0.0, 1.0 - 1e-12, 0.5, 1e-9], dtype=torch.float64)
+    drawn = kernel.sample_rows(probs, threshold, uniforms)
+    kept = torch.where(probs >= threshold[:, None], probs, torch.zeros(()))
+    assert torch.equal(drawn, _inverse_cdf_sample(kept.double(), uniforms))
+    assert int(drawn[5]) < 1000 and float(probs[9, int(drawn[9])]) >= float(threshold[9])
