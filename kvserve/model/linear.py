@@ -15,10 +15,13 @@ if TYPE_CHECKING:
 # Rows up to which ``x @ W^T`` runs on a [K, N] copy of the weight (a streaming
 # vector-matrix product: about 2x faster than MKL's gemv for decode at batch 1-2).
 _SMALL_M = 2
-# float32 rows up to which the native panel kernel runs (``linear_f32.cpp``): 1.3-1.6x
+# float32 rows up to which the native panel kernel runs (``linear_panels.cpp``): 1.3-1.6x
 # oneDNN's prepacked GEMM from 8 to 32 rows (30 layers' weights, out of cache), even
 # at 64 rows, and as fast as the [K, N] product at 1-2 rows.
 NATIVE_F32_MAX_M = 32
+# bfloat16 rows up to which the native panel kernel (AVX512-BF16 dot products) runs:
+# 1.5-2x oneDNN's prepacked AMX GEMM at 1-4 rows, even at 8, behind it from 16 on.
+NATIVE_BF16_MAX_M = 4
 
 
 def mkldnn_linear_works(dtype: torch.dtype) -> bool:
@@ -41,6 +44,8 @@ class FastLinear:
 
     - float32 with the native kernel (``native`` given, AVX-512), ``M <=
       NATIVE_F32_MAX_M`` (decode): the native panel kernel on a packed copy;
+    - bfloat16 with the native kernel (AVX512-BF16, even K), ``M <=
+      NATIVE_BF16_MAX_M``: the native bfloat16 panel kernel on a packed copy;
     - float32 without it, ``M <= 2``: ``x @ wt`` on a contiguous [K, N] copy;
     - otherwise (bfloat16 at any M, float32 prefill and batched decode): oneDNN with a
       prepacked weight (about 1.5x MKL's sgemm for float32, and 1.6x ``F.linear`` for
@@ -50,7 +55,17 @@ class FastLinear:
     valid [N, K] tensor (a view of ``wt`` when there is one) for anything else.
     """
 
-    __slots__ = ("__weakref__", "bias", "handle", "native", "packed", "panels", "weight", "wt")
+    __slots__ = (
+        "__weakref__",
+        "bias",
+        "handle",
+        "native",
+        "packed",
+        "panel_bias",
+        "panels",
+        "weight",
+        "wt",
+    )
 
     def __init__(
         self,
@@ -68,6 +83,7 @@ class FastLinear:
         self.wt: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
+        self.panel_bias: torch.Tensor | None = None  # fp32, padded (bfloat16 panels)
         self.native = native
         if fast and weight.device.type == "cpu":
             if pack:  # the caller checked mkldnn_linear_works(weight.dtype)
@@ -77,7 +93,18 @@ class FastLinear:
                 self.panels = native.pack_linear_f32(weight)
                 if bias is not None:
                     self.bias = bias.contiguous()
-            elif f32 or self.packed is None:
+            elif (
+                weight.dtype == torch.bfloat16
+                and weight.shape[1] % 2 == 0
+                and native is not None
+                and native.linear_bf16_available
+            ):
+                self.panels = native.pack_linear_bf16(weight)
+                if bias is not None:
+                    padded = torch.zeros(self.panels.shape[0] * 32)
+                    padded[: bias.shape[0]] = bias.float()
+                    self.panel_bias = padded
+            if self.panels is None and (f32 or self.packed is None):
                 self.wt = weight.t().contiguous()  # [K, N]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,9 +114,14 @@ class FastLinear:
 
     def eager(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel choice of the class docstring, outside any graph."""
-        if self.panels is not None and x.shape[0] <= NATIVE_F32_MAX_M:
+        if self.panels is not None:
             assert self.native is not None
-            return self.native.linear_f32(x, self.panels, self.weight.shape[0], self.bias)
+            if self.panels.dtype == torch.float32:
+                if x.shape[0] <= NATIVE_F32_MAX_M:
+                    return self.native.linear_f32(x, self.panels, self.weight.shape[0], self.bias)
+            elif x.shape[0] <= NATIVE_BF16_MAX_M:
+                n = self.weight.shape[0]
+                return self.native.linear_bf16(x, self.panels, n, self.panel_bias)
         if self.wt is not None and x.shape[0] <= _SMALL_M:
             if self.bias is None:
                 return torch.mm(x, self.wt)

@@ -41,7 +41,7 @@ _SOURCES = [
         "prefill_amx.cpp",
         "fused_ops.cpp",
         "sampling.cpp",
-        "linear_f32.cpp",
+        "linear_panels.cpp",
     )
 ]
 _HEADERS = [_CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources
@@ -162,6 +162,11 @@ class PagedAttentionKernel:
         self._linear_f32.restype = i32
         lib.kvs_linear_f32_available.restype = i32
         self.linear_f32_available: bool = bool(lib.kvs_linear_f32_available())
+        self._linear_bf16 = lib.kvs_linear_bf16
+        self._linear_bf16.argtypes = [vp, i64, i64, i64, vp, i64, vp, vp, i64, i32]
+        self._linear_bf16.restype = i32
+        lib.kvs_linear_bf16_available.restype = i32
+        self.linear_bf16_available: bool = bool(lib.kvs_linear_bf16_available())
 
     @staticmethod
     def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor:
@@ -173,6 +178,49 @@ class PagedAttentionKernel:
         padded[:n] = weight
         return padded.view(panels, 32, k).transpose(1, 2).contiguous()
 
+    @staticmethod
+    def pack_linear_bf16(weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] bfloat16 (K even) -> the layout of :meth:`linear_bf16`:
+        [ceil(N / 32), K / 2, 32, 2] (each column's k pairs adjacent), columns past N
+        zero."""
+        n, k = weight.shape
+        if k % 2:
+            raise ValueError(f"linear_bf16 needs an even input size, got {k}")
+        panels = -(-n // 32)
+        padded = torch.zeros(panels * 32, k, dtype=torch.bfloat16)
+        padded[:n] = weight
+        return padded.view(panels, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    def linear_bf16(
+        self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ W^T + bias`` for bfloat16 x [M, K] (last dim contiguous), ``panels``
+        from :meth:`pack_linear_bf16` of W [n, K], ``bias`` fp32 padded to
+        ``panels.shape[0] * 32`` or None -> bfloat16 [M, n] (fp32 sums, rounded once).
+
+        Rule: ``linear_bf16_available`` holds (else RuntimeError). Made for a few rows
+        (decode at batch 1-4), where oneDNN's AMX kernels read the weights slower.
+        """
+        rows, k = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        rc = self._linear_bf16(
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            k,
+            panels.data_ptr(),
+            n,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"kvs_linear_bf16 returned {rc}")
+        return out
+
     def linear_f32(
         self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
@@ -180,7 +228,7 @@ class PagedAttentionKernel:
         :meth:`pack_linear_f32` of W [n, K], bias [n] contiguous or None -> [M, n].
 
         Rule: ``linear_f32_available`` holds (else RuntimeError). Made for M up to a
-        few dozen rows, where it streams each weight panel once (see linear_f32.cpp).
+        few dozen rows, where it streams each weight panel once (see linear_panels.cpp).
         """
         rows, k = x.shape
         if x.stride(1) != 1:

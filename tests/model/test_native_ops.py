@@ -157,5 +157,48 @@ def test_fast_linear_routes_float32_decode_rows_to_the_panel_kernel(nk, monkeypa
         x = torch.randn(rows, 40, generator=gen)
         torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
     assert calls == [1, lin_mod.NATIVE_F32_MAX_M]
-    bf16 = lin_mod.FastLinear(w.bfloat16(), None, fast=True, native=nk)
-    assert bf16.panels is None  # bfloat16 keeps oneDNN
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 960, 576), (3, 70, 38), (8, 64, 16), (11, 40, 8)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_bf16_matches_float32(nk, rows: int, n: int, k: int, with_bias: bool) -> None:
+    """The bfloat16 panel kernel: fp32 sums of bf16 products, rounded once to bf16
+    (so within one bf16 rounding of the fp32 result); masked last panel, strided rows."""
+    if not nk.linear_bf16_available:
+        pytest.skip("build without AVX512-BF16")
+    gen = torch.Generator().manual_seed(rows * 7 + n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    x = torch.randn(rows, k + 6, generator=gen).bfloat16()[:, :k]
+    panels = nk.pack_linear_bf16(w)
+    assert panels.shape == (-(-n // 32), k // 2, 32, 2)
+    padded = None
+    if bias is not None:
+        padded = torch.zeros(panels.shape[0] * 32)
+        padded[:n] = bias
+    got = nk.linear_bf16(x, panels, n, padded)
+    expect = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), expect, atol=1e-3, rtol=8e-3)
+
+
+def test_fast_linear_routes_bfloat16_rows_to_the_panel_kernel(nk, monkeypatch) -> None:
+    """bfloat16 FastLinear uses its panel kernel up to NATIVE_BF16_MAX_M rows and
+    oneDNN above."""
+    import kvserve.model.linear as lin_mod
+
+    if not nk.linear_bf16_available:
+        pytest.skip("build without AVX512-BF16")
+    gen = torch.Generator().manual_seed(6)
+    w, b = torch.randn(96, 40, generator=gen).bfloat16(), torch.randn(96, generator=gen).bfloat16()
+    pack = lin_mod.mkldnn_linear_works(torch.bfloat16)
+    lin = lin_mod.FastLinear(w, b, fast=True, pack=pack, native=nk)
+    assert lin.panels is not None and lin.panels.dtype == torch.bfloat16
+    calls: list[int] = []
+    real = nk.linear_bf16
+    monkeypatch.setattr(nk, "linear_bf16", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    for rows in (1, lin_mod.NATIVE_BF16_MAX_M, lin_mod.NATIVE_BF16_MAX_M + 1, 64):
+        x = torch.randn(rows, 40, generator=gen).bfloat16()
+        expect = F.linear(x.float(), w.float(), b.float())
+        torch.testing.assert_close(lin(x).float(), expect, atol=3e-2, rtol=2e-2)
+    assert calls == [1, lin_mod.NATIVE_BF16_MAX_M]
