@@ -113,7 +113,7 @@ class SchedulerConfig:
     scheduler_policy: SchedulerPolicy = "mixed"
     long_prefill_token_threshold: int = 0
     prefill_budget_with_decodes: int = 0
-    batch_wait_ms: float = 5.0
+    batch_wait_ms: float = 10.0
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     num_seqs_buckets: tuple[int, ...] | None = None
     kv_segment_size: int = 512
@@ -157,7 +157,7 @@ class SchedulerConfig:
         wait = self.batch_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1000:
             raise config_error(
-                "batch_wait_ms", wait, "must be a number from 0 (off) to 1000", "batch_wait_ms=5"
+                "batch_wait_ms", wait, "must be a number from 0 (off) to 1000", "batch_wait_ms=10"
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise config_error(
