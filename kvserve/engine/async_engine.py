@@ -41,7 +41,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvserve.config import BATCH_WAIT_MAX_FACTOR
@@ -100,10 +100,12 @@ class KVTransferFailedError(RequestFailedError):
 
 @dataclass
 class _Add:
-    """Queue ``request`` (built and validated by ``EngineCore.make_request``)."""
+    """Queue ``request`` (built and validated by ``EngineCore.make_request``); ``at``:
+    when it was handed over (``time.monotonic``)."""
 
     request: Request
     added: concurrent.futures.Future[str]
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -199,6 +201,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._requests: dict[str, _Live] = {}  # see the module docstring
+        self._held: list[_Add] = []  # adds of a burst still arriving (engine thread)
         # Validate and build a request for submit(), arriving now (any thread may call
         # it; raises RequestError on bad input): EngineCore.make_request itself.
         self.make_request = engine.make_request
@@ -369,6 +372,7 @@ class AsyncEngine:
                 self._drain_commands()
                 if self._stop:
                     break
+                self._release_held()
                 if not self.engine.has_unfinished_requests():
                     idle = True
                     self._poll_transfers()
@@ -388,6 +392,7 @@ class AsyncEngine:
             logger.exception("engine thread died")
             self._dead = e
             self._fail(list(self._requests), EngineUnavailableError(f"the engine thread died: {e}"))
+            self._fail_held(EngineUnavailableError(f"the engine thread died: {e}"))
         finally:
             self._refresh_stats()
 
@@ -404,9 +409,11 @@ class AsyncEngine:
             if remaining <= 0 or not self._wake.wait(timeout=min(gap, remaining)):
                 return
             self._wake.clear()
-            self._drain_commands()
+            self._drain_commands(hold=False)
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self, *, hold: bool = True) -> None:
+        """Apply queued commands; with ``hold``, adds reaching a busy engine are held
+        (see :meth:`_release_held`)."""
         while True:
             with self._lock:
                 if not self._commands:
@@ -414,8 +421,17 @@ class AsyncEngine:
                 command = self._commands.popleft()
             match command:
                 case _Add(request, added):
-                    self._do_add(request, added)
+                    if hold and self._batch_wait_s() > 0 and self.engine.has_unfinished_requests():
+                        self._held.append(command)  # see _release_held
+                    else:
+                        self._do_add(request, added)
                 case _Abort(req_ids):
+                    gone = set(req_ids)
+                    dropped = [c for c in self._held if c.request.req_id in gone]
+                    if dropped:
+                        self._held = [c for c in self._held if c.request.req_id not in gone]
+                        for c in dropped:
+                            self._fail_add(c.added, RequestError("the request was aborted"))
                     aborted = self.engine.abort_requests(req_ids)
                     if aborted:
                         for delta in aborted:
@@ -423,6 +439,7 @@ class AsyncEngine:
                         self._refresh_stats()
                 case _Stop():
                     self._stop = True
+                    self._fail_held(EngineUnavailableError("the server is shutting down"))
                     aborted = self.engine.abort_requests(list(self._requests))
                     if aborted:
                         self._deliver(aborted)
@@ -436,13 +453,46 @@ class AsyncEngine:
                 self._record(delta)
             self._deliver(failed)
 
+    def _batch_wait_s(self) -> float:
+        return self.engine.config.scheduler.batch_wait_ms / 1000.0
+
+    def _release_held(self) -> None:
+        """Adds that reached a busy engine wait here while their burst is still
+        arriving: they join the engine together once none has come for
+        ``batch_wait_ms``, the oldest has waited ``BATCH_WAIT_MAX_FACTOR`` times that,
+        or the engine has nothing else to run. Steps meanwhile carry on with the
+        running requests, so a burst's prompts start in one step instead of being
+        split over two, where the first half's first inter-token gap is the second
+        half's whole prefill (engine thread)."""
+        if not self._held:
+            return
+        now, gap = time.monotonic(), self._batch_wait_s()
+        if (
+            self.engine.has_unfinished_requests()
+            and now - self._held[-1].at < gap
+            and now - self._held[0].at < gap * BATCH_WAIT_MAX_FACTOR
+        ):
+            return
+        held, self._held = self._held, []
+        for command in held:
+            self._do_add(command.request, command.added)
+
+    def _fail_held(self, error: BaseException) -> None:
+        held, self._held = self._held, []
+        for command in held:
+            self._fail_add(command.added, error)
+
+    def _fail_add(self, added: concurrent.futures.Future[str], error: BaseException) -> None:
+        with self._lock:
+            self._num_pending_adds -= 1
+        if not added.done():
+            added.set_exception(error)
+
     def _do_add(self, request: Request, added: concurrent.futures.Future[str]) -> None:
         try:
             self.engine.add(request)
         except BaseException as e:
-            with self._lock:
-                self._num_pending_adds -= 1
-            added.set_exception(e)
+            self._fail_add(added, e)
             return
         self._refresh_stats(pending_delta=-1)
         added.set_result(request.req_id)
