@@ -56,6 +56,12 @@ from kvserve.sched.samples import SampleForker, core_output
 from kvserve.sched.step_builder import StepBuilder, chunk_size
 
 DEFERRED = -1
+# A waiting request is deferred only when more than this many of the tokens it would
+# compute next are being computed by a running request: recomputing a short tail
+# (a shared prefix's last blocks, in flight beside their owner's own suffix) costs
+# less than starting a step later, which also splits a burst's prompts over two
+# steps and gives the first half a whole prefill step as its first inter-token gap.
+DEFER_MIN_IN_FLIGHT_TOKENS = 128
 """What :meth:`Scheduler._admit` returns for a request whose next block is in flight."""
 
 
@@ -352,8 +358,9 @@ class Scheduler(abc.ABC):
         tokens scheduled, or None when the blocks do not fit (nothing changed).
 
         With ``in_flight`` (from :meth:`_in_flight_blocks`): returns :data:`DEFERRED`
-        (nothing changed) when the first block the request would compute is one a
-        running request is computing now. Waiting for it turns the block into a
+        (nothing changed) when the blocks the request would compute first are ones a
+        running request is computing now (more than ``DEFER_MIN_IN_FLIGHT_TOKENS`` of
+        them in a row). Waiting for it turns the block into a
         prefix-cache hit a step later instead of computing the same KV twice (16
         requests on one new system prompt compute it once, not once per step's
         worth of budget). The caller admits later requests meanwhile; the deferral
@@ -369,10 +376,11 @@ class Scheduler(abc.ABC):
         if in_flight:
             first_missing = len(hit_blocks)
             hashes = request.block_hashes
-            if (
-                first_missing < min((request.num_tokens - 1) // kv.block_size, len(hashes))
-                and hashes[first_missing] in in_flight
-            ):
+            limit = min((request.num_tokens - 1) // kv.block_size, len(hashes))
+            shared = first_missing
+            while shared < limit and hashes[shared] in in_flight:
+                shared += 1
+            if (shared - first_missing) * kv.block_size > DEFER_MIN_IN_FLIGHT_TOKENS:
                 return DEFERRED
         connector = self.kv_connector
         num_external = 0

@@ -511,6 +511,27 @@ def test_deferred_request_follows_a_chunked_owner_and_never_recomputes_its_block
     assert out.cached_seq_len["r1"] == 1024 and r1.num_cached_tokens == 1024
 
 
+def test_short_in_flight_tail_is_recomputed_not_waited_for():
+    # A 1,000-token budget leaves r0's last 88 prompt tokens for step 2; of the
+    # prefix the followers share, only 32 tokens (2 blocks) are then in flight, at
+    # most DEFER_MIN_IN_FLIGHT_TOKENS: they compute those themselves in the same step
+    # as r0 instead of starting a step later.
+    from kvserve.sched.base import DEFER_MIN_IN_FLIGHT_TOKENS
+
+    assert DEFER_MIN_IN_FLIGHT_TOKENS >= 32
+    sched, kv = make(max_num_batched_tokens=1000)
+    shared_prefix_burst(sched, 3, 1024)
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"r0": 1000}
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"r0": 88, "r1": 96, "r2": 96}
+    assert out.cached_seq_len == {"r0": 1000, "r1": 992, "r2": 992}
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert kv.num_active_blocks == 0
+    kv.check_invariants()
+
+
 def test_deferral_skips_past_to_later_requests_and_ends_when_the_owner_is_aborted():
     sched, kv = make(max_num_batched_tokens=600, long_prefill_token_threshold=256)
     shared_prefix_burst(sched, 2, 1024)
