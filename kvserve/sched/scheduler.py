@@ -31,10 +31,15 @@ the requester itself) frees its blocks and goes back to the front of ``waiting``
 
 from __future__ import annotations
 
-from kvserve.request import RequestStatus
+from kvserve.request import Request, RequestStatus
 from kvserve.sched.base import DEFERRED, Scheduler, SchedulerState
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
+
+# Past the ``prefill_budget_with_decodes`` bound a waiting prompt with at most this
+# many tokens left to compute still joins the step, whole, while the step budget has
+# room (see the module docstring).
+SHORT_PROMPT_TOKENS = 128
 
 
 class MixedScheduler(Scheduler):
@@ -47,12 +52,15 @@ class MixedScheduler(Scheduler):
         cap = threshold if self.get_num_unfinished_requests() > 1 else 0
         preemptions_before = self.num_preemptions
 
+        used = 0  # tokens scheduled so far this step
         ordered = [r for r in self.running if is_decode(r)]
         ordered += [r for r in self.running if not is_decode(r)]
         # streams wait on a step that runs decodes: bound the prompt work in it
         prompt_limit = self.config.prefill_budget_with_decodes
+        capped = False
         for request in ordered:
             if prompt_limit and step.decode_ids and not is_decode(request):
+                capped = capped or budget > prompt_limit
                 budget, prompt_limit = min(budget, prompt_limit), 0
             if budget <= 0:
                 break
@@ -66,23 +74,35 @@ class MixedScheduler(Scheduler):
                 continue
             step.add_running(request, num_tokens, new_blocks)
             budget -= num_tokens
+            used += num_tokens
         if prompt_limit and step.decode_ids:
+            capped = capped or budget > prompt_limit
             budget = min(budget, prompt_limit)
 
         if self.num_preemptions == preemptions_before and self.waiting:
             in_flight = self._in_flight_blocks() if self.enable_prefix_caching else None
             i = 0
-            while i < len(self.waiting) and budget > 0:
+            while i < len(self.waiting):
                 request = self.waiting[i]
+                room = budget
+                if capped and budget < SHORT_PROMPT_TOKENS:
+                    # past the prompt bound: a short prompt still joins, whole, if
+                    # the step budget has room (see the module docstring)
+                    short = self._uncached_prompt_tokens(request)
+                    if short <= min(SHORT_PROMPT_TOKENS, self.max_num_batched_tokens - used):
+                        room = max(room, short)
+                if room <= 0:
+                    break
                 if not self._group_fits(request):
                     break
-                admitted = self._admit(request, budget, cap, step, in_flight)
+                admitted = self._admit(request, room, cap, step, in_flight)
                 if admitted is None:
                     break
                 if admitted == DEFERRED:
                     i += 1  # its next block is being computed: skip it this step
                     continue
-                budget -= admitted
+                budget = max(0, budget - admitted)
+                used += admitted
                 if in_flight is not None:
                     self._add_in_flight(request, in_flight)
 
@@ -90,3 +110,10 @@ class MixedScheduler(Scheduler):
 
     def _active_state(self, step: StepBuilder) -> SchedulerState:
         return SchedulerState.ACTIVE  # no phases
+
+    def _uncached_prompt_tokens(self, request: Request) -> int:
+        """Tokens ``request`` (waiting) would compute to finish its prompt now."""
+        if request.req_id in self.kv_cache_manager.req_to_blocks:
+            return request.num_tokens  # blocks already held (remote KV): no overflow
+        _, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+        return request.num_tokens - num_hit

@@ -593,3 +593,40 @@ def test_prefill_budget_with_decodes_is_validated():
 
     with pytest.raises(ValueError, match="prefill_budget_with_decodes"):
         SchedulerConfig(prefill_budget_with_decodes=-1).validate()
+
+
+def test_short_prompts_join_whole_past_the_prompt_bound_with_decodes():
+    # With decodes running the prompt bound is 256: s0 and s1 fit in it; s2 and s3
+    # (100 tokens each, under SHORT_PROMPT_TOKENS) still join whole, as the step
+    # budget has room; the 300-token prompt behind them waits for the next step.
+    from kvserve.sched.scheduler import SHORT_PROMPT_TOKENS
+
+    assert SHORT_PROMPT_TOKENS >= 100
+    sched, kv = make(max_num_batched_tokens=2048, prefill_budget_with_decodes=256)
+    sched.add_request(req("d", 40, max_tokens=20))
+    run_step(sched)
+    for i in range(4):
+        sched.add_request(req(f"s{i}", 100, max_tokens=2))
+    sched.add_request(req("long", 300, max_tokens=2))
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"d": 1} | {f"s{i}": 100 for i in range(4)}
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens["long"] == 256  # the bound again
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert kv.num_active_blocks == 0
+    kv.check_invariants()
+
+
+def test_short_prompt_overflow_stays_within_the_step_budget():
+    # The step budget (300 here) still bounds the overflow: with 1 decode, 100 + 100
+    # fill the prompt bound of 200, the third short prompt fits the 99 left of the
+    # step budget only in part, so it waits.
+    sched, kv = make(max_num_batched_tokens=300, prefill_budget_with_decodes=200)
+    sched.add_request(req("d", 40, max_tokens=20))
+    run_step(sched)
+    for i in range(3):
+        sched.add_request(req(f"s{i}", 100, max_tokens=2))
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"d": 1, "s0": 100, "s1": 100}
+    kv.check_invariants()
