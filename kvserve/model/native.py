@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -201,25 +202,7 @@ class PagedAttentionKernel:
         Rule: ``linear_bf16_available`` holds (else RuntimeError). Made for a few rows
         (decode at batch 1-4), where oneDNN's AMX kernels read the weights slower.
         """
-        rows, k = x.shape
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        out = torch.empty(rows, n, dtype=torch.bfloat16)
-        rc = self._linear_bf16(
-            x.data_ptr(),
-            x.stride(0),
-            rows,
-            k,
-            panels.data_ptr(),
-            n,
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            n,
-            torch.get_num_threads(),
-        )
-        if rc != 0:
-            raise RuntimeError(f"kvs_linear_bf16 returned {rc}")
-        return out
+        return self._panel_linear(self._linear_bf16, x, panels, n, bias, torch.bfloat16)
 
     def linear_f32(
         self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
@@ -230,11 +213,23 @@ class PagedAttentionKernel:
         Rule: ``linear_f32_available`` holds (else RuntimeError). Made for M up to a
         few dozen rows, where it streams each weight panel once (see linear_panels.cpp).
         """
+        return self._panel_linear(self._linear_f32, x, panels, n, bias, torch.float32)
+
+    @staticmethod
+    def _panel_linear(
+        fn: Any,
+        x: torch.Tensor,
+        panels: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Call a ``kvs_linear_*`` kernel (shared C signature) into a new [M, n] tensor."""
         rows, k = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
-        out = torch.empty(rows, n, dtype=torch.float32)
-        rc = self._linear_f32(
+        out = torch.empty(rows, n, dtype=dtype)
+        rc = fn(
             x.data_ptr(),
             x.stride(0),
             rows,
@@ -247,7 +242,7 @@ class PagedAttentionKernel:
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise RuntimeError(f"kvs_linear_f32 returned {rc}")
+            raise RuntimeError(f"{fn.__name__} returned {rc}")
         return out
 
     def amx_prefill_supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
