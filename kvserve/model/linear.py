@@ -22,6 +22,10 @@ NATIVE_F32_MAX_M = 32
 # bfloat16 rows up to which the native panel kernel (AVX512-BF16 dot products) runs:
 # 1.5-2x oneDNN's prepacked AMX GEMM at 1-4 rows, even at 8, behind it from 16 on.
 NATIVE_BF16_MAX_M = 4
+# bfloat16 rows up to which the same panels run on AMX tiles (``kvs_linear_bf16_amx``,
+# K a multiple of 32) past NATIVE_BF16_MAX_M: 1.5-2.5x oneDNN's AMX GEMM at 8-16 rows
+# and 1.3-1.9x at 32 (the model's linears, 30 layers' weights); even with it at 64.
+NATIVE_BF16_AMX_MAX_M = 32
 
 
 def mkldnn_linear_works(dtype: torch.dtype) -> bool:
@@ -45,7 +49,9 @@ class FastLinear:
     - float32 with the native kernel (``native`` given, AVX-512), ``M <=
       NATIVE_F32_MAX_M`` (decode): the native panel kernel on a packed copy;
     - bfloat16 with the native kernel (AVX512-BF16, even K), ``M <=
-      NATIVE_BF16_MAX_M``: the native bfloat16 panel kernel on a packed copy;
+      NATIVE_BF16_MAX_M``: the native bfloat16 panel kernel on a packed copy, and up
+      to ``NATIVE_BF16_AMX_MAX_M`` rows the same panels on AMX tiles (where the CPU
+      has AMX-BF16 and K is a multiple of 32);
     - float32 without it, ``M <= 2``: ``x @ wt`` on a contiguous [K, N] copy;
     - otherwise (bfloat16 at any M, float32 prefill and batched decode): oneDNN with a
       prepacked weight (about 1.5x MKL's sgemm for float32, and 1.6x ``F.linear`` for
@@ -57,6 +63,7 @@ class FastLinear:
 
     __slots__ = (
         "__weakref__",
+        "amx",
         "bias",
         "handle",
         "native",
@@ -85,6 +92,7 @@ class FastLinear:
         self.panels: torch.Tensor | None = None
         self.panel_bias: torch.Tensor | None = None  # fp32, padded (bfloat16 panels)
         self.native = native
+        self.amx = False  # whether the bfloat16 panels may run on AMX tiles
         if fast and weight.device.type == "cpu":
             if pack:  # the caller checked mkldnn_linear_works(weight.dtype)
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -100,6 +108,8 @@ class FastLinear:
                 and native.linear_bf16_available
             ):
                 self.panels = native.pack_linear_bf16(weight)
+                if native.linear_bf16_amx_available and weight.shape[1] % 32 == 0:
+                    self.amx = True
                 if bias is not None:
                     padded = torch.zeros(self.panels.shape[0] * 32)
                     padded[: bias.shape[0]] = bias.float()
@@ -122,6 +132,9 @@ class FastLinear:
             elif x.shape[0] <= NATIVE_BF16_MAX_M:
                 n = self.weight.shape[0]
                 return self.native.linear_bf16(x, self.panels, n, self.panel_bias)
+            elif self.amx and x.shape[0] <= NATIVE_BF16_AMX_MAX_M:
+                n = self.weight.shape[0]
+                return self.native.linear_bf16_amx(x, self.panels, n, self.panel_bias)
         if self.wt is not None and x.shape[0] <= _SMALL_M:
             if self.bias is None:
                 return torch.mm(x, self.wt)

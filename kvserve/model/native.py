@@ -168,6 +168,11 @@ class PagedAttentionKernel:
         self._linear_bf16.restype = i32
         lib.kvs_linear_bf16_available.restype = i32
         self.linear_bf16_available: bool = bool(lib.kvs_linear_bf16_available())
+        self._linear_bf16_amx = lib.kvs_linear_bf16_amx
+        self._linear_bf16_amx.argtypes = self._linear_bf16.argtypes
+        self._linear_bf16_amx.restype = i32
+        lib.kvs_linear_bf16_amx_available.restype = i32
+        self.linear_bf16_amx_available: bool = bool(lib.kvs_linear_bf16_amx_available())
 
     @staticmethod
     def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor:
@@ -203,6 +208,17 @@ class PagedAttentionKernel:
         (decode at batch 1-4), where oneDNN's AMX kernels read the weights slower.
         """
         return self._panel_linear(self._linear_bf16, x, panels, n, bias, torch.bfloat16)
+
+    def linear_bf16_amx(
+        self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`linear_bf16` on AMX tiles, the same packed panels and result.
+
+        Rules: ``linear_bf16_amx_available`` holds and K is a multiple of 32 (else
+        RuntimeError). Made for 5-32 rows (batched decode), where it streams the
+        weights about 1.7x as fast as oneDNN's AMX GEMM on this kind of CPU.
+        """
+        return self._panel_linear(self._linear_bf16_amx, x, panels, n, bias, torch.bfloat16)
 
     def linear_f32(
         self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None

@@ -182,23 +182,68 @@ def test_linear_bf16_matches_float32(nk, rows: int, n: int, k: int, with_bias: b
     torch.testing.assert_close(got.double(), expect, atol=1e-3, rtol=8e-3)
 
 
-def test_fast_linear_routes_bfloat16_rows_to_the_panel_kernel(nk, monkeypatch) -> None:
-    """bfloat16 FastLinear uses its panel kernel up to NATIVE_BF16_MAX_M rows and
-    oneDNN above."""
+@pytest.mark.parametrize(
+    ("rows", "n", "k"), [(5, 960, 576), (16, 70, 64), (17, 40, 32), (32, 100, 96), (70, 33, 64)]
+)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_bf16_amx_matches_float32(nk, rows: int, n: int, k: int, with_bias: bool) -> None:
+    """The AMX panel kernel: one and two row tiles, partial tiles, more than 32 rows
+    (a second pass over each panel), masked last panel, strided rows, optional bias --
+    within one bf16 rounding of the fp32 result, like the vector panel kernel."""
+    if not nk.linear_bf16_amx_available:
+        pytest.skip("no AMX-BF16 here")
+    gen = torch.Generator().manual_seed(rows * 11 + n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    x = torch.randn(rows, k + 6, generator=gen).bfloat16()[:, :k]
+    panels = nk.pack_linear_bf16(w)
+    padded = None
+    if bias is not None:
+        padded = torch.zeros(panels.shape[0] * 32)
+        padded[:n] = bias
+    got = nk.linear_bf16_amx(x, panels, n, padded)
+    expect = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), expect, atol=1e-3, rtol=8e-3)
+
+
+def test_linear_bf16_amx_rejects_k_not_a_multiple_of_32(nk) -> None:
+    if not nk.linear_bf16_amx_available:
+        pytest.skip("no AMX-BF16 here")
+    w = torch.randn(40, 48).bfloat16()
+    with pytest.raises(RuntimeError, match="returned 2"):
+        nk.linear_bf16_amx(torch.randn(8, 48).bfloat16(), nk.pack_linear_bf16(w), 40, None)
+
+
+def test_fast_linear_routes_bfloat16_rows_to_the_panel_kernels(nk, monkeypatch) -> None:
+    """bfloat16 FastLinear uses its vector panel kernel up to NATIVE_BF16_MAX_M rows,
+    the AMX panel kernel up to NATIVE_BF16_AMX_MAX_M (K a multiple of 32 and AMX
+    here), and oneDNN above; every route agrees with F.linear."""
     import kvserve.model.linear as lin_mod
 
     if not nk.linear_bf16_available:
         pytest.skip("build without AVX512-BF16")
     gen = torch.Generator().manual_seed(6)
-    w, b = torch.randn(96, 40, generator=gen).bfloat16(), torch.randn(96, generator=gen).bfloat16()
+    w, b = torch.randn(96, 64, generator=gen).bfloat16(), torch.randn(96, generator=gen).bfloat16()
     pack = lin_mod.mkldnn_linear_works(torch.bfloat16)
     lin = lin_mod.FastLinear(w, b, fast=True, pack=pack, native=nk)
     assert lin.panels is not None and lin.panels.dtype == torch.bfloat16
-    calls: list[int] = []
-    real = nk.linear_bf16
-    monkeypatch.setattr(nk, "linear_bf16", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-    for rows in (1, lin_mod.NATIVE_BF16_MAX_M, lin_mod.NATIVE_BF16_MAX_M + 1, 64):
-        x = torch.randn(rows, 40, generator=gen).bfloat16()
+    assert lin.amx == nk.linear_bf16_amx_available
+    calls: list[tuple[str, int]] = []
+    for name in ("linear_bf16", "linear_bf16_amx"):
+        real = getattr(nk, name)
+        monkeypatch.setattr(
+            nk, name, lambda x, *a, name=name, real=real: calls.append((name, x.shape[0])) or real(x, *a)
+        )
+    small, amx = lin_mod.NATIVE_BF16_MAX_M, lin_mod.NATIVE_BF16_AMX_MAX_M
+    for rows in (1, small, small + 1, amx, amx + 1, 64):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
         expect = F.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(lin(x).float(), expect, atol=3e-2, rtol=2e-2)
-    assert calls == [1, lin_mod.NATIVE_BF16_MAX_M]
+    expect_calls = [("linear_bf16", 1), ("linear_bf16", small)]
+    if nk.linear_bf16_amx_available:
+        expect_calls += [("linear_bf16_amx", small + 1), ("linear_bf16_amx", amx)]
+    assert calls == expect_calls
+    # an input size that is not a multiple of 32 never goes to the AMX kernel
+    odd = lin_mod.FastLinear(w[:, :40].contiguous(), None, fast=True, pack=pack, native=nk)
+    assert not odd.amx

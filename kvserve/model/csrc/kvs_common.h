@@ -7,6 +7,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVS_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace kvs {
 
@@ -80,6 +85,40 @@ inline __m512 exp2_nonpos_bf16(__m512 x) {
 // 2^x for any x, clamped to [-126, 126]; same precision.
 inline __m512 exp2_bf16(__m512 x) {
   return exp2_nonpos_bf16(_mm512_min_ps(x, _mm512_set1_ps(126.0f)));
+}
+#endif
+
+#if defined(KVS_HAVE_AMX)
+// AMX tile configuration (palette 1), as ldtilecfg reads it.
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux asks each process to request the AMX tile state once; true when granted.
+inline bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// This thread's 8 tiles as 16 rows x 64 bytes. Rule: amx_permitted() holds, and the
+// caller ends with _tile_release() so no tile state outlives its call.
+inline void configure_tiles() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
 }
 #endif
 

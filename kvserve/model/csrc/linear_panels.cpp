@@ -11,8 +11,15 @@
 //
 // Sums run over k in order per output, in fp32 FMAs (no reassociation across k), so
 // results differ from another GEMM's only by rounding order.
+//
+// kvs_linear_bf16_amx runs the same bfloat16 panels on AMX tiles for 5-32 rows, where
+// the vdpbf16ps kernel runs out of registers and oneDNN's AMX GEMM reads the weights at
+// 12-19 GB/s: a panel's [K/2][32][2] layout is, 32 k at a time, two B tiles as they lie
+// (16 k pairs x 16 columns, row stride 128 bytes), so the weights stream once, in order,
+// and up to 32 rows (two A tiles) accumulate in four 16 x 16 fp32 tiles.
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include <omp.h>
 
@@ -125,6 +132,65 @@ constexpr PanelBf16Fn kPanelBf16Fns[9] = {
     panel_rows_bf16<8>};
 #endif
 
+#if defined(KVS_HAVE_AMX)
+constexpr int64_t kAmxPrefetch = 4;  // 32-k steps (8 KiB of panel) prefetched ahead
+
+// Rows [m0, m0 + rows) (rows <= 32) of the zero-padded x (row stride K, 32 padded rows
+// readable) times one packed panel -> out columns [n0, n0 + nvalid). Tiles: 0-3 fp32
+// accumulators (row block 0/1 x column half 0/1), 4-5 A, 6-7 B. Rule: tiles configured.
+inline void amx_panel(const kvs::bf16_t* a, int64_t K, int64_t rows, const kvs::bf16_t* wp,
+                      const float* bias, kvs::bf16_t* out, int64_t os, int64_t n0,
+                      int64_t nvalid, bool prefetch, float (*c)[kPanel]) {
+  const bool two = rows > 16;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    const kvs::bf16_t* b = wp + kb * 16 * 2 * kPanel;  // 16 k pairs x 32 columns x 2
+    if (prefetch) {  // the panel's first pass: 2 KiB per step, kAmxPrefetch steps ahead
+      const char* ahead = reinterpret_cast<const char*>(b + kAmxPrefetch * 16 * 2 * kPanel);
+      for (int line = 0; line < 32; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    }
+    _tile_loadd(6, b, 4 * kPanel);
+    _tile_loadd(7, b + kPanel, 4 * kPanel);
+    _tile_loadd(4, a + kb * 32, 2 * K);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, a + 16 * K + kb * 32, 2 * K);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, &c[0][0], 4 * kPanel);
+  _tile_stored(1, &c[0][16], 4 * kPanel);
+  if (two) {
+    _tile_stored(2, &c[16][0], 4 * kPanel);
+    _tile_stored(3, &c[16][16], 4 * kPanel);
+  }
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (bias != nullptr) {  // fp32, padded to the panel
+    b0 = _mm512_loadu_ps(bias + n0);
+    b1 = _mm512_loadu_ps(bias + n0 + 16);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    kvs::bf16_t* o = out + r * os + n0;
+    const __m512 y0 = _mm512_add_ps(_mm512_loadu_ps(&c[r][0]), b0);
+    const __m512 y1 = _mm512_add_ps(_mm512_loadu_ps(&c[r][16]), b1);
+    if (nvalid == kPanel) {
+      kvs::store16(o, y0);
+      kvs::store16(o + 16, y1);
+    } else {
+      kvs::bf16_t tmp[kPanel];
+      kvs::store16(tmp, y0);
+      kvs::store16(tmp + 16, y1);
+      std::memcpy(o, tmp, static_cast<size_t>(nvalid) * sizeof(kvs::bf16_t));
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -192,6 +258,52 @@ int kvs_linear_bf16(const uint16_t* x, int64_t xs, int64_t M, int64_t K, const u
       const int64_t mr = M - m0 < 8 ? M - m0 : 8;
       kPanelBf16Fns[mr](x + m0 * xs, xs, k2, w, bias, out + m0 * os, os, n0, nvalid);
     }
+  }
+  return 0;
+#else
+  (void)x, (void)xs, (void)wp, (void)bias, (void)out, (void)os, (void)nthreads;
+  return 1;
+#endif
+}
+
+// 1 when this build and process can run kvs_linear_bf16_amx (AMX-BF16, tile state granted).
+int kvs_linear_bf16_amx_available() {
+#if defined(KVS_HAVE_AMX)
+  return kvs::amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// kvs_linear_bf16 on AMX tiles: same arguments, packing and result (fp32 sums, rounded
+// once), for K a multiple of 32. Made for 5-32 rows; more rows re-read each panel from
+// cache per 32-row block. Returns 0, 1 without AMX, 2 for bad sizes.
+int kvs_linear_bf16_amx(const uint16_t* x, int64_t xs, int64_t M, int64_t K, const uint16_t* wp,
+                        int64_t N, const float* bias, uint16_t* out, int64_t os, int nthreads) {
+  if (M < 0 || K <= 0 || N <= 0 || K % 32 != 0) return 2;
+#if defined(KVS_HAVE_AMX)
+  if (!kvs::amx_permitted()) return 1;
+  if (M == 0) return 0;
+  // x copied into 32-row blocks (zero rows past M), so every A tile load is in bounds
+  const int64_t padded_rows = (M + 31) / 32 * 32;
+  std::vector<uint16_t> xp(static_cast<size_t>(padded_rows * K), 0);
+  for (int64_t r = 0; r < M; ++r) std::memcpy(xp.data() + r * K, x + r * xs, static_cast<size_t>(K) * 2);
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+#pragma omp parallel num_threads(panels > 1 ? nthreads : 1)
+  {
+    kvs::configure_tiles();
+    alignas(64) float c[32][kPanel];
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t n0 = p * kPanel;
+      const int64_t nvalid = N - n0 < kPanel ? N - n0 : kPanel;
+      for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int64_t rows = M - m0 < 32 ? M - m0 : 32;
+        amx_panel(xp.data() + m0 * K, K, rows, wp + p * K * kPanel, bias, out + m0 * os, os, n0,
+                  nvalid, m0 == 0, c);
+      }
+    }
+    _tile_release();  // leave no tile state behind for oneDNN or anyone else
   }
   return 0;
 #else

@@ -39,52 +39,21 @@
 #include <vector>
 
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#include "kvs_common.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define KVS_HAVE_AMX 1
-#endif
+#include "kvs_common.h"  // defines KVS_HAVE_AMX where the build has AMX-BF16
 
 namespace {
 
 using kvs::bf16_t;
 
 #if defined(KVS_HAVE_AMX)
+using kvs::amx_permitted;
+using kvs::configure_tiles;
+
 constexpr int kD = 64;     // head dim
 constexpr int kKC = 64;    // keys per softmax chunk (the S^T tiles below assume 64)
 constexpr int kRows = 16;  // stacked query rows per task
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool amx_permitted() {  // Linux asks each process to request the AMX tile state once
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023;
-    constexpr long kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-void configure_tiles() {  // 8 tiles of 16 rows x 64 bytes
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 struct Args {
   const bf16_t* q;
