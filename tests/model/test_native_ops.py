@@ -233,7 +233,9 @@ def test_fast_linear_routes_bfloat16_rows_to_the_panel_kernels(nk, monkeypatch) 
     for name in ("linear_bf16", "linear_bf16_amx"):
         real = getattr(nk, name)
         monkeypatch.setattr(
-            nk, name, lambda x, *a, name=name, real=real: calls.append((name, x.shape[0])) or real(x, *a)
+            nk,
+            name,
+            lambda x, *a, name=name, real=real: calls.append((name, x.shape[0])) or real(x, *a),
         )
     small, amx = lin_mod.NATIVE_BF16_MAX_M, lin_mod.NATIVE_BF16_AMX_MAX_M
     for rows in (1, small, small + 1, amx, amx + 1, 64):
