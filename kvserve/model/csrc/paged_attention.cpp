@@ -295,15 +295,29 @@ inline __m512 hsum16(const __m512* v) {
                        _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-#if defined(__AVX512BF16__)
-constexpr bool kHaveDpbf16 = true;
-#else
-constexpr bool kHaveDpbf16 = false;
-#endif
+// bfloat16 K and V rows are widened to fp32 without a lane crossing: a 32-element bf16
+// vector gives its even elements by a 16-bit left shift of each 32-bit lane and its odd
+// ones by masking the low half. Rows are kept in that "split" order: slot (dv, lane)
+// of a widened row holds head dim split_dim(dv, lane). Dot products do not care about
+// the order (the queries are split the same way) and P.V accumulates in it, undone
+// when the output is written. (vdpbf16ps would skip the widening, but it issues at
+// about a quarter of the rate of fp32 FMAs on the CPUs this was measured on.)
+inline int split_dim(int dv, int lane) { return 32 * (dv / 2) + 2 * lane + (dv % 2); }
 
-// One query's 16 partial dot products with keys krow[0..nk) (zero past nk).
-template <typename T, int DV>
-inline __m512 scores16(const __m512* qv, const T* krow, int nk) {
+// one bf16 row of D = 16 * DV elements -> DV fp32 vectors in split order
+template <int DV>
+inline void widen_split(const bf16_t* row, __m512* out) {
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int j = 0; j < DV / 2; ++j) {
+    const __m512i x = _mm512_loadu_si512(row + 32 * j);
+    out[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    out[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask));
+  }
+}
+
+// One query's 16 partial dot products with keys krow[0..nk) (zero past nk), fp32 rows.
+template <int DV>
+inline __m512 scores16(const __m512* qv, const float* krow, int nk) {
   constexpr int D = 16 * DV;
   __m512 part[16];
   for (int i = 0; i < 16; ++i) {
@@ -311,73 +325,49 @@ inline __m512 scores16(const __m512* qv, const T* krow, int nk) {
       part[i] = _mm512_setzero_ps();
       continue;
     }
-    const T* k = krow + i * D;
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<T, bf16_t>) {  // qv holds DV/2 vectors of 32 bf16
-      __m512 x = _mm512_setzero_ps();
-      for (int j = 0; j < DV / 2; ++j)
-        x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_castps_si512(qv[j]),
-                             (__m512bh)_mm512_loadu_si512(k + 32 * j));
-      part[i] = x;
-      continue;
-    }
-#endif
-    __m512 x = _mm512_mul_ps(qv[0], load16(k));
-    for (int dv = 1; dv < DV; ++dv) x = _mm512_fmadd_ps(qv[dv], load16(k + 16 * dv), x);
+    const float* k = krow + i * D;
+    __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+    for (int dv = 1; dv < DV; ++dv) x = _mm512_fmadd_ps(qv[dv], _mm512_loadu_ps(k + 16 * dv), x);
     part[i] = x;
   }
   return hsum16(part);
 }
 
-// acc[m] += sum_i p[m][i] * V[i] for mcount <= MB queries and V rows vrow[0..nk).
-// p is read at p32[m * ps + i] (fp32) or, for the dpbf16 path, as bf16 at
-// p16[m * ps + i] with p16[m * ps + nk] finite. Float32 path: plain FMAs. bf16 path:
-// keys in pairs, V rows interleaved by 16-bit element, so each accumulator holds a
-// fixed permutation of the head dim (undone by dpbf16_dim at the end).
-template <typename T, int DV, int MB>
-inline void accumulate_pv(float* acc, const float* p32, const bf16_t* p16, int64_t ps, int mcount,
-                          const T* vrow, int nk) {
+// acc[m] += sum_i p[m * ps + i] * V[i] for MC queries and V rows vrow[0..nk), fp32
+// FMAs; bf16 rows are widened once per row for all MC queries, in split order.
+template <typename T, int DV, int MC>
+inline void accumulate_pv(float* acc, const float* p, int64_t ps, const T* vrow, int nk) {
   constexpr int D = 16 * DV;
-  __m512 av[MB][DV];
-  for (int m = 0; m < mcount; ++m)
+  __m512 av[MC][DV];
+  for (int m = 0; m < MC; ++m)
     for (int dv = 0; dv < DV; ++dv) av[m][dv] = _mm512_loadu_ps(acc + m * D + dv * 16);
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16_t>) {
-    for (int i = 0; i < nk; i += 2) {
-      __m512i il[DV];
-      for (int j = 0; j < DV / 2; ++j) {
-        const __m512i a = _mm512_loadu_si512(vrow + i * D + 32 * j);
-        const __m512i b = i + 1 < nk ? _mm512_loadu_si512(vrow + (i + 1) * D + 32 * j)
-                                     : _mm512_setzero_si512();
-        il[2 * j] = _mm512_unpacklo_epi16(a, b);
-        il[2 * j + 1] = _mm512_unpackhi_epi16(a, b);
-      }
-      for (int m = 0; m < mcount; ++m) {
-        int32_t pair;
-        std::memcpy(&pair, p16 + m * ps + i, 4);
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
-        for (int dv = 0; dv < DV; ++dv) av[m][dv] = _mm512_dpbf16_ps(av[m][dv], w, (__m512bh)il[dv]);
-      }
+  for (int i = 0; i < nk; ++i) {
+    __m512 vv[DV];
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      widen_split<DV>(vrow + i * D, vv);
+    } else {
+      for (int dv = 0; dv < DV; ++dv) vv[dv] = _mm512_loadu_ps(vrow + i * D + 16 * dv);
     }
-  } else
-#endif
-  {
-    for (int i = 0; i < nk; ++i) {
-      __m512 vv[DV];
-      for (int dv = 0; dv < DV; ++dv) vv[dv] = load16(vrow + i * D + 16 * dv);
-      for (int m = 0; m < mcount; ++m) {
-        const __m512 w = _mm512_set1_ps(p32[m * ps + i]);
-        for (int dv = 0; dv < DV; ++dv) av[m][dv] = _mm512_fmadd_ps(w, vv[dv], av[m][dv]);
-      }
+    for (int m = 0; m < MC; ++m) {
+      const __m512 w = _mm512_set1_ps(p[m * ps + i]);
+      for (int dv = 0; dv < DV; ++dv) av[m][dv] = _mm512_fmadd_ps(w, vv[dv], av[m][dv]);
     }
   }
-  for (int m = 0; m < mcount; ++m)
+  for (int m = 0; m < MC; ++m)
     for (int dv = 0; dv < DV; ++dv) _mm512_storeu_ps(acc + m * D + dv * 16, av[m][dv]);
 }
 
-// head-dim index of accumulator slot (dv, lane) in the dpbf16 PV layout
-inline int dpbf16_dim(int dv, int lane) {
-  return 32 * (dv / 2) + 8 * (lane / 4) + 4 * (dv % 2) + lane % 4;
+// accumulate_pv for mcount (1-4) queries, unrolled per count so accumulators stay in
+// registers
+template <typename T, int DV>
+inline void accumulate_pv_n(float* acc, const float* p, int64_t ps, int mcount, const T* vrow,
+                            int nk) {
+  switch (mcount) {
+    case 1: return accumulate_pv<T, DV, 1>(acc, p, ps, vrow, nk);
+    case 2: return accumulate_pv<T, DV, 2>(acc, p, ps, vrow, nk);
+    case 3: return accumulate_pv<T, DV, 3>(acc, p, ps, vrow, nk);
+    default: return accumulate_pv<T, DV, 4>(acc, p, ps, vrow, nk);
+  }
 }
 
 constexpr int kMaxPart = 512;
@@ -393,7 +383,7 @@ constexpr int64_t kPrefetchBlocks = KVS_PREFETCH_BLOCKS;  // keys per softmax pa
 template <typename T, int DV>
 void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   constexpr int D = 16 * DV;
-  constexpr bool kBf16Dot = kHaveDpbf16 && std::is_same_v<T, bf16_t>;
+  constexpr bool kSplit = std::is_same_v<T, bf16_t>;  // bf16 rows widened in split order
   constexpr int MB = 4;  // queries per PV pass
   const TaskView<T> v(a, task);
   const int bs = v.bs, g = v.g, M = v.M;
@@ -404,23 +394,24 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   if (M == 0) return;
 
   constexpr int64_t PS = kMaxPart + 32;  // row stride of the score buffers
-  const size_t need = static_cast<size_t>(M) * (2 * D + PS + PS / 2 + 4);
+  const size_t need = static_cast<size_t>(M) * (2 * D + PS + 4) + 16 * D + 16;
   if (buf.size() < need) buf.resize(need);
-  float* qf = buf.data();   // [M, D] queries (fp32, or bf16 pairs for the dpbf16 dot)
-  float* acc = qf + M * D;  // [M, D]
-  float* sc = acc + M * D;  // [M, PS] scores, then fp32 probabilities
-  bf16_t* p16 = reinterpret_cast<bf16_t*>(sc + M * PS);  // [M, PS] bf16 probabilities
-  float* mx = sc + M * PS + M * PS / 2;  // [M]
-  float* l = mx + M;                     // [M]
+  float* qf = buf.data();   // [M, D] queries, fp32 (split order for bf16)
+  float* acc = qf + M * D;  // [M, D] (split order for bf16)
+  float* sc = acc + M * D;  // [M, PS] scores, then probabilities
+  float* mx = sc + M * PS;  // [M]
+  float* l = mx + M;        // [M]
   int64_t* lim = reinterpret_cast<int64_t*>(l + M);  // [M] keys each query sees
+  float* kw = reinterpret_cast<float*>(lim + M);     // [16, D] widened K rows (bf16)
 
   int64_t lmax = 0;
   for (int64_t r = task.r0; r < r_end; ++r)
     for (int j = 0; j < g; ++j) {
       const int m = static_cast<int>(r - task.r0) * g + j;
       const T* qr = q + batch_row(a, row_start + r) * a.q_row_stride + (task.kvh * g + j) * a.q_head_stride;
-      if constexpr (kBf16Dot) {
-        std::memcpy(qf + m * D, qr, D * sizeof(bf16_t));  // first half of the row
+      if constexpr (kSplit) {
+        for (int dv = 0; dv < DV; ++dv)
+          for (int ln = 0; ln < 16; ++ln) qf[m * D + dv * 16 + ln] = to_f32(qr[split_dim(dv, ln)]);
       } else {
         for (int i = 0; i < D; ++i) qf[m * D + i] = to_f32(qr[i]);
       }
@@ -464,6 +455,15 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
       for (int64_t g0 = c0; g0 < c1; g0 += 16) {
         const int nk = static_cast<int>(std::min<int64_t>(16, c1 - g0));
         const T* krow = kbase + off + (g0 - c0) * D;
+        const float* kf = reinterpret_cast<const float*>(krow);
+        if constexpr (kSplit) {  // widen the group's K rows once for every query
+          for (int i = 0; i < nk; ++i) {
+            __m512 w[DV];
+            widen_split<DV>(krow + i * D, w);
+            for (int dv = 0; dv < DV; ++dv) _mm512_storeu_ps(kw + i * D + 16 * dv, w[dv]);
+          }
+          kf = kw;
+        }
         const __mmask16 in_part = static_cast<__mmask16>((1u << nk) - 1u);
         for (int m = 0; m < m_hi; ++m) {
           __m512 qv[DV];
@@ -472,7 +472,7 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
           const __mmask16 valid =
               vis >= 16 ? in_part
                         : (vis <= 0 ? 0 : static_cast<__mmask16>(in_part & ((1u << vis) - 1u)));
-          const __m512 x = valid ? _mm512_mul_ps(scores16<T, DV>(qv, krow, nk), scale) : neg_inf;
+          const __m512 x = valid ? _mm512_mul_ps(scores16<DV>(qv, kf, nk), scale) : neg_inf;
           _mm512_mask_storeu_ps(sc + m * PS + (g0 - p0), in_part,
                                 _mm512_mask_blend_ps(valid, neg_inf, x));
         }
@@ -495,18 +495,10 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
         const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
         const __m512 x = _mm512_mask_loadu_ps(neg_inf, k, row + j);
         const __mmask16 fin = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
-        __m512 e = _mm512_maskz_mov_ps(fin, exp512(_mm512_sub_ps(x, mn)));
-#if defined(__AVX512BF16__)
-        if constexpr (kBf16Dot) {  // P.V uses bf16 weights: normalise with the same values
-          const __m256bh eh = _mm512_cvtneps_pbh(e);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + m * PS + j), (__m256i)eh);
-          e = _mm512_cvtpbh_ps(eh);
-        }
-#endif
+        const __m512 e = _mm512_maskz_mov_ps(fin, exp512(_mm512_sub_ps(x, mn)));
         _mm512_storeu_ps(row + j, e);  // lanes past n are scratch (zero)
         vsum = _mm512_add_ps(vsum, e);
       }
-      if constexpr (kBf16Dot) p16[m * PS + n] = 0;  // the pair partner past the end
       l[m] = l[m] * corr + _mm512_reduce_add_ps(vsum);
       mx[m] = m_new;
       if (corr != 1.f) {
@@ -522,8 +514,8 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
       const int64_t off = (bt[c0 / bs] * bs + c0 % bs) * D;
       const int64_t j0 = c0 - p0;
       for (int m0 = 0; m0 < m_hi; m0 += MB)
-        accumulate_pv<T, DV, MB>(acc + m0 * D, sc + m0 * PS + j0, p16 + m0 * PS + j0, PS,
-                                 std::min(MB, m_hi - m0), vbase + off, static_cast<int>(c1 - c0));
+        accumulate_pv_n<T, DV>(acc + m0 * D, sc + m0 * PS + j0, PS, std::min(MB, m_hi - m0),
+                               vbase + off, static_cast<int>(c1 - c0));
       c0 = c1;
     }
     p0 = p1;
@@ -536,10 +528,10 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
       float w_old, w_acc;
       finish_row(a, row, head, mx[m], l[m], w_old, w_acc);
       T* o = out + row * a.num_heads * D + head * D;
-      if constexpr (kBf16Dot) {
+      if constexpr (kSplit) {
         for (int dv = 0; dv < DV; ++dv)
           for (int ln = 0; ln < 16; ++ln) {
-            T* od = o + dpbf16_dim(dv, ln);
+            T* od = o + split_dim(dv, ln);
             from_f32((w_old != 0.f ? to_f32(*od) * w_old : 0.f) + acc[m * D + dv * 16 + ln] * w_acc, od);
           }
       } else {
