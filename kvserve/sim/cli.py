@@ -112,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"give up (exit 1) after this many steps (default: {DEFAULT_MAX_STEPS})",
     )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        metavar="N",
+        help="refuse token ids >= N (default: a simulator has no vocabulary, any id >= 0 is accepted)",
+    )
     parser.add_argument("--output", metavar="FILE", help="write the JSON here instead of stdout")
 
 
@@ -144,7 +150,11 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         workload = load_workload(args.workload)
         result = simulate(
-            workload, config, num_kv_blocks=args.num_kv_blocks, max_steps=args.max_steps
+            workload,
+            config,
+            num_kv_blocks=args.num_kv_blocks,
+            max_steps=args.max_steps,
+            vocab_size=args.vocab_size,
         )
     except ValueError as e:
         print(f"kvserve simulate: error: {e}", file=sys.stderr)

@@ -58,8 +58,12 @@ def simulate(
     *,
     num_kv_blocks: int | None = None,
     max_steps: int = DEFAULT_MAX_STEPS,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """Run ``workload`` to completion; return the JSON-ready result (see ``kvserve.sim.cli``).
+
+    A simulator has no vocabulary: any token id >= 0 is accepted unless ``vocab_size``
+    is given, in which case ids must lie in ``[0, vocab_size)``.
 
     Raises ValueError for a bad configuration or a request that can never be served,
     :class:`SimulationError` when the run cannot finish.
@@ -75,6 +79,8 @@ def simulate(
         why=" (block 0 is the null block)",
     )
     check_int("max_steps", max_steps, "max_steps=100000")
+    if vocab_size is not None:
+        check_int("vocab_size", vocab_size, "--vocab-size 49152")
     runner = StandInRunner(num_kv_blocks)
     engine = EngineCore(
         EngineConfig(
@@ -86,7 +92,10 @@ def simulate(
             ),
             scheduler=config,
         ),
-        loaded=SimulatedModel(config.max_model_len),
+        loaded=SimulatedModel(
+            config.max_model_len,
+            vocab_size=UNBOUNDED_VOCAB if vocab_size is None else vocab_size,
+        ),
         runner=runner,
         clock=runner.clock,
     )
@@ -246,6 +255,9 @@ class _NoText:
         clean_up_tokenization_spaces: bool | None = None,
     ) -> str:
         return ""
+
+
+UNBOUNDED_VOCAB = 1 << 62  # "no vocabulary": every non-negative id a workload names
 
 
 @dataclass

@@ -216,3 +216,29 @@ def test_auto_dtype_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None
     assert loader.parse_dtype("auto", "meta") == torch.float32  # not a CPU
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda cpuinfo=None: False)
     assert loader.parse_dtype("auto") == torch.float32
+
+
+def test_conversion_cache_is_keyed_by_content(tmp_path, monkeypatch, capsys) -> None:
+    """Two copies of one GGUF (other clone, other name) share one converted folder;
+    different bytes convert again; the one-time conversion says what it is doing."""
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    a = tmp_path / "clone1" / "m.gguf"
+    b = tmp_path / "clone2" / "renamed.gguf"
+    c = tmp_path / "other.gguf"
+    for p, data in ((a, b"GGUF same"), (b, b"GGUF same"), (c, b"GGUF different")):
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    calls: list[Path] = []
+
+    def fake_convert(src: Path, out: Path) -> None:
+        calls.append(src)
+        (out / "config.json").write_text("{}")
+        (out / "kvserve_meta.json").write_text("{}")
+
+    monkeypatch.setattr(loader, "convert_gguf", fake_convert)
+    first = resolve_model(str(a))
+    assert "converting m.gguf once" in capsys.readouterr().err
+    assert resolve_model(str(b)) == first
+    assert len(calls) == 1
+    assert resolve_model(str(c)) != first
+    assert len(calls) == 2

@@ -244,3 +244,20 @@ def test_simulate_never_imports_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_any_token_id_is_accepted_unless_a_vocab_size_is_given(tmp_path, capsys):
+    """Seed 002's walkthrough mutates a token to 999999: a simulator has no vocabulary."""
+    workload = {
+        "requests": [
+            {"id": "a", "prompt_len": 40, "max_tokens": 2, "mutate": [[5, 999999]]},
+            {"id": "b", "prompt_token_ids": [1, 70000, 3], "max_tokens": 1},
+        ]
+    }
+    rc, out, err = run(tmp_path, capsys, workload)
+    assert rc == 0, err
+    assert len(out["requests"]) == 2
+    rc, out, err = run(tmp_path, capsys, workload, "--vocab-size", "49152")
+    assert rc == 2
+    assert "999999" in err or "70000" in err
+    assert "49152" in err
