@@ -7,29 +7,15 @@ server all build an :class:`EngineConfig` and call :meth:`EngineConfig.validate`
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal, TypeGuard
+from typing import Literal
+
+from kvserve.checks import check_int as check_int  # re-exported
+from kvserve.checks import config_error as config_error
+from kvserve.checks import is_int as is_int
 
 SchedulerPolicy = Literal["mixed", "separated"]
 HashAlgo = Literal["sha256", "builtin"]
 VALID_KV_SEGMENT_SIZES = (0, 512, 1024, 2048, 4096)
-
-
-def config_error(name: str, value: object, rule: str, example: str) -> ValueError:
-    """The one error shape for bad configuration: value, rule, valid example."""
-    return ValueError(f"invalid {name}={value!r}: {rule} (for example: {example})")
-
-
-def is_int(value: object) -> TypeGuard[int]:
-    """An ``int`` that is not a ``bool``."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_int(name: str, value: object, example: str, *, minimum: int = 1, why: str = "") -> None:
-    """The one integer check: raise :func:`config_error` unless ``value`` is an int
-    (not a bool) ``>= minimum``; ``why`` is appended to the rule."""
-    if not is_int(value) or value < minimum:
-        rule = "must be a positive integer" if minimum == 1 else f"must be an integer >= {minimum}"
-        raise config_error(name, value, rule + why, example)
 
 
 @dataclass(frozen=True)

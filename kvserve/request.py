@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvserve.errors import RequestError as RequestError  # re-exported: callers import it here
+
 if TYPE_CHECKING:
     from kvserve.kv_cache.hashing import BlockHash
     from kvserve.structured.params import StructuredOutputsParams
@@ -45,20 +47,6 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
         )
-
-
-class RequestError(ValueError):
-    """A request that can never be served as sent. The message says what to change;
-    ``param`` names the field at fault in engine terms (``"prompt"``, ``"max_tokens"``,
-    a :class:`SamplingParams` field), so a front end can point at it without reading
-    the text; ``code`` is OpenAI's error code for it."""
-
-    def __init__(
-        self, message: str, *, param: str | None = None, code: str = "invalid_value"
-    ) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
 
 
 def check_prompt(

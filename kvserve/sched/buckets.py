@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvserve.config import is_int
+from kvserve.checks import is_int
 
 DEFAULT_MIN_PREFILL_BUCKET = 128
 

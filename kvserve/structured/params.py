@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.request import RequestError
+from kvserve.errors import RequestError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
