@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvserve.errors import RequestError as RequestError  # re-exported: callers import it here
+from kvserve.seeding import splitmix64
 
 if TYPE_CHECKING:
     from kvserve.kv_cache.hashing import BlockHash
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 # Samples one request may ask for (n, best_of): each is a sequence the scheduler runs.
 MAX_SAMPLES = 128
 LOGIT_BIAS_LIMIT = 100.0
-_MASK64 = (1 << 64) - 1
 
 
 class RequestStatus(enum.Enum):
@@ -256,10 +256,7 @@ def sample_seed(seed: int, index: int) -> int:
     reproducible streams."""
     if index == 0:
         return seed
-    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+    return splitmix64(seed, index, 0xBF58476D1CE4E5B9)
 
 
 def _finite(x: object) -> bool:

@@ -51,10 +51,10 @@ import torch
 from kvserve.model.native import get_kernel
 from kvserve.request import SamplingParams
 from kvserve.sched.output import Logprobs
+from kvserve.seeding import splitmix64
 
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 _SAMPLING_EPS = 1e-5
-_MASK64 = (1 << 64) - 1
 # Top-p looks at this many most likely tokens before sorting a whole row.
 _TOP_P_CANDIDATES = (256, 4096)
 
@@ -101,11 +101,7 @@ def seed_for_step(seed: int, step: int) -> int:
     A splitmix64 finalizer over ``(seed, step)``: nearby seeds and steps give
     unrelated values. Pure Python, so it is the same on every platform.
     """
-    x = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xD1B54A32D192ED03) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    x ^= x >> 31
-    return x & ((1 << 63) - 1)
+    return splitmix64(seed, step + 1, 0xD1B54A32D192ED03)
 
 
 class Sampler:
