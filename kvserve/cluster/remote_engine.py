@@ -1,6 +1,8 @@
 """RemoteEngine: the OpenAI server's engine (``EngineClient``) over N Ray Serve replicas.
 
-At the ingress, per request: validate (the engine's own ``check_prompt``), build the
+At the ingress, per request: validate (the engine's own
+:func:`~kvserve.engine.validation.validate_request`, grammar compiled here with the
+same tokenizer, so a bad grammar never reaches a replica's step), build the
 engine ``Request``, compute its chained block hashes ONCE with the engine's code
 (``extend_block_hashes``, with the replicas' fingerprint, block size, algorithm and
 the request's ``cache_salt``), then call ``EngineReplica.generate`` through the Serve
@@ -34,8 +36,10 @@ from kvserve.engine.async_engine import (
     RequestFailedError,
 )
 from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.validation import RequestLimits, validate_request
 from kvserve.kv_cache.hashing import extend_block_hashes, request_extra_keys
-from kvserve.request import Request, RequestError, SamplingParams, check_prompt
+from kvserve.request import Request, RequestError, SamplingParams
+from kvserve.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger("kvserve.cluster")
 
@@ -116,6 +120,10 @@ class RemoteEngine:
         self.retry_timeout_s = retry_timeout_s
         self._accepting = True
         self._hashed_with = (facts.model_fingerprint, facts.block_size, facts.hash_algo)
+        self.limits = RequestLimits(facts.max_model_len, facts.vocab_size, facts.max_num_seqs)
+        self.grammar_compiler = GrammarCompiler(
+            tokenizer, facts.vocab_size, facts.eos_token_ids[0] if facts.eos_token_ids else None
+        )
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -138,14 +146,10 @@ class RemoteEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Validate like the engine, build the request, hash its full blocks."""
+        """Validate as the engine does (:func:`validate_request`), build the request,
+        hash its full blocks."""
         f = self.facts
-        check_prompt(
-            prompt_token_ids,
-            params.max_tokens,
-            max_model_len=f.max_model_len,
-            vocab_size=f.vocab_size,
-        )
+        validate_request(prompt_token_ids, params, self.limits, grammar=self.grammar_compiler)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=f.max_model_len - len(prompt_token_ids))
         if request_id is None:

@@ -31,6 +31,7 @@ from kvserve.engine.args import with_max_model_len
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestMetrics
 from kvserve.engine.runner import ModelInfo, Runner
+from kvserve.engine.validation import RequestLimits, validate_request
 from kvserve.kv_cache import KVCacheManager
 from kvserve.request import (
     FinishReason,
@@ -38,7 +39,6 @@ from kvserve.request import (
     RequestError,
     RequestStatus,
     SamplingParams,
-    check_prompt,
 )
 from kvserve.sched import make_scheduler
 from kvserve.sched.output import Logprobs, ModelRunnerOutput
@@ -102,6 +102,9 @@ class EngineCore:
         self.max_model_len: int = config.scheduler.max_model_len
         self.eos_token_ids: list[int] = list(loaded.eos_token_ids)
         self.vocab_size: int = loaded.vocab_size
+        self.limits = RequestLimits(
+            self.max_model_len, self.vocab_size, config.scheduler.max_num_seqs
+        )
         self.grammar_compiler = GrammarCompiler(
             loaded.tokenizer,
             loaded.vocab_size,
@@ -150,30 +153,9 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise :class:`RequestError` (with the fix, and the field in ``param``) if this
-        request can never be served. Changes nothing."""
-        check_prompt(
-            prompt_token_ids,
-            params.max_tokens,
-            max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
-        )
-        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
-        if bad:
-            raise RequestError(
-                f"logit_bias names token id {bad[0]}, past the vocabulary: token ids must be "
-                f"in [0, {self.vocab_size})",
-                param="logit_bias",
-            )
-        if params.structured_outputs is not None:
-            try:
-                self.grammar_compiler.check(params.structured_outputs)
-            except RequestError:
-                raise
-            except Exception as e:  # e.g. a tokenizer the grammar library cannot read
-                raise RequestError(
-                    f"structured outputs are not available for this model: {e}",
-                    param="structured_outputs",
-                ) from None
+        request can never be served (:func:`kvserve.engine.validation.validate_request`).
+        Changes nothing."""
+        validate_request(prompt_token_ids, params, self.limits, grammar=self.grammar_compiler)
 
     def make_request(
         self,

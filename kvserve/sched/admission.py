@@ -48,9 +48,7 @@ def check_schedulable(
         or request.num_computed_tokens
         or request.output_token_ids
     ):
-        raise ValueError(
-            f"request {req_id!r} is not fresh ({request!r}): add a new Request object"
-        )
+        raise ValueError(f"request {req_id!r} is not fresh ({request!r}): add a new Request object")
     group = 1 + len(request.pending_forks)
     if group > max_num_seqs:
         raise RequestError(
