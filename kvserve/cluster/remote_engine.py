@@ -182,6 +182,23 @@ class RemoteEngine:
             )
         return [await self.submit(request, max_waiting=max_waiting)]
 
+    async def submit_all(
+        self, requests: list[Request], *, max_waiting: int | None = None
+    ) -> list[list[RemoteStream]]:
+        """Queue every request or none: each replica admits its own (against its own
+        queue, ``max_waiting``); if one is refused the ones already queued are
+        aborted and the refusal raised."""
+        out: list[list[RemoteStream]] = []
+        try:
+            for request in requests:
+                out.append(await self.submit_samples(request, max_waiting=max_waiting))
+        except BaseException:
+            for streams in out:
+                for stream in streams:
+                    stream.abort()
+            raise
+        return out
+
     async def submit(self, request: Request, *, max_waiting: int | None = None) -> RemoteStream:
         """Route and queue ``request``; returns once a replica accepted it."""
         if not self._accepting:

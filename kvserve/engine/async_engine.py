@@ -44,7 +44,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvserve.config import BATCH_WAIT_MAX_FACTOR
+from kvserve.engine.admission import (
+    AddNow,
+    BurstGate,
+    RefusalReason,
+    Refused,
+    admit_sequences,
+)
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.outputs import EngineStats, RequestDelta
 from kvserve.metrics import EngineMetrics
@@ -82,7 +88,8 @@ def run_in_scratch_thread(fn: Callable[[], T]) -> T:
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at ``max_waiting``; retry later (HTTP 503 + Retry-After)."""
+    """No room for the request's sequences beside those already waiting
+    (``max_waiting``); retry later (HTTP 429 + Retry-After)."""
 
 
 class EngineUnavailableError(RuntimeError):
@@ -119,6 +126,11 @@ class _Stop:
 
 
 _Command = _Add | _Abort | _Stop
+
+
+def _for_ids(ids: set[str]) -> Callable[[_Add], bool]:
+    """Whether an add queues one of ``ids``."""
+    return lambda command: command.request.req_id in ids
 
 
 @dataclass
@@ -191,7 +203,7 @@ class AsyncEngine:
 
         self._lock = threading.Lock()  # guards the fields below shared by both threads
         self._commands: deque[_Command] = deque()
-        self._num_pending_adds = 0
+        self._num_pending_seqs = 0  # sequences of adds not yet taken by the engine thread
         self._stats: EngineStats = engine.stats()
         self._wake = threading.Event()
         self._stop = False
@@ -201,7 +213,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._requests: dict[str, _Live] = {}  # see the module docstring
-        self._held: list[_Add] = []  # adds of a burst still arriving (engine thread)
+        # Adds of a burst still arriving (engine thread); see engine/admission.py.
+        self._burst: BurstGate[_Add] = BurstGate(engine.config.scheduler.batch_wait_ms)
         # Validate and build a request for submit(), arriving now (any thread may call
         # it; raises RequestError on bad input): EngineCore.make_request itself.
         self.make_request = engine.make_request
@@ -272,10 +285,12 @@ class AsyncEngine:
         return self.metrics.render()
 
     def num_waiting(self) -> int:
-        """Requests queued but not yet scheduled: the scheduler's waiting queue plus
-        adds not yet taken by the engine thread. Never undercounts."""
+        """Sequences queued but not yet running: the engine's waiting sequences
+        (remote-KV waits and samples not yet forked included) plus those of adds not
+        yet taken by the engine thread. Never undercounts."""
         with self._lock:
-            return self._stats.num_requests_waiting + self._num_pending_adds
+            stats = self._stats
+            return stats.num_seqs_unfinished - stats.num_requests_running + self._num_pending_seqs
 
     # ------------------------------------------------------------------ requests
     async def generate(
@@ -311,38 +326,69 @@ class AsyncEngine:
         """Queue a request built by :meth:`make_request` and return one stream per
         sample (``n``/``best_of``; ``request.group`` order). Aborting a stream aborts
         that sample; the caller must drain or abort every stream."""
+        return (await self.submit_all([request], max_waiting=max_waiting))[0]
+
+    async def submit_all(
+        self, requests: list[Request], *, max_waiting: int | None = None
+    ) -> list[list[RequestStream]]:
+        """Queue the requests of one HTTP request (several prompts), all or none:
+        their sequences are admitted together (:func:`admit_sequences` against
+        ``max_num_seqs`` + ``max_waiting``) or :class:`QueueFullError` /
+        :class:`RequestError` is raised and nothing is queued. If the engine refuses
+        one of them when it takes it (an id in use, a request that cannot fit the KV
+        cache), the others are aborted and that error raised. Returns the streams of
+        each request's samples, request by request."""
         self._check_available()
-        req_id = request.req_id
-        ids = [r.req_id for r in request.group]
-        if any(r in self._requests for r in ids):
+        ids = [r.req_id for request in requests for r in request.group]
+        if len(set(ids)) != len(ids) or any(r in self._requests for r in ids):
             raise RequestError(
-                f"request id {req_id!r} is already in use: pick a unique id", param="request_id"
+                f"request id {requests[0].req_id!r} is already in use: pick a unique id",
+                param="request_id",
             )
         with self._lock:
-            waiting = self._stats.num_requests_waiting + self._num_pending_adds
-            if max_waiting is not None and waiting >= max_waiting:
+            stats = self._stats
+            decision = admit_sequences(
+                len(ids),
+                in_system=stats.num_seqs_unfinished + self._num_pending_seqs,
+                max_num_seqs=self.max_num_seqs,
+                max_queue_len=max_waiting,
+            )
+            if isinstance(decision, Refused):
                 self.metrics.count_rejected()
-                raise QueueFullError(
-                    f"{waiting} requests are already waiting (the limit is {max_waiting}): "
-                    "retry after a few seconds"
-                )
-            self._num_pending_adds += 1
+                if decision.reason is RefusalReason.QUEUE_FULL:
+                    raise QueueFullError(decision.message)
+                raise RequestError(decision.message, param="n", code="too_many_sequences")
+            self._num_pending_seqs += decision.num_seqs
         lives = [_Live(asyncio.Queue()) for _ in ids]
         self._requests.update(zip(ids, lives, strict=True))
-        added: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._submit(_Add(request, added))
+        added: list[concurrent.futures.Future[str]] = []
+        for request in requests:
+            future: concurrent.futures.Future[str] = concurrent.futures.Future()
+            added.append(future)
+            self._submit(_Add(request, future))
         try:
-            await asyncio.wrap_future(added)
+            results = await asyncio.gather(
+                *(asyncio.wrap_future(f) for f in added), return_exceptions=True
+            )
         except asyncio.CancelledError:
-            for r in ids:
-                self._requests.pop(r, None)
+            self._forget(ids)
             self._submit(_Abort(ids))
             raise
-        except BaseException:
-            for r in ids:
-                self._requests.pop(r, None)
-            raise
-        return [RequestStream(self, r, live.queue) for r, live in zip(ids, lives, strict=True)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self._forget(ids)
+            self._submit(_Abort(ids))  # the ones the engine took: never half-admitted
+            raise errors[0]
+        streams = [RequestStream(self, r, live.queue) for r, live in zip(ids, lives, strict=True)]
+        out, i = [], 0
+        for request in requests:
+            out.append(streams[i : i + len(request.group)])
+            i += len(request.group)
+        return out
+
+    def _forget(self, ids: list[str]) -> None:
+        for r in ids:
+            self._requests.pop(r, None)
 
     def _check_available(self) -> None:
         self.start()
@@ -400,10 +446,10 @@ class AsyncEngine:
         """After idling: take commands until none has come for ``batch_wait_ms`` (at
         most ``BATCH_WAIT_MAX_FACTOR`` times it), so that a burst's first step holds
         all of it rather than the first request alone (engine thread)."""
-        gap = self.engine.config.scheduler.batch_wait_ms / 1000.0
+        gap = self._burst.gap_s
         if gap <= 0:
             return
-        deadline = time.monotonic() + gap * BATCH_WAIT_MAX_FACTOR
+        deadline = time.monotonic() + self._burst.max_wait_s
         while not self._stop:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._wake.wait(timeout=min(gap, remaining)):
@@ -413,7 +459,7 @@ class AsyncEngine:
 
     def _drain_commands(self, *, hold: bool = True) -> None:
         """Apply queued commands; with ``hold``, adds reaching a busy engine are held
-        (see :meth:`_release_held`)."""
+        (:class:`~kvserve.engine.admission.BurstGate`)."""
         while True:
             with self._lock:
                 if not self._commands:
@@ -421,17 +467,12 @@ class AsyncEngine:
                 command = self._commands.popleft()
             match command:
                 case _Add(request, added):
-                    if hold and self._batch_wait_s() > 0 and self.engine.has_unfinished_requests():
-                        self._held.append(command)  # see _release_held
-                    else:
+                    busy = hold and self.engine.has_unfinished_requests()
+                    if isinstance(self._burst.offer(command, command.at, busy=busy), AddNow):
                         self._do_add(request, added)
                 case _Abort(req_ids):
-                    gone = set(req_ids)
-                    dropped = [c for c in self._held if c.request.req_id in gone]
-                    if dropped:
-                        self._held = [c for c in self._held if c.request.req_id not in gone]
-                        for c in dropped:
-                            self._fail_add(c.added, RequestError("the request was aborted"))
+                    for c in self._burst.remove_where(_for_ids(set(req_ids))):
+                        self._fail_add(c, RequestError("the request was aborted"))
                     aborted = self.engine.abort_requests(req_ids)
                     if aborted:
                         for delta in aborted:
@@ -453,48 +494,29 @@ class AsyncEngine:
                 self._record(delta)
             self._deliver(failed)
 
-    def _batch_wait_s(self) -> float:
-        return self.engine.config.scheduler.batch_wait_ms / 1000.0
-
     def _release_held(self) -> None:
-        """Adds that reached a busy engine wait here while their burst is still
-        arriving: they join the engine together once none has come for
-        ``batch_wait_ms``, the oldest has waited ``BATCH_WAIT_MAX_FACTOR`` times that,
-        or the engine has nothing else to run. Steps meanwhile carry on with the
-        running requests, so a burst's prompts start in one step instead of being
-        split over two, where the first half's first inter-token gap is the second
-        half's whole prefill (engine thread)."""
-        if not self._held:
-            return
-        now, gap = time.monotonic(), self._batch_wait_s()
-        if (
-            self.engine.has_unfinished_requests()
-            and now - self._held[-1].at < gap
-            and now - self._held[0].at < gap * BATCH_WAIT_MAX_FACTOR
-        ):
-            return
-        held, self._held = self._held, []
-        for command in held:
+        """Add the held adds whose burst is over (engine thread)."""
+        busy = self.engine.has_unfinished_requests()
+        for command in self._burst.release(time.monotonic(), busy=busy):
             self._do_add(command.request, command.added)
 
     def _fail_held(self, error: BaseException) -> None:
-        held, self._held = self._held, []
-        for command in held:
-            self._fail_add(command.added, error)
+        for command in self._burst.take_all():
+            self._fail_add(command, error)
 
-    def _fail_add(self, added: concurrent.futures.Future[str], error: BaseException) -> None:
+    def _fail_add(self, command: _Add, error: BaseException) -> None:
         with self._lock:
-            self._num_pending_adds -= 1
-        if not added.done():
-            added.set_exception(error)
+            self._num_pending_seqs -= len(command.request.group)
+        if not command.added.done():
+            command.added.set_exception(error)
 
     def _do_add(self, request: Request, added: concurrent.futures.Future[str]) -> None:
         try:
             self.engine.add(request)
         except BaseException as e:
-            self._fail_add(added, e)
+            self._fail_add(_Add(request, added), e)
             return
-        self._refresh_stats(pending_delta=-1)
+        self._refresh_stats(pending_delta=-len(request.group))
         added.set_result(request.req_id)
 
     def _step(self) -> None:
@@ -556,7 +578,7 @@ class AsyncEngine:
         with self._lock:
             if stats is not None:
                 self._stats = stats
-            self._num_pending_adds += pending_delta
+            self._num_pending_seqs += pending_delta
 
     def _deliver(self, items: list[RequestDelta]) -> None:
         loop = self._loop

@@ -381,7 +381,9 @@ class EngineCore:
         sched = self.scheduler
         return EngineStats(
             num_requests_running=sched.num_running,
-            num_requests_waiting=sched.num_waiting,
+            num_requests_waiting=sched.num_waiting + len(sched.waiting_for_remote),
+            num_requests_waiting_for_remote_kv=len(sched.waiting_for_remote),
+            num_seqs_unfinished=len(sched.requests),
             kv_cache_usage_perc=kv.usage,
             num_active_blocks=kv.num_active_blocks,
             num_reclaimable_blocks=kv.num_reclaimable_blocks,

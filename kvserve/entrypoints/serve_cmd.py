@@ -29,6 +29,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.engine.args import add_engine_arguments, build_engine_config, engine_kwargs_from_args
 from kvserve.kv_transfer.factory import (
     add_kv_transfer_arguments,
@@ -64,7 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queue-len",
         type=_non_negative_int,
         default=None,
-        help="answer 503 + Retry-After once this many requests wait to be scheduled",
+        help="answer 429 + Retry-After when a request's sequences (prompts x n) would make "
+        "more than this many wait to be scheduled (default: no limit)",
+    )
+    parser.add_argument(
+        "--max-prompts-per-request",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        help="refuse (400) a completions request with more prompts than this (default "
+        f"{DEFAULT_MAX_PROMPTS_PER_REQUEST}; 0: no limit)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -245,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
             api_key=api_key,
             served_model_name=args.served_model_name,
             max_queue_len=args.max_queue_len,
+            max_prompts_per_request=args.max_prompts_per_request or None,
         )
     logger.info(
         "loaded %s in %.1f s (dtype=%s, attention=%s, max_model_len=%d, %d KV blocks, "
