@@ -52,6 +52,7 @@ from kvserve.engine.admission import (
     admit_sequences,
 )
 from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.memory import IdleTrimmer
 from kvserve.engine.outputs import EngineStats, RequestDelta
 from kvserve.metrics import EngineMetrics
 from kvserve.request import Request, RequestError, SamplingParams
@@ -215,6 +216,7 @@ class AsyncEngine:
         self._requests: dict[str, _Live] = {}  # see the module docstring
         # Adds of a burst still arriving (engine thread); see engine/admission.py.
         self._burst: BurstGate[_Add] = BurstGate(engine.config.scheduler.batch_wait_ms)
+        self._trimmer = IdleTrimmer()  # memory back to the OS after 2 idle minutes
         # Validate and build a request for submit(), arriving now (any thread may call
         # it; raises RequestError on bad input): EngineCore.make_request itself.
         self.make_request = engine.make_request
@@ -423,9 +425,11 @@ class AsyncEngine:
                     idle = True
                     self._poll_transfers()
                     self._refresh_stats()
+                    self._trimmer.tick(time.monotonic(), idle=True)
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
+                self._trimmer.tick(time.monotonic(), idle=False)
                 if idle:
                     idle = False
                     self._await_burst()
