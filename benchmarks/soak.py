@@ -31,10 +31,10 @@ from typing import Any
 
 import httpx
 
-WORDS = (
+WORDS = (  # noqa: SIM905 (reads as a sentence)
     "river mountain engine cache token stream batch prefix block server memory request "
     "history science music garden ocean planet window letter market winter summer"
-).split()  # noqa: SIM905 (reads as a sentence)
+).split()
 
 
 def free_port() -> int:
