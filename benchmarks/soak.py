@@ -73,7 +73,7 @@ async def client(
 ) -> None:
     rng = random.Random(seed * 1000 + i)
     disconnecter = i % 3 == 0
-    async with httpx.AsyncClient(timeout=120) as http:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0)) as http:
         while time.monotonic() < deadline:
             words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 120)))
             if rng.random() < 0.5:
@@ -196,7 +196,7 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=1800.0)
     parser.add_argument("--idle-s", type=float, default=150.0)
     parser.add_argument("--sample-s", type=float, default=5.0)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", type=Path, default=Path("soak.csv"))
     parser.add_argument(

@@ -18,6 +18,10 @@ state per request and builds every delta, abort deltas included.
 Rules a caller must keep:
 - Call :meth:`start` from the event loop that will consume the streams (or let the
   first :meth:`generate` do it). All streams are delivered on that loop.
+- :meth:`shutdown` drains: new requests are refused at once, in-flight ones get up
+  to ``drain_timeout_s``, the rest are cut (their streams raise
+  :class:`EngineUnavailableError`, which the server turns into an error event then
+  ``[DONE]``, or a 503).
 - ``generate`` raises before yielding anything when the request is refused:
   :class:`~kvserve.request.RequestError` (a ValueError: bad request, the message says
   what to change, ``param`` names the field), :class:`QueueFullError`
@@ -210,6 +214,7 @@ class AsyncEngine:
         self._stop = False
         self._dead: BaseException | None = None
         self._accepting = True
+        self._shutdown_task: asyncio.Future[None] | None = None
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -260,12 +265,19 @@ class AsyncEngine:
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop accepting requests, let in-flight ones finish for up to ``drain_timeout_s``
-        seconds, abort the rest (their streams end with finish_reason "abort") and stop
-        the engine thread. Safe to call twice."""
+        seconds (returning as soon as none is left), cut the rest (aborted in the
+        engine, their KV blocks freed; their streams raise
+        :class:`EngineUnavailableError`) and stop the engine thread. A second call
+        waits for the first one's end."""
         self._accepting = False
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.ensure_future(self._shutdown(drain_timeout_s))
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self, drain_timeout_s: float) -> None:
         deadline = time.monotonic() + drain_timeout_s
         while self._requests and time.monotonic() < deadline and self._thread_alive():
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.02)
         self._submit(_Stop())
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
@@ -484,10 +496,14 @@ class AsyncEngine:
                         self._refresh_stats()
                 case _Stop():
                     self._stop = True
-                    self._fail_held(EngineUnavailableError("the server is shutting down"))
+                    cut = EngineUnavailableError(
+                        "the server shut down before this request finished; retry it"
+                    )
+                    self._fail_held(cut)
                     aborted = self.engine.abort_requests(list(self._requests))
-                    if aborted:
-                        self._deliver(aborted)
+                    for delta in aborted:
+                        self._record(delta)
+                    self._fail([d.request_id for d in aborted], cut, count=False)
                     return
 
     def _poll_transfers(self) -> None:
@@ -590,8 +606,8 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # loop closed meanwhile
                 loop.call_soon_threadsafe(self._dispatch, items)
 
-    def _fail(self, req_ids: list[str], error: BaseException) -> None:
-        for _ in req_ids:
+    def _fail(self, req_ids: list[str], error: BaseException, *, count: bool = True) -> None:
+        for _ in req_ids if count else ():
             self.metrics.count_finished("error")
         loop = self._loop
         if loop is not None and not loop.is_closed():

@@ -103,6 +103,8 @@ def sse(data: dict[str, Any] | str) -> str:
 def error_event(e: BaseException) -> str:
     if isinstance(e, APIError):
         return sse(e.body())
+    if isinstance(e, EngineUnavailableError):
+        return sse(APIError(503, str(e), type="server_error", code="engine_unavailable").body())
     return sse(
         {
             "error": {
@@ -240,7 +242,15 @@ class OpenAIServing:
                 code="kv_transfer_failed",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from None
-        except (RequestFailedError, EngineUnavailableError) as e:
+        except EngineUnavailableError as e:  # shutting down: the request was cut
+            raise APIError(
+                503,
+                str(e),
+                type="server_error",
+                code="engine_unavailable",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        except RequestFailedError as e:
             raise APIError(500, str(e), type="server_error", code=500) from None
         return choices
 

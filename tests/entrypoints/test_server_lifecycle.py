@@ -96,8 +96,8 @@ def test_queue_limit_429_with_retry_after(small_server: ServerProcess) -> None:
 def test_sigterm_graceful_shutdown(small_server: ServerProcess) -> None:
     with httpx.Client(timeout=120) as http:
         # A request too long to finish within --graceful-shutdown-timeout 2: SIGTERM
-        # closes the port, the stream is cut after the grace period and the process
-        # exits 0.
+        # closes the port, the stream is cut after the grace period (an error event,
+        # then [DONE]) and the process exits 0.
         stream = _open_stream(http, small_server, 900)
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith("data: "))
@@ -105,7 +105,9 @@ def test_sigterm_graceful_shutdown(small_server: ServerProcess) -> None:
         rest: list[str] = []
         with contextlib.suppress(httpx.RemoteProtocolError, httpx.ReadError):
             rest.extend(lines)  # ends: the server closes it (no hang)
-        assert "data: [DONE]" not in rest
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        events = [json.loads(line[6:]) for line in rest[:-1] if line.startswith("data: ")]
+        assert events[-1]["error"]["code"] == "engine_unavailable"
         try:
             code = small_server.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
