@@ -59,7 +59,7 @@ from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.memory import IdleTrimmer
 from kvserve.engine.outputs import EngineStats, RequestDelta
 from kvserve.metrics import EngineMetrics
-from kvserve.request import Request, RequestError, SamplingParams
+from kvserve.request import FinishReason, Request, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +176,8 @@ class RequestStream:
             raise item
         if item.error is not None:
             self.finished = True
+            if item.finish_reason == FinishReason.ERROR:
+                raise RequestFailedError(item.error)
             raise KVTransferFailedError(item.error)
         if item.finished:
             self.finished = True

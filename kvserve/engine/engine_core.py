@@ -281,6 +281,13 @@ class EngineCore:
             if state is not None and state.prompt_logprobs is not None:
                 # entry j scores prompt token start + j + 1 (a recomputed chunk overwrites)
                 state.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries
+        # Requests the runner cannot go on with end with an error before the update,
+        # which then skips them (their sampled token is dropped, never a "stop").
+        for req_id, error in runner_out.failed.items():
+            gone = self._states.pop(req_id, None)
+            if gone is not None:
+                self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+                failed.append(self._delta(gone.request, FinishReason.ERROR, error=error))
         core_outs = self.scheduler.update_from_output(sched_out, runner_out)
         deltas: list[RequestDelta] = failed
         for out in core_outs:
