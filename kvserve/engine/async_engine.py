@@ -253,11 +253,15 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        """False once shutting down or after the engine thread died."""
+        """False once shutting down, after the engine thread died, or while its KV
+        connector is not ready (a decode worker whose prefill peer has not answered
+        yet)."""
+        connector = self.engine.kv_connector
         return (
             self._dead is None
             and self._accepting
             and (self._thread is None or self._thread.is_alive())
+            and (connector is None or connector.is_ready)
         )
 
     @property

@@ -140,7 +140,13 @@ def build_app(
     async def health() -> Response:
         if async_engine.is_healthy:
             return Response(status_code=200)
-        err = APIError(503, "the engine is not running", type="server_error", code=503)
+        err = APIError(
+            503,
+            "the engine is not ready: starting, shutting down, stopped, or (decode role) "
+            "waiting for its first prefill peer to answer",
+            type="server_error",
+            code=503,
+        )
         return JSONResponse(err.body(), status_code=503)
 
     @app.get("/metrics")
