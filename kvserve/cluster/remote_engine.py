@@ -101,6 +101,7 @@ class RemoteEngine:
         *,
         max_attempts: int = 5,
         retry_timeout_s: float = 30.0,
+        min_healthy_replicas: int = 1,
     ) -> None:
         if facts.hash_algo != "sha256" and facts.enable_prefix_caching:
             raise ValueError(
@@ -119,6 +120,8 @@ class RemoteEngine:
         self.max_attempts = max_attempts
         self.retry_timeout_s = retry_timeout_s
         self._accepting = True
+        self.min_healthy_replicas = min_healthy_replicas
+        self.num_live_replicas = 0  # from the metrics hub (watch_replicas)
         self._hashed_with = (facts.model_fingerprint, facts.block_size, facts.hash_algo)
         self.limits = RequestLimits(facts.max_model_len, facts.vocab_size, facts.max_num_seqs)
         self.grammar_compiler = GrammarCompiler(
@@ -128,7 +131,22 @@ class RemoteEngine:
     # ------------------------------------------------------------------ lifecycle
     @property
     def is_healthy(self) -> bool:
-        return self._accepting
+        """Accepting, and at least ``min_healthy_replicas`` replicas alive (the count
+        :meth:`watch_replicas` keeps)."""
+        return self._accepting and self.num_live_replicas >= self.min_healthy_replicas
+
+    async def watch_replicas(self, period_s: float = 0.5) -> None:
+        """Keep :attr:`num_live_replicas` current (the hub drops a dead replica's actor
+        at its next snapshot); runs until cancelled."""
+        while True:
+            try:
+                await self.snapshot_replicas()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the hub restarting: keep the last count a moment
+                logger.warning("replica watch: the metrics hub did not answer", exc_info=True)
+                self.num_live_replicas = 0
+            await asyncio.sleep(period_s)
 
     def start(self) -> None:
         self._accepting = True
@@ -249,6 +267,7 @@ class RemoteEngine:
         """{replica: {"pid", "age_s", "text"}} from the metrics hub."""
         snap: dict[str, dict[str, Any]] = await self._hub.snapshot.remote()
         self.router_metrics.set_num_replicas(len(snap))
+        self.num_live_replicas = len(snap)
         return snap
 
     async def render_metrics(self) -> bytes:

@@ -124,6 +124,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads of each replica (default: this machine's cores / N)",
     )
     scale.add_argument(
+        "--min-healthy-replicas",
+        type=_non_negative_int,
+        default=None,
+        help="GET /health answers 503 while fewer replicas than this are alive (default: "
+        "all --replicas)",
+    )
+    scale.add_argument(
         "--routing",
         default="prefix-aware",
         choices=["prefix-aware", "round-robin", "least-loaded"],
@@ -184,6 +191,7 @@ def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             served_model_name=args.served_model_name,
             api_key=api_key,
             max_queue_len=args.max_queue_len,
+            min_healthy_replicas=args.min_healthy_replicas,
         )
     except (ValueError, TypeError) as e:
         print(f"kvserve serve: {e}", file=sys.stderr)
