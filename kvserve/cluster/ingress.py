@@ -34,8 +34,10 @@ class KVServeIngress:
     ) -> None:
         import asyncio
 
+        from kvserve.cluster.loopback import bind_serve_grpc_to_loopback
         from kvserve.model.loader import DEFAULT_MODEL_NAME, load_tokenizer
 
+        bind_serve_grpc_to_loopback()
         facts: EngineFacts = await engine.info.remote()
         tokenizer = load_tokenizer(model or DEFAULT_MODEL_NAME)
         self.client = RemoteEngine(

@@ -21,6 +21,9 @@ PING_TIMEOUT_S = 2.0
 
 class MetricsHub:
     def __init__(self, stale_after_s: float = 10.0) -> None:
+        from kvserve.cluster.loopback import bind_serve_grpc_to_loopback
+
+        bind_serve_grpc_to_loopback()
         self.stale_after_s = stale_after_s
         self._latest: dict[str, tuple[int, float, str]] = {}
         self._actors: dict[str, Any] = {}

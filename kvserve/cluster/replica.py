@@ -78,6 +78,9 @@ class EngineReplica:
         )
         self._hashed_with = (self.facts.model_fingerprint, cache.block_size, cache.hash_algo)
         self._hub = hub
+        from kvserve.cluster.loopback import bind_serve_grpc_to_loopback
+
+        bind_serve_grpc_to_loopback()
         import ray
 
         self._actor: Any = ray.get_runtime_context().current_actor  # the hub pings it
