@@ -105,9 +105,9 @@ def test_sigterm_graceful_shutdown(small_server: ServerProcess) -> None:
         rest: list[str] = []
         with contextlib.suppress(httpx.RemoteProtocolError, httpx.ReadError):
             rest.extend(lines)  # ends: the server closes it (no hang)
-        assert rest[-1] == "data: [DONE]", rest[-3:]
-        events = [json.loads(line[6:]) for line in rest[:-1] if line.startswith("data: ")]
-        assert events[-1]["error"]["code"] == "engine_unavailable"
+        data = [line[6:] for line in rest if line.startswith("data: ")]
+        assert data[-1] == "[DONE]", data[-3:]
+        assert json.loads(data[-2])["error"]["code"] == "engine_unavailable"
         try:
             code = small_server.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
