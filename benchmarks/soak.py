@@ -43,7 +43,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+DRAIN_S = 60.0
+
+
 def rss_mb(pid: int) -> float:
+    """The process's resident set in MB (RuntimeError once it is gone)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -120,10 +124,16 @@ async def sampler(
             g = await asyncio.to_thread(gauges, url)
         except httpx.HTTPError:
             g = {}
+        try:
+            rss = rss_mb(pid)
+        except (OSError, RuntimeError):
+            print(f"the server (pid {pid}) is gone", flush=True)
+            writer.writerow([round(time.monotonic() - start, 1), "server-gone"])
+            return
         row = [
             round(time.monotonic() - start, 1),
             phase[0],
-            round(rss_mb(pid), 1),
+            round(rss, 1),
             counters.done,
             counters.disconnects,
             counters.errors,
@@ -162,12 +172,15 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> int:
             sampler(url, pid, start, phase, stop, counters, writer, args.sample_s)
         )
         deadline = start + args.duration_s
-        await asyncio.gather(
-            *(
-                client(i, url, deadline, counters, args.max_tokens, args.seed)
-                for i in range(args.clients)
-            )
-        )
+        clients = [
+            asyncio.create_task(client(i, url, deadline, counters, args.max_tokens, args.seed))
+            for i in range(args.clients)
+        ]
+        # Past the deadline, requests still streaming get DRAIN_S, then are cut.
+        _, late = await asyncio.wait(clients, timeout=args.duration_s + DRAIN_S)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
         phase[0] = "idle"
         await asyncio.sleep(args.idle_s)
         stop.set()
