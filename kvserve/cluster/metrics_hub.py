@@ -13,8 +13,11 @@ the next push.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
+
+logger = logging.getLogger("kvserve.cluster")
 
 PING_TIMEOUT_S = 2.0
 
@@ -41,17 +44,22 @@ class MetricsHub:
         now = time.monotonic()
         for replica in [r for r, (_, t, _) in self._latest.items() if now - t > self.stale_after_s]:
             self._forget(replica)
-        alive = await asyncio.gather(*(self._alive(r) for r in list(self._latest)))
-        for replica, ok in zip(list(self._latest), alive, strict=True):
-            if not ok:
+        names = list(self._latest)
+        states = await asyncio.gather(*(self._alive(r) for r in names))
+        for replica, state in zip(names, states, strict=True):
+            if state is False:
                 self._forget(replica)
                 self._dead.add(replica)
+        unknown = {r for r, state in zip(names, states, strict=True) if state is None}
         return {
             r: {"pid": pid, "age_s": now - t, "text": text}
             for r, (pid, t, text) in self._latest.items()
+            if r not in unknown
         }
 
-    async def _alive(self, replica: str) -> bool:
+    async def _alive(self, replica: str) -> bool | None:
+        """True: answered (or busy: staleness decides); False: its actor is dead;
+        None: the ping failed otherwise (left out of this snapshot only)."""
         actor = self._actors.get(replica)
         if actor is None:
             return True  # no handle (an older replica): staleness alone decides
@@ -63,6 +71,9 @@ class MetricsHub:
             return False
         except TimeoutError:  # busy, not dead: staleness decides
             return True
+        except Exception:
+            logger.warning("replica %s: liveness ping failed", replica, exc_info=True)
+            return None
         return True
 
     def _forget(self, replica: str) -> None:
