@@ -54,7 +54,14 @@ E2E_BUCKETS = (
 # EngineStats field -> (metric name without prefix, help). Gauges are point-in-time values.
 _GAUGES: dict[str, tuple[str, str]] = {
     "num_requests_running": ("num_requests_running", "Requests in the running batch."),
-    "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
+    "num_requests_waiting": (
+        "num_requests_waiting",
+        "Requests waiting to be scheduled (those waiting for remote KV included).",
+    ),
+    "num_requests_waiting_for_remote_kv": (
+        "num_requests_waiting_for_remote_kv",
+        "Requests whose prompt KV is arriving from a prefill worker (decode role).",
+    ),
     "kv_cache_usage_perc": ("kv_cache_usage_perc", "KV cache usage (0 to 1; 1 = full)."),
     "num_active_blocks": ("num_active_blocks", "KV blocks held by live requests."),
     "num_reclaimable_blocks": (

@@ -95,6 +95,10 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    # The engine ended the request on an error of its own (a grammar matcher that
+    # failed mid-generation): the delta carries ``error``; the server answers an
+    # error event (streams) or a 500, never a normal finish.
+    ERROR = "error"
 
 
 _FINISH_REASON = {

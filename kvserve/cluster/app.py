@@ -42,6 +42,7 @@ class ClusterOptions:
     served_model_name: str | None = None
     api_key: str | None = None
     max_queue_len: int | None = None
+    min_healthy_replicas: int | None = None  # None: all of them
     max_ongoing_requests: int = 256
     stats_period_s: float = 0.5
     health_check_period_s: float = 1.0
@@ -52,6 +53,12 @@ class ClusterOptions:
             raise ValueError(
                 f"invalid --replicas {self.num_replicas!r}: scale-out needs at least 2 replicas "
                 "(for one engine, leave --replicas out)"
+            )
+        m = self.min_healthy_replicas
+        if m is not None and (not isinstance(m, int) or not 1 <= m <= self.num_replicas):
+            raise ValueError(
+                f"invalid --min-healthy-replicas {m!r}: use 1 to --replicas "
+                f"({self.num_replicas}), or leave it out for all of them"
             )
         if not isinstance(self.threads_per_replica, int) or self.threads_per_replica < 1:
             raise ValueError(
@@ -100,5 +107,6 @@ def build_application(opts: ClusterOptions) -> Any:
         opts.served_model_name,
         opts.api_key,
         opts.max_queue_len,
+        opts.min_healthy_replicas or opts.num_replicas,
     )
     return ingress

@@ -5,6 +5,8 @@ routes, streaming, errors, ``cache_salt``, ``usage``), built over a
 :class:`RemoteEngine` instead of an in-process engine, plus
 ``GET /cluster/replicas`` (each replica's name, pid and seconds since its last
 metrics push). The tokenizer runs here, so every prompt is tokenized and hashed once.
+``GET /health`` is 503 while fewer than ``min_healthy_replicas`` replicas are alive
+(a killed replica's actor leaves the list at the next watch, every 0.5 s).
 """
 
 from __future__ import annotations
@@ -28,12 +30,21 @@ class KVServeIngress:
         served_model_name: str | None = None,
         api_key: str | None = None,
         max_queue_len: int | None = None,
+        min_healthy_replicas: int = 1,
     ) -> None:
+        import asyncio
+
+        from kvserve.cluster.loopback import bind_serve_grpc_to_loopback
         from kvserve.model.loader import DEFAULT_MODEL_NAME, load_tokenizer
 
+        bind_serve_grpc_to_loopback()
         facts: EngineFacts = await engine.info.remote()
         tokenizer = load_tokenizer(model or DEFAULT_MODEL_NAME)
-        self.client = RemoteEngine(engine, hub, facts, tokenizer)
+        self.client = RemoteEngine(
+            engine, hub, facts, tokenizer, min_healthy_replicas=min_healthy_replicas
+        )
+        # /health: 503 while fewer than min_healthy_replicas replicas are alive.
+        self._watch = asyncio.get_running_loop().create_task(self.client.watch_replicas())
         self._served_model_name = served_model_name
         self._api_key = api_key
         self._max_queue_len = max_queue_len

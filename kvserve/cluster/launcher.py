@@ -30,9 +30,13 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
     else:
+        from kvserve.cluster.loopback import LOCAL_CLUSTER_ENV
+
         ray.init(
             address="local",  # a new cluster even if `ray start` left one running here
             num_cpus=num_cpus or os.cpu_count() or 1,
+            # Replicas bind Serve's gRPC server to 127.0.0.1 too (cluster/loopback.py).
+            runtime_env={"env_vars": {LOCAL_CLUSTER_ENV: "1"}},
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
             logging_level=logging.WARNING,

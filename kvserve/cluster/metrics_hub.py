@@ -1,31 +1,81 @@
-"""MetricsHub: the latest Prometheus text of every engine replica, for ``/metrics``.
+"""MetricsHub: the latest Prometheus text of every engine replica, for ``/metrics``,
+and the list of live replicas for ``/cluster/replicas`` and the ingress's ``/health``.
 
-Each replica pushes its own text every ``metrics_push_s`` seconds (``push``); the
-ingress reads them all at scrape time (``snapshot``). A replica that stopped pushing
-for ``stale_after_s`` seconds (killed, scaled away) is left out. Runs as a Serve
-deployment of one replica; it holds nothing that cannot be rebuilt by the next push.
+Each replica pushes its own text every ``metrics_push_s`` seconds (``push``, with its
+actor handle); the ingress reads them all (``snapshot``). A replica is left out as
+soon as its actor is dead — each snapshot pings every replica's actor
+(``__ray_ready__``, answered by Ray itself), and a dead actor fails that call at
+once — or when it stopped pushing for ``stale_after_s`` seconds (hung, scaled away).
+Runs as a Serve deployment of one replica; it holds nothing that cannot be rebuilt by
+the next push.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Any
+
+logger = logging.getLogger("kvserve.cluster")
+
+PING_TIMEOUT_S = 2.0
 
 
 class MetricsHub:
     def __init__(self, stale_after_s: float = 10.0) -> None:
+        from kvserve.cluster.loopback import bind_serve_grpc_to_loopback
+
+        bind_serve_grpc_to_loopback()
         self.stale_after_s = stale_after_s
         self._latest: dict[str, tuple[int, float, str]] = {}
+        self._actors: dict[str, Any] = {}
+        self._dead: set[str] = set()
 
-    def push(self, replica: str, pid: int, text: str) -> None:
+    def push(self, replica: str, pid: int, text: str, actor: Any = None) -> None:
+        if replica in self._dead:
+            return  # a push that was in flight when its actor died
         self._latest[replica] = (pid, time.monotonic(), text)
+        if actor is not None:
+            self._actors[replica] = actor
 
-    def snapshot(self) -> dict[str, dict[str, Any]]:
-        """{replica: {"pid", "age_s", "text"}} for every replica heard from lately."""
+    async def snapshot(self) -> dict[str, dict[str, Any]]:
+        """{replica: {"pid", "age_s", "text"}} for every live replica heard from lately."""
         now = time.monotonic()
         for replica in [r for r, (_, t, _) in self._latest.items() if now - t > self.stale_after_s]:
-            del self._latest[replica]
+            self._forget(replica)
+        names = list(self._latest)
+        states = await asyncio.gather(*(self._alive(r) for r in names))
+        for replica, state in zip(names, states, strict=True):
+            if state is False:
+                self._forget(replica)
+                self._dead.add(replica)
+        unknown = {r for r, state in zip(names, states, strict=True) if state is None}
         return {
             r: {"pid": pid, "age_s": now - t, "text": text}
             for r, (pid, t, text) in self._latest.items()
+            if r not in unknown
         }
+
+    async def _alive(self, replica: str) -> bool | None:
+        """True: answered (or busy: staleness decides); False: its actor is dead;
+        None: the ping failed otherwise (left out of this snapshot only)."""
+        actor = self._actors.get(replica)
+        if actor is None:
+            return True  # no handle (an older replica): staleness alone decides
+        from ray.exceptions import RayActorError
+
+        try:
+            await asyncio.wait_for(actor.__ray_ready__.remote(), PING_TIMEOUT_S)
+        except RayActorError:
+            return False
+        except TimeoutError:  # busy, not dead: staleness decides
+            return True
+        except Exception:
+            logger.warning("replica %s: liveness ping failed", replica, exc_info=True)
+            return None
+        return True
+
+    def _forget(self, replica: str) -> None:
+        self._latest.pop(replica, None)
+        self._actors.pop(replica, None)

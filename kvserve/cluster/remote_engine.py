@@ -1,6 +1,8 @@
 """RemoteEngine: the OpenAI server's engine (``EngineClient``) over N Ray Serve replicas.
 
-At the ingress, per request: validate (the engine's own ``check_prompt``), build the
+At the ingress, per request: validate (the engine's own
+:func:`~kvserve.engine.validation.validate_request`, grammar compiled here with the
+same tokenizer, so a bad grammar never reaches a replica's step), build the
 engine ``Request``, compute its chained block hashes ONCE with the engine's code
 (``extend_block_hashes``, with the replicas' fingerprint, block size, algorithm and
 the request's ``cache_salt``), then call ``EngineReplica.generate`` through the Serve
@@ -34,8 +36,10 @@ from kvserve.engine.async_engine import (
     RequestFailedError,
 )
 from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.validation import RequestLimits, validate_request
 from kvserve.kv_cache.hashing import extend_block_hashes, request_extra_keys
-from kvserve.request import Request, RequestError, SamplingParams, check_prompt
+from kvserve.request import Request, RequestError, SamplingParams
+from kvserve.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger("kvserve.cluster")
 
@@ -97,6 +101,7 @@ class RemoteEngine:
         *,
         max_attempts: int = 5,
         retry_timeout_s: float = 30.0,
+        min_healthy_replicas: int = 1,
     ) -> None:
         if facts.hash_algo != "sha256" and facts.enable_prefix_caching:
             raise ValueError(
@@ -115,12 +120,33 @@ class RemoteEngine:
         self.max_attempts = max_attempts
         self.retry_timeout_s = retry_timeout_s
         self._accepting = True
+        self.min_healthy_replicas = min_healthy_replicas
+        self.num_live_replicas = 0  # from the metrics hub (watch_replicas)
         self._hashed_with = (facts.model_fingerprint, facts.block_size, facts.hash_algo)
+        self.limits = RequestLimits(facts.max_model_len, facts.vocab_size, facts.max_num_seqs)
+        self.grammar_compiler = GrammarCompiler(
+            tokenizer, facts.vocab_size, facts.eos_token_ids[0] if facts.eos_token_ids else None
+        )
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def is_healthy(self) -> bool:
-        return self._accepting
+        """Accepting, and at least ``min_healthy_replicas`` replicas alive (the count
+        :meth:`watch_replicas` keeps)."""
+        return self._accepting and self.num_live_replicas >= self.min_healthy_replicas
+
+    async def watch_replicas(self, period_s: float = 0.5) -> None:
+        """Keep :attr:`num_live_replicas` current (the hub drops a dead replica's actor
+        at its next snapshot); runs until cancelled."""
+        while True:
+            try:
+                await self.snapshot_replicas()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the hub restarting: keep the last count a moment
+                logger.warning("replica watch: the metrics hub did not answer", exc_info=True)
+                self.num_live_replicas = 0
+            await asyncio.sleep(period_s)
 
     def start(self) -> None:
         self._accepting = True
@@ -138,14 +164,10 @@ class RemoteEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Validate like the engine, build the request, hash its full blocks."""
+        """Validate as the engine does (:func:`validate_request`), build the request,
+        hash its full blocks."""
         f = self.facts
-        check_prompt(
-            prompt_token_ids,
-            params.max_tokens,
-            max_model_len=f.max_model_len,
-            vocab_size=f.vocab_size,
-        )
+        validate_request(prompt_token_ids, params, self.limits, grammar=self.grammar_compiler)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=f.max_model_len - len(prompt_token_ids))
         if request_id is None:
@@ -177,6 +199,23 @@ class RemoteEngine:
                 param="n",
             )
         return [await self.submit(request, max_waiting=max_waiting)]
+
+    async def submit_all(
+        self, requests: list[Request], *, max_waiting: int | None = None
+    ) -> list[list[RemoteStream]]:
+        """Queue every request or none: each replica admits its own (against its own
+        queue, ``max_waiting``); if one is refused the ones already queued are
+        aborted and the refusal raised."""
+        out: list[list[RemoteStream]] = []
+        try:
+            for request in requests:
+                out.append(await self.submit_samples(request, max_waiting=max_waiting))
+        except BaseException:
+            for streams in out:
+                for stream in streams:
+                    stream.abort()
+            raise
+        return out
 
     async def submit(self, request: Request, *, max_waiting: int | None = None) -> RemoteStream:
         """Route and queue ``request``; returns once a replica accepted it."""
@@ -228,6 +267,7 @@ class RemoteEngine:
         """{replica: {"pid", "age_s", "text"}} from the metrics hub."""
         snap: dict[str, dict[str, Any]] = await self._hub.snapshot.remote()
         self.router_metrics.set_num_replicas(len(snap))
+        self.num_live_replicas = len(snap)
         return snap
 
     async def render_metrics(self) -> bytes:

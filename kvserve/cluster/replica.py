@@ -78,6 +78,12 @@ class EngineReplica:
         )
         self._hashed_with = (self.facts.model_fingerprint, cache.block_size, cache.hash_algo)
         self._hub = hub
+        from kvserve.cluster.loopback import bind_serve_grpc_to_loopback
+
+        bind_serve_grpc_to_loopback()
+        import ray
+
+        self._actor: Any = ray.get_runtime_context().current_actor  # the hub pings it
         self._push_task = (
             asyncio.get_running_loop().create_task(self._push_metrics(metrics_push_s))
             if hub is not None
@@ -157,7 +163,7 @@ class EngineReplica:
         while True:
             try:
                 text = self.async_engine.metrics.render().decode()
-                await self._hub.push.remote(self.name, os.getpid(), text)
+                await self._hub.push.remote(self.name, os.getpid(), text, self._actor)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the hub restarting must not take the replica down

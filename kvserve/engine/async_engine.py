@@ -18,6 +18,10 @@ state per request and builds every delta, abort deltas included.
 Rules a caller must keep:
 - Call :meth:`start` from the event loop that will consume the streams (or let the
   first :meth:`generate` do it). All streams are delivered on that loop.
+- :meth:`shutdown` drains: new requests are refused at once, in-flight ones get up
+  to ``drain_timeout_s``, the rest are cut (their streams raise
+  :class:`EngineUnavailableError`, which the server turns into an error event then
+  ``[DONE]``, or a 503).
 - ``generate`` raises before yielding anything when the request is refused:
   :class:`~kvserve.request.RequestError` (a ValueError: bad request, the message says
   what to change, ``param`` names the field), :class:`QueueFullError`
@@ -44,11 +48,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvserve.config import BATCH_WAIT_MAX_FACTOR
+from kvserve.engine.admission import (
+    AddNow,
+    BurstGate,
+    RefusalReason,
+    Refused,
+    admit_sequences,
+)
 from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.memory import IdleTrimmer
 from kvserve.engine.outputs import EngineStats, RequestDelta
 from kvserve.metrics import EngineMetrics
-from kvserve.request import Request, RequestError, SamplingParams
+from kvserve.request import FinishReason, Request, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +93,8 @@ def run_in_scratch_thread(fn: Callable[[], T]) -> T:
 
 
 class QueueFullError(RuntimeError):
-    """The waiting queue is at ``max_waiting``; retry later (HTTP 503 + Retry-After)."""
+    """No room for the request's sequences beside those already waiting
+    (``max_waiting``); retry later (HTTP 429 + Retry-After)."""
 
 
 class EngineUnavailableError(RuntimeError):
@@ -119,6 +131,11 @@ class _Stop:
 
 
 _Command = _Add | _Abort | _Stop
+
+
+def _for_ids(ids: set[str]) -> Callable[[_Add], bool]:
+    """Whether an add queues one of ``ids``."""
+    return lambda command: command.request.req_id in ids
 
 
 @dataclass
@@ -159,6 +176,8 @@ class RequestStream:
             raise item
         if item.error is not None:
             self.finished = True
+            if item.finish_reason == FinishReason.ERROR:
+                raise RequestFailedError(item.error)
             raise KVTransferFailedError(item.error)
         if item.finished:
             self.finished = True
@@ -191,17 +210,20 @@ class AsyncEngine:
 
         self._lock = threading.Lock()  # guards the fields below shared by both threads
         self._commands: deque[_Command] = deque()
-        self._num_pending_adds = 0
+        self._num_pending_seqs = 0  # sequences of adds not yet taken by the engine thread
         self._stats: EngineStats = engine.stats()
         self._wake = threading.Event()
         self._stop = False
         self._dead: BaseException | None = None
         self._accepting = True
+        self._shutdown_task: asyncio.Future[None] | None = None
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._requests: dict[str, _Live] = {}  # see the module docstring
-        self._held: list[_Add] = []  # adds of a burst still arriving (engine thread)
+        # Adds of a burst still arriving (engine thread); see engine/admission.py.
+        self._burst: BurstGate[_Add] = BurstGate(engine.config.scheduler.batch_wait_ms)
+        self._trimmer = IdleTrimmer()  # memory back to the OS after 2 idle minutes
         # Validate and build a request for submit(), arriving now (any thread may call
         # it; raises RequestError on bad input): EngineCore.make_request itself.
         self.make_request = engine.make_request
@@ -231,11 +253,15 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        """False once shutting down or after the engine thread died."""
+        """False once shutting down, after the engine thread died, or while its KV
+        connector is not ready (a decode worker whose prefill peer has not answered
+        yet)."""
+        connector = self.engine.kv_connector
         return (
             self._dead is None
             and self._accepting
             and (self._thread is None or self._thread.is_alive())
+            and (connector is None or connector.is_ready)
         )
 
     @property
@@ -245,12 +271,19 @@ class AsyncEngine:
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop accepting requests, let in-flight ones finish for up to ``drain_timeout_s``
-        seconds, abort the rest (their streams end with finish_reason "abort") and stop
-        the engine thread. Safe to call twice."""
+        seconds (returning as soon as none is left), cut the rest (aborted in the
+        engine, their KV blocks freed; their streams raise
+        :class:`EngineUnavailableError`) and stop the engine thread. A second call
+        waits for the first one's end."""
         self._accepting = False
+        if self._shutdown_task is None:
+            self._shutdown_task = asyncio.ensure_future(self._shutdown(drain_timeout_s))
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self, drain_timeout_s: float) -> None:
         deadline = time.monotonic() + drain_timeout_s
         while self._requests and time.monotonic() < deadline and self._thread_alive():
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.02)
         self._submit(_Stop())
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
@@ -272,10 +305,12 @@ class AsyncEngine:
         return self.metrics.render()
 
     def num_waiting(self) -> int:
-        """Requests queued but not yet scheduled: the scheduler's waiting queue plus
-        adds not yet taken by the engine thread. Never undercounts."""
+        """Sequences queued but not yet running: the engine's waiting sequences
+        (remote-KV waits and samples not yet forked included) plus those of adds not
+        yet taken by the engine thread. Never undercounts."""
         with self._lock:
-            return self._stats.num_requests_waiting + self._num_pending_adds
+            stats = self._stats
+            return stats.num_seqs_unfinished - stats.num_requests_running + self._num_pending_seqs
 
     # ------------------------------------------------------------------ requests
     async def generate(
@@ -311,38 +346,69 @@ class AsyncEngine:
         """Queue a request built by :meth:`make_request` and return one stream per
         sample (``n``/``best_of``; ``request.group`` order). Aborting a stream aborts
         that sample; the caller must drain or abort every stream."""
+        return (await self.submit_all([request], max_waiting=max_waiting))[0]
+
+    async def submit_all(
+        self, requests: list[Request], *, max_waiting: int | None = None
+    ) -> list[list[RequestStream]]:
+        """Queue the requests of one HTTP request (several prompts), all or none:
+        their sequences are admitted together (:func:`admit_sequences` against
+        ``max_num_seqs`` + ``max_waiting``) or :class:`QueueFullError` /
+        :class:`RequestError` is raised and nothing is queued. If the engine refuses
+        one of them when it takes it (an id in use, a request that cannot fit the KV
+        cache), the others are aborted and that error raised. Returns the streams of
+        each request's samples, request by request."""
         self._check_available()
-        req_id = request.req_id
-        ids = [r.req_id for r in request.group]
-        if any(r in self._requests for r in ids):
+        ids = [r.req_id for request in requests for r in request.group]
+        if len(set(ids)) != len(ids) or any(r in self._requests for r in ids):
             raise RequestError(
-                f"request id {req_id!r} is already in use: pick a unique id", param="request_id"
+                f"request id {requests[0].req_id!r} is already in use: pick a unique id",
+                param="request_id",
             )
         with self._lock:
-            waiting = self._stats.num_requests_waiting + self._num_pending_adds
-            if max_waiting is not None and waiting >= max_waiting:
+            stats = self._stats
+            decision = admit_sequences(
+                len(ids),
+                in_system=stats.num_seqs_unfinished + self._num_pending_seqs,
+                max_num_seqs=self.max_num_seqs,
+                max_queue_len=max_waiting,
+            )
+            if isinstance(decision, Refused):
                 self.metrics.count_rejected()
-                raise QueueFullError(
-                    f"{waiting} requests are already waiting (the limit is {max_waiting}): "
-                    "retry after a few seconds"
-                )
-            self._num_pending_adds += 1
+                if decision.reason is RefusalReason.QUEUE_FULL:
+                    raise QueueFullError(decision.message)
+                raise RequestError(decision.message, param="n", code="too_many_sequences")
+            self._num_pending_seqs += decision.num_seqs
         lives = [_Live(asyncio.Queue()) for _ in ids]
         self._requests.update(zip(ids, lives, strict=True))
-        added: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._submit(_Add(request, added))
+        added: list[concurrent.futures.Future[str]] = []
+        for request in requests:
+            future: concurrent.futures.Future[str] = concurrent.futures.Future()
+            added.append(future)
+            self._submit(_Add(request, future))
         try:
-            await asyncio.wrap_future(added)
+            results = await asyncio.gather(
+                *(asyncio.wrap_future(f) for f in added), return_exceptions=True
+            )
         except asyncio.CancelledError:
-            for r in ids:
-                self._requests.pop(r, None)
+            self._forget(ids)
             self._submit(_Abort(ids))
             raise
-        except BaseException:
-            for r in ids:
-                self._requests.pop(r, None)
-            raise
-        return [RequestStream(self, r, live.queue) for r, live in zip(ids, lives, strict=True)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self._forget(ids)
+            self._submit(_Abort(ids))  # the ones the engine took: never half-admitted
+            raise errors[0]
+        streams = [RequestStream(self, r, live.queue) for r, live in zip(ids, lives, strict=True)]
+        out, i = [], 0
+        for request in requests:
+            out.append(streams[i : i + len(request.group)])
+            i += len(request.group)
+        return out
+
+    def _forget(self, ids: list[str]) -> None:
+        for r in ids:
+            self._requests.pop(r, None)
 
     def _check_available(self) -> None:
         self.start()
@@ -377,9 +443,11 @@ class AsyncEngine:
                     idle = True
                     self._poll_transfers()
                     self._refresh_stats()
+                    self._trimmer.tick(time.monotonic(), idle=True)
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
+                self._trimmer.tick(time.monotonic(), idle=False)
                 if idle:
                     idle = False
                     self._await_burst()
@@ -400,10 +468,10 @@ class AsyncEngine:
         """After idling: take commands until none has come for ``batch_wait_ms`` (at
         most ``BATCH_WAIT_MAX_FACTOR`` times it), so that a burst's first step holds
         all of it rather than the first request alone (engine thread)."""
-        gap = self.engine.config.scheduler.batch_wait_ms / 1000.0
+        gap = self._burst.gap_s
         if gap <= 0:
             return
-        deadline = time.monotonic() + gap * BATCH_WAIT_MAX_FACTOR
+        deadline = time.monotonic() + self._burst.max_wait_s
         while not self._stop:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._wake.wait(timeout=min(gap, remaining)):
@@ -413,7 +481,7 @@ class AsyncEngine:
 
     def _drain_commands(self, *, hold: bool = True) -> None:
         """Apply queued commands; with ``hold``, adds reaching a busy engine are held
-        (see :meth:`_release_held`)."""
+        (:class:`~kvserve.engine.admission.BurstGate`)."""
         while True:
             with self._lock:
                 if not self._commands:
@@ -421,17 +489,12 @@ class AsyncEngine:
                 command = self._commands.popleft()
             match command:
                 case _Add(request, added):
-                    if hold and self._batch_wait_s() > 0 and self.engine.has_unfinished_requests():
-                        self._held.append(command)  # see _release_held
-                    else:
+                    busy = hold and self.engine.has_unfinished_requests()
+                    if isinstance(self._burst.offer(command, command.at, busy=busy), AddNow):
                         self._do_add(request, added)
                 case _Abort(req_ids):
-                    gone = set(req_ids)
-                    dropped = [c for c in self._held if c.request.req_id in gone]
-                    if dropped:
-                        self._held = [c for c in self._held if c.request.req_id not in gone]
-                        for c in dropped:
-                            self._fail_add(c.added, RequestError("the request was aborted"))
+                    for c in self._burst.remove_where(_for_ids(set(req_ids))):
+                        self._fail_add(c, RequestError("the request was aborted"))
                     aborted = self.engine.abort_requests(req_ids)
                     if aborted:
                         for delta in aborted:
@@ -439,10 +502,14 @@ class AsyncEngine:
                         self._refresh_stats()
                 case _Stop():
                     self._stop = True
-                    self._fail_held(EngineUnavailableError("the server is shutting down"))
+                    cut = EngineUnavailableError(
+                        "the server shut down before this request finished; retry it"
+                    )
+                    self._fail_held(cut)
                     aborted = self.engine.abort_requests(list(self._requests))
-                    if aborted:
-                        self._deliver(aborted)
+                    for delta in aborted:
+                        self._record(delta)
+                    self._fail([d.request_id for d in aborted], cut, count=False)
                     return
 
     def _poll_transfers(self) -> None:
@@ -453,48 +520,29 @@ class AsyncEngine:
                 self._record(delta)
             self._deliver(failed)
 
-    def _batch_wait_s(self) -> float:
-        return self.engine.config.scheduler.batch_wait_ms / 1000.0
-
     def _release_held(self) -> None:
-        """Adds that reached a busy engine wait here while their burst is still
-        arriving: they join the engine together once none has come for
-        ``batch_wait_ms``, the oldest has waited ``BATCH_WAIT_MAX_FACTOR`` times that,
-        or the engine has nothing else to run. Steps meanwhile carry on with the
-        running requests, so a burst's prompts start in one step instead of being
-        split over two, where the first half's first inter-token gap is the second
-        half's whole prefill (engine thread)."""
-        if not self._held:
-            return
-        now, gap = time.monotonic(), self._batch_wait_s()
-        if (
-            self.engine.has_unfinished_requests()
-            and now - self._held[-1].at < gap
-            and now - self._held[0].at < gap * BATCH_WAIT_MAX_FACTOR
-        ):
-            return
-        held, self._held = self._held, []
-        for command in held:
+        """Add the held adds whose burst is over (engine thread)."""
+        busy = self.engine.has_unfinished_requests()
+        for command in self._burst.release(time.monotonic(), busy=busy):
             self._do_add(command.request, command.added)
 
     def _fail_held(self, error: BaseException) -> None:
-        held, self._held = self._held, []
-        for command in held:
-            self._fail_add(command.added, error)
+        for command in self._burst.take_all():
+            self._fail_add(command, error)
 
-    def _fail_add(self, added: concurrent.futures.Future[str], error: BaseException) -> None:
+    def _fail_add(self, command: _Add, error: BaseException) -> None:
         with self._lock:
-            self._num_pending_adds -= 1
-        if not added.done():
-            added.set_exception(error)
+            self._num_pending_seqs -= len(command.request.group)
+        if not command.added.done():
+            command.added.set_exception(error)
 
     def _do_add(self, request: Request, added: concurrent.futures.Future[str]) -> None:
         try:
             self.engine.add(request)
         except BaseException as e:
-            self._fail_add(added, e)
+            self._fail_add(_Add(request, added), e)
             return
-        self._refresh_stats(pending_delta=-1)
+        self._refresh_stats(pending_delta=-len(request.group))
         added.set_result(request.req_id)
 
     def _step(self) -> None:
@@ -556,7 +604,7 @@ class AsyncEngine:
         with self._lock:
             if stats is not None:
                 self._stats = stats
-            self._num_pending_adds += pending_delta
+            self._num_pending_seqs += pending_delta
 
     def _deliver(self, items: list[RequestDelta]) -> None:
         loop = self._loop
@@ -564,8 +612,8 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):  # loop closed meanwhile
                 loop.call_soon_threadsafe(self._dispatch, items)
 
-    def _fail(self, req_ids: list[str], error: BaseException) -> None:
-        for _ in req_ids:
+    def _fail(self, req_ids: list[str], error: BaseException, *, count: bool = True) -> None:
+        for _ in req_ids if count else ():
             self.metrics.count_finished("error")
         loop = self._loop
         if loop is not None and not loop.is_closed():

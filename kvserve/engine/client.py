@@ -75,3 +75,11 @@ class EngineClient(Protocol):
     ) -> Sequence[DeltaStream]:
         """Queue a request and return one stream per sample (``n``/``best_of``)."""
         ...
+
+    async def submit_all(
+        self, requests: list[Request], *, max_waiting: int | None = None
+    ) -> Sequence[Sequence[DeltaStream]]:
+        """Queue the requests of one HTTP request all or none (their sequences are
+        admitted together, ``kvserve.engine.admission``); the streams of each
+        request's samples, request by request."""
+        ...

@@ -31,6 +31,7 @@ from kvserve.engine.args import with_max_model_len
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestMetrics
 from kvserve.engine.runner import ModelInfo, Runner
+from kvserve.engine.validation import RequestLimits, validate_request
 from kvserve.kv_cache import KVCacheManager
 from kvserve.request import (
     FinishReason,
@@ -38,7 +39,6 @@ from kvserve.request import (
     RequestError,
     RequestStatus,
     SamplingParams,
-    check_prompt,
 )
 from kvserve.sched import make_scheduler
 from kvserve.sched.output import Logprobs, ModelRunnerOutput
@@ -102,6 +102,9 @@ class EngineCore:
         self.max_model_len: int = config.scheduler.max_model_len
         self.eos_token_ids: list[int] = list(loaded.eos_token_ids)
         self.vocab_size: int = loaded.vocab_size
+        self.limits = RequestLimits(
+            self.max_model_len, self.vocab_size, config.scheduler.max_num_seqs
+        )
         self.grammar_compiler = GrammarCompiler(
             loaded.tokenizer,
             loaded.vocab_size,
@@ -150,30 +153,9 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise :class:`RequestError` (with the fix, and the field in ``param``) if this
-        request can never be served. Changes nothing."""
-        check_prompt(
-            prompt_token_ids,
-            params.max_tokens,
-            max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
-        )
-        bad = [t for t in params.logit_bias or {} if t >= self.vocab_size]
-        if bad:
-            raise RequestError(
-                f"logit_bias names token id {bad[0]}, past the vocabulary: token ids must be "
-                f"in [0, {self.vocab_size})",
-                param="logit_bias",
-            )
-        if params.structured_outputs is not None:
-            try:
-                self.grammar_compiler.check(params.structured_outputs)
-            except RequestError:
-                raise
-            except Exception as e:  # e.g. a tokenizer the grammar library cannot read
-                raise RequestError(
-                    f"structured outputs are not available for this model: {e}",
-                    param="structured_outputs",
-                ) from None
+        request can never be served (:func:`kvserve.engine.validation.validate_request`).
+        Changes nothing."""
+        validate_request(prompt_token_ids, params, self.limits, grammar=self.grammar_compiler)
 
     def make_request(
         self,
@@ -299,6 +281,13 @@ class EngineCore:
             if state is not None and state.prompt_logprobs is not None:
                 # entry j scores prompt token start + j + 1 (a recomputed chunk overwrites)
                 state.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries
+        # Requests the runner cannot go on with end with an error before the update,
+        # which then skips them (their sampled token is dropped, never a "stop").
+        for req_id, error in runner_out.failed.items():
+            gone = self._states.pop(req_id, None)
+            if gone is not None:
+                self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+                failed.append(self._delta(gone.request, FinishReason.ERROR, error=error))
         core_outs = self.scheduler.update_from_output(sched_out, runner_out)
         deltas: list[RequestDelta] = failed
         for out in core_outs:
@@ -399,7 +388,9 @@ class EngineCore:
         sched = self.scheduler
         return EngineStats(
             num_requests_running=sched.num_running,
-            num_requests_waiting=sched.num_waiting,
+            num_requests_waiting=sched.num_waiting + len(sched.waiting_for_remote),
+            num_requests_waiting_for_remote_kv=len(sched.waiting_for_remote),
+            num_seqs_unfinished=len(sched.requests),
             kv_cache_usage_perc=kv.usage,
             num_active_blocks=kv.num_active_blocks,
             num_reclaimable_blocks=kv.num_reclaimable_blocks,

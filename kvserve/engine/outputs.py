@@ -94,7 +94,12 @@ class EngineStats:
     read from any thread. Counts are since the engine started."""
 
     num_requests_running: int = 0
+    # Waiting to be scheduled, including requests whose prompt KV is still arriving
+    # from a prefill worker (decode role; also in num_requests_waiting_for_remote_kv).
     num_requests_waiting: int = 0
+    num_requests_waiting_for_remote_kv: int = 0
+    # Every unfinished sequence: running, waiting, samples not yet forked (admission).
+    num_seqs_unfinished: int = 0
     kv_cache_usage_perc: float = 0.0  # 0 to 1; 1 = full
     num_active_blocks: int = 0
     num_reclaimable_blocks: int = 0

@@ -14,8 +14,8 @@ Rules this module keeps:
   ``{"error": {"message", "type", "param", "code"}}``: 400 bad values, types or JSON;
   401 wrong or missing API key (``/v1/*``, ``/tokenize``, ``/detokenize`` when a key
   is configured; ``/health`` and ``/metrics`` stay open, as in vLLM); 404 unknown
-  model or route; 503 + ``Retry-After`` when ``max_queue_len`` requests already
-  wait, or while shutting down.
+  model or route; 429 + ``Retry-After`` when a request's sequences do not fit the
+  queue (``max_queue_len``); 503 + ``Retry-After`` while shutting down.
 - A client that disconnects (mid-stream or while waiting for a non-streamed answer)
   has its requests aborted in the engine at once, which frees their KV blocks.
 """
@@ -39,6 +39,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.engine.client import EngineClient
 from kvserve.entrypoints.openai_errors import APIError, bad_request, validation_error_to_api
 from kvserve.entrypoints.openai_protocol import (
@@ -63,13 +64,16 @@ def build_app(
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_queue_len: int | None = None,
+    max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncEngine``, or the scale-out
     ingress's ``RemoteEngine``: anything with :class:`~kvserve.engine.client.EngineClient`).
 
     ``served_model_name`` (default: the engine's model name) is the one name
-    ``model`` may take. ``max_queue_len``: past this many waiting requests, new ones
-    get 503 with Retry-After (None: no limit). The engine thread starts with the
+    ``model`` may take. ``max_queue_len``: a request whose sequences (prompts x n)
+    do not fit beside the running ones and this many waiting ones gets 429 with
+    Retry-After (None: no limit); ``max_prompts_per_request``: more prompts in one
+    request is a 400 (None: no limit); see ``kvserve.engine.admission``. The engine thread starts with the
     app's lifespan (or at the first request); lifespan shutdown stops it.
     """
     if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 0):
@@ -78,7 +82,12 @@ def build_app(
             "limit (for example: max_queue_len=64)"
         )
     served = served_model_name or async_engine.model_name
-    serving = OpenAIServing(async_engine, served_model_name=served, max_queue_len=max_queue_len)
+    serving = OpenAIServing(
+        async_engine,
+        served_model_name=served,
+        max_queue_len=max_queue_len,
+        max_prompts_per_request=max_prompts_per_request,
+    )
     started = time.time()
 
     @contextlib.asynccontextmanager
@@ -131,7 +140,13 @@ def build_app(
     async def health() -> Response:
         if async_engine.is_healthy:
             return Response(status_code=200)
-        err = APIError(503, "the engine is not running", type="server_error", code=503)
+        err = APIError(
+            503,
+            "the engine is not ready: starting, shutting down, stopped, or (decode role) "
+            "waiting for its first prefill peer to answer",
+            type="server_error",
+            code=503,
+        )
         return JSONResponse(err.body(), status_code=503)
 
     @app.get("/metrics")

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST, check_prompt_count
 from kvserve.engine.async_engine import (
     EngineUnavailableError,
     KVTransferFailedError,
@@ -102,6 +103,8 @@ def sse(data: dict[str, Any] | str) -> str:
 def error_event(e: BaseException) -> str:
     if isinstance(e, APIError):
         return sse(e.body())
+    if isinstance(e, EngineUnavailableError):
+        return sse(APIError(503, str(e), type="server_error", code="engine_unavailable").body())
     return sse(
         {
             "error": {
@@ -151,8 +154,10 @@ class OpenAIServing:
         *,
         served_model_name: str,
         max_queue_len: int | None = None,
+        max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST,
     ) -> None:
         self.engine = engine
+        self.max_prompts_per_request = max_prompts_per_request
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
         self.max_queue_len = max_queue_len
@@ -196,17 +201,14 @@ class OpenAIServing:
             raise request_error_to_api(e, names) from None
         streams: list[DeltaStream] = []
         try:
-            for i, request in enumerate(requests):
-                # One queue-length check per HTTP request: a batch is admitted whole.
-                max_waiting = self.max_queue_len if i == 0 else None
-                streams += await self.engine.submit_samples(request, max_waiting=max_waiting)
+            # All prompts' sequences are admitted together or refused together.
+            for group in await self.engine.submit_all(requests, max_waiting=self.max_queue_len):
+                streams += group
         except BaseException as e:
-            for s in streams:
-                s.abort()
             if isinstance(e, QueueFullError):
                 raise APIError(
-                    503,
-                    f"the server is overloaded: {e}",
+                    429,
+                    f"the server is busy: {e}",
                     type="server_error",
                     code="queue_full",
                     headers={"Retry-After": str(RETRY_AFTER_S)},
@@ -240,7 +242,15 @@ class OpenAIServing:
                 code="kv_transfer_failed",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from None
-        except (RequestFailedError, EngineUnavailableError) as e:
+        except EngineUnavailableError as e:  # shutting down: the request was cut
+            raise APIError(
+                503,
+                str(e),
+                type="server_error",
+                code="engine_unavailable",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        except RequestFailedError as e:
             raise APIError(500, str(e), type="server_error", code=500) from None
         return choices
 
@@ -249,6 +259,10 @@ class OpenAIServing:
         """Validate and queue every prompt (all or none)."""
         self.check_model(req.model)
         req.check()
+        try:  # before tokenizing anything
+            check_prompt_count(len(req.prompts()), self.max_prompts_per_request)
+        except RequestError as e:
+            raise request_error_to_api(e, req.param_names("max_tokens")) from None
         inputs: list[tuple[str | None, list[int], SamplingParams]] = []
         echo_texts: list[str] = []
         prompt_ids: list[list[int]] = []

@@ -17,6 +17,7 @@ streams end), the engine thread stops, and the command returns 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import logging
@@ -25,10 +26,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from types import FrameType
 
 import uvicorn
 
+from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.engine.args import add_engine_arguments, build_engine_config, engine_kwargs_from_args
 from kvserve.kv_transfer.factory import (
     add_kv_transfer_arguments,
@@ -39,6 +42,7 @@ from kvserve.kv_transfer.factory import (
 logger = logging.getLogger("kvserve.serve")
 
 
+FLUSH_TIMEOUT_S = 5  # after the drain: time to write out the cut responses
 GC_GEN0_THRESHOLD = 70_000  # allocations between young collections while serving
 
 
@@ -64,7 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queue-len",
         type=_non_negative_int,
         default=None,
-        help="answer 503 + Retry-After once this many requests wait to be scheduled",
+        help="answer 429 + Retry-After when a request's sequences (prompts x n) would make "
+        "more than this many wait to be scheduled (default: no limit)",
+    )
+    parser.add_argument(
+        "--max-prompts-per-request",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        help="refuse (400) a completions request with more prompts than this (default "
+        f"{DEFAULT_MAX_PROMPTS_PER_REQUEST}; 0: no limit)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -110,6 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_non_negative_int,
         default=None,
         help="torch threads of each replica (default: this machine's cores / N)",
+    )
+    scale.add_argument(
+        "--min-healthy-replicas",
+        type=_non_negative_int,
+        default=None,
+        help="GET /health answers 503 while fewer replicas than this are alive (default: "
+        "all --replicas)",
     )
     scale.add_argument(
         "--routing",
@@ -172,6 +191,7 @@ def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             served_model_name=args.served_model_name,
             api_key=api_key,
             max_queue_len=args.max_queue_len,
+            min_healthy_replicas=args.min_healthy_replicas,
         )
     except (ValueError, TypeError) as e:
         print(f"kvserve serve: {e}", file=sys.stderr)
@@ -245,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
             api_key=api_key,
             served_model_name=args.served_model_name,
             max_queue_len=args.max_queue_len,
+            max_prompts_per_request=args.max_prompts_per_request or None,
         )
     logger.info(
         "loaded %s in %.1f s (dtype=%s, attention=%s, max_model_len=%d, %d KV blocks, "
@@ -260,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         " (API key required)" if api_key else "",
     )
+    grace = args.graceful_shutdown_timeout
     server = _Server(
         uvicorn.Config(
             app,
@@ -267,8 +289,11 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             log_level=args.log_level,
             access_log=args.access_log,
-            timeout_graceful_shutdown=args.graceful_shutdown_timeout,
-        )
+            # The drain below already waited for the requests; this only bounds
+            # writing out the cut ones' last bytes.
+            timeout_graceful_shutdown=min(grace, FLUSH_TIMEOUT_S),
+        ),
+        drain=lambda: async_engine.shutdown(drain_timeout_s=grace),
     )
     server.run()
     if server.started:
@@ -277,9 +302,37 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that a SIGTERM/SIGINT that triggered the graceful
-    shutdown is not re-raised afterwards (uvicorn re-raises it, which turns a clean
-    shutdown into exit status -15)."""
+    """uvicorn's server with kvserve's graceful shutdown. On the first SIGTERM/SIGINT:
+    the listening sockets close (no new connection), the engine refuses new requests
+    (503), ``drain()`` lets in-flight requests finish for up to the grace period and
+    cuts the rest (an error event then ``[DONE]`` on streams, a JSON 503 otherwise),
+    and uvicorn exits as soon as that is done — at once when nothing was in flight.
+    A second signal exits without waiting. The signal is not re-raised afterwards
+    (uvicorn re-raises it, which turns a clean shutdown into exit status -15)."""
+
+    def __init__(
+        self, config: uvicorn.Config, *, drain: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._exit_requested = False
+        self._drain_task: asyncio.Future[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain is None or self._exit_requested:
+            self.should_exit = True
+            return
+        self._exit_requested = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._exit_requested and self._drain_task is None and self._drain is not None:
+            logger.info("shutting down: no new requests; draining in-flight ones")
+            for listener in getattr(self, "servers", []):
+                listener.close()
+            self._drain_task = asyncio.ensure_future(self._drain())
+        if self._drain_task is not None and self._drain_task.done():
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -140,6 +140,15 @@ class DecodeConnector:
             self._wakeup()
 
     @property
+    def is_ready(self) -> bool:
+        """False until a prefill peer has answered a ping: before that every long
+        prompt would be prefilled locally ("no prefill peer alive") although the peer
+        is only starting, so the server reports not ready (``/health`` 503) until
+        then. Once true it stays true: a peer lost later is the failure policy's."""
+        with self._lock:
+            return self.peers.any_answered
+
+    @property
     def num_in_flight(self) -> int:
         with self._lock:
             return len(self._remote)

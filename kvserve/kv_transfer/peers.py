@@ -41,6 +41,11 @@ class PeerTable:
             peer.last_pong = self._clock()
             peer.reported_load = load
 
+    @property
+    def any_answered(self) -> bool:
+        """Whether some peer has answered a ping at least once (since start)."""
+        return any(p.last_pong > float("-inf") for p in self._peers.values())
+
     def is_alive(self, address: str) -> bool:
         peer = self._peers.get(address)
         return peer is not None and self._clock() - peer.last_pong <= self.stale_s

@@ -86,6 +86,11 @@ class PrefillConnector:
         self._sender.start()
 
     # ------------------------------------------------------------------ service API
+    @property
+    def is_ready(self) -> bool:
+        """A prefill worker needs no peer to serve (decode workers come to it)."""
+        return True
+
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
         self._wakeup = wakeup
 

@@ -48,9 +48,10 @@ from collections.abc import Callable, Iterable
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.block_pool import KVCacheBlock
 from kvserve.kv_cache.hashing import BlockHash
-from kvserve.kv_cache.manager import KVCacheManager, cdiv
+from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_transfer.connector import KVConnectorScheduler
-from kvserve.request import Request, RequestError, RequestStatus, check_prompt
+from kvserve.request import Request, RequestStatus
+from kvserve.sched.admission import check_schedulable, running_seqs
 from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.sched.samples import SampleForker, core_output
 from kvserve.sched.step_builder import StepBuilder, chunk_size
@@ -183,52 +184,15 @@ class Scheduler(abc.ABC):
         self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
-        """Raise ValueError when the id is taken or the request was already used, and
-        :class:`RequestError` when it breaks the length rule of
-        :func:`~kvserve.request.check_prompt` or could never fit in the whole KV cache
-        (it would wait forever). Changes nothing."""
-        req_id = request.req_id
-        if req_id in self.requests:
-            raise RequestError(
-                f"request id {req_id!r} is already queued: use a unique id per request",
-                param="request_id",
-            )
-        if (
-            request.status != RequestStatus.WAITING
-            or request.num_computed_tokens
-            or request.output_token_ids
-        ):
-            raise ValueError(
-                f"request {req_id!r} is not fresh ({request!r}): add a new Request object"
-            )
-        group = 1 + len(request.pending_forks)
-        if group > self.max_num_seqs:
-            raise RequestError(
-                f"request {req_id!r} asks for {group} samples but max_num_seqs is "
-                f"{self.max_num_seqs}: lower n/best_of to at most {self.max_num_seqs} or start "
-                f"the engine with max_num_seqs >= {group}",
-                param="n",
-            )
-        if any(s.req_id in self.requests for s in request.pending_forks):
-            raise RequestError(
-                f"a sample id of request {req_id!r} is already queued: use a unique id",
-                param="request_id",
-            )
-        # The engine checked max_tokens too; generating up to max_model_len finishes
-        # the request as "length", so here only the prompt must leave room.
-        check_prompt(request.prompt_token_ids, None, max_model_len=self.max_model_len)
-        # Tokens that ever need KV: everything except the last sampled token.
-        worst = min(request.num_prompt_tokens + request.max_tokens - 1, self.max_model_len)
-        kv = self.kv_cache_manager
-        if kv.max_concurrent_requests(worst) < 1:
-            bs = kv.block_size
-            raise RequestError(
-                f"request {req_id!r} may need KV for {worst} tokens ({cdiv(worst, bs)} blocks of "
-                f"{bs}) but the KV cache has only {kv.num_blocks - 1} usable blocks: lower "
-                f"max_tokens or the prompt length, or give the cache more blocks "
-                f"(for example: num_kv_blocks={cdiv(worst, bs) + 1})",
-                param="max_tokens",
-            )
+        """:func:`~kvserve.sched.admission.check_schedulable` against this scheduler's
+        queues, ``max_num_seqs``, ``max_model_len`` and KV cache. Changes nothing."""
+        check_schedulable(
+            request,
+            self.requests,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            kv=self.kv_cache_manager,
+        )
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish requests now (abort, stop string): their blocks are freed at once and
@@ -269,8 +233,10 @@ class Scheduler(abc.ABC):
         self._set_state(self._state)
 
     def _group_fits(self, request: Request) -> bool:
-        """Whether admitting ``request`` and its pending samples keeps ``max_num_seqs``."""
-        return len(self.running) + 1 + len(request.pending_forks) <= self.max_num_seqs
+        """Whether admitting ``request`` and its pending samples keeps ``max_num_seqs``,
+        counting the samples running leaders will fork (they join ``running`` when the
+        leader's prompt is computed)."""
+        return running_seqs(self.running) + 1 + len(request.pending_forks) <= self.max_num_seqs
 
     def _new_step(self) -> StepBuilder:
         """A StepBuilder that sends forked samples to the runner as new requests."""

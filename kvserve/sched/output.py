@@ -133,6 +133,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+    # Requests the runner cannot go on with (their grammar matcher failed): req id ->
+    # why. The engine ends them with an error; their sampled token is dropped.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

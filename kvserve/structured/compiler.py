@@ -110,6 +110,8 @@ class GrammarCompiler:
         if not error:
             matcher = LLMatcher(tokenizer, grammar, log_level=0)
             error = matcher.get_error() if matcher.is_error() else ""
+        if not error:
+            error = self._probe(matcher.deep_copy())
         if error:
             raise RequestError(
                 f"invalid {kind} for structured outputs: {error.strip()}; fix the "
@@ -117,6 +119,52 @@ class GrammarCompiler:
                 param=field,
             )
         return matcher
+
+    def _probe(self, matcher: Any) -> str:
+        """Walk the first ``PROBE_TOKENS`` tokens of one allowed path (the lowest
+        allowed id each time); the error text when the constraint can produce no
+        output at all (a schema whose ``$ref`` only refers to itself allows no first
+        token) or its matcher fails on a token it allowed (a regex such as
+        ``a{1000000}`` exceeds the lexer's limits on the first one), else "". A
+        bounded check, not a proof: a failure deeper than the probe still ends the
+        request with an error mid-generation (``StructuredBatch``)."""
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+        from kvserve.structured.matcher import unpack_bitmask
+
+        eos = self.eos_token_id
+        for step in range(PROBE_TOKENS):
+            if matcher.is_stopped() or matcher.is_accepting():
+                return ""
+            bitmask = allocate_token_bitmask(1, self.vocab_size)
+            fill_next_token_bitmask(matcher, bitmask, 0)
+            allowed = unpack_bitmask(bitmask, self.vocab_size)[0]
+            if matcher.is_error():
+                return (
+                    f"it cannot be followed ({_first_line(matcher.get_error())} after {step} "
+                    "tokens; for example a $ref that only refers to itself allows no output)"
+                )
+            if eos is not None and eos < self.vocab_size:
+                allowed[eos] = False
+            ids = allowed.nonzero()
+            if ids.numel() == 0:
+                return (
+                    "it can never produce any output (no token is allowed "
+                    + ("at the start" if step == 0 else f"after {step} tokens")
+                    + "; for example a $ref that only refers to itself)"
+                )
+            if not matcher.consume_token(int(ids[0])) or matcher.is_error():
+                return _first_line(matcher.get_error()) or "its matcher failed on a token"
+        return ""
+
+
+# Tokens of one path the compile-time probe walks (GrammarCompiler._probe).
+PROBE_TOKENS = 16
+
+
+def _first_line(text: str) -> str:
+    text = text.strip()
+    return text.splitlines()[0] if text else ""
 
 
 _WHAT = {

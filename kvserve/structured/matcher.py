@@ -8,9 +8,11 @@ request) and the token masks it hands to the sampler each step.
 
 A mask is ``[rows, vocab]`` bool, True where the token is allowed: the constrained
 rows from their matcher (llguidance fills a packed 32-bit bitmask, unpacked here),
-every other row all True. A matcher that allows nothing (an error state, which the
-masks should never let happen) allows the EOS token, so the request ends instead of
-sampling from an empty distribution.
+every other row all True. A matcher that allows nothing, or is in an error state
+after a token (the compile-time probe, ``GrammarCompiler.check``, makes this rare),
+is a *failure*: its row allows only EOS so that sampling stays defined, and
+:meth:`take_failures` reports it so that the engine ends the request with an error,
+never as a normal stop.
 
 Rules for callers: :meth:`StructuredBatch.add` a request when the runner learns it
 (with the tokens it already generated, e.g. after a preemption or a fork),
@@ -36,6 +38,7 @@ class StructuredBatch:
         self.compiler = compiler
         self.vocab_size = compiler.vocab_size
         self.matchers: dict[str, Any] = {}
+        self._failures: dict[str, str] = {}
         self._pool: ThreadPoolExecutor | None = None
 
     def add(self, req_id: str, params: SamplingParams, output_token_ids: list[int]) -> None:
@@ -50,11 +53,30 @@ class StructuredBatch:
 
     def drop(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
+        self._failures.pop(req_id, None)
 
     def accept(self, req_id: str, token_id: int) -> None:
         matcher = self.matchers.get(req_id)
-        if matcher is not None:
-            matcher.consume_token(token_id)
+        if matcher is None:
+            return
+        ok = matcher.consume_token(token_id)
+        if matcher.is_error() or ok is False:
+            self._fail(req_id, matcher, f"token {token_id} was not accepted")
+
+    def take_failures(self) -> dict[str, str]:
+        """Requests whose matcher failed since the last call: req id -> why (once each;
+        a failed request keeps its EOS-only row until :meth:`drop`)."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def _fail(self, req_id: str, matcher: Any, what: str) -> None:
+        detail = matcher.get_error() if matcher.is_error() else ""
+        detail = detail.strip().splitlines()[0] if detail.strip() else what
+        self._failures.setdefault(
+            req_id,
+            f"structured outputs failed mid-generation: {detail}; the output would not "
+            "match the requested format (simplify the schema, regex or grammar)",
+        )
 
     def start_masks(self, req_ids: list[str]) -> Future[torch.Tensor] | None:
         """Start filling the masks of these sampled rows on the mask thread; None when
@@ -64,14 +86,14 @@ class StructuredBatch:
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-mask")
-        return self._pool.submit(self._masks, matchers)
+        return self._pool.submit(self._masks, list(req_ids), matchers)
 
     def masks_now(self, req_ids: list[str]) -> torch.Tensor | None:
         """:meth:`start_masks` without the thread (tests, benchmarks)."""
         matchers = [self.matchers.get(r) for r in req_ids]
-        return None if all(m is None for m in matchers) else self._masks(matchers)
+        return None if all(m is None for m in matchers) else self._masks(req_ids, matchers)
 
-    def _masks(self, matchers: list[Any]) -> torch.Tensor:
+    def _masks(self, req_ids: list[str], matchers: list[Any]) -> torch.Tensor:
         from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
         rows = [i for i, m in enumerate(matchers) if m is not None]
@@ -80,8 +102,11 @@ class StructuredBatch:
             fill_next_token_bitmask(matchers[i], bitmask, j)
         allowed = unpack_bitmask(bitmask, self.vocab_size)  # [R, V]
         eos = self.compiler.eos_token_id
+        empty = ~allowed.any(dim=1)
+        for j, i in enumerate(rows):
+            if empty[j] or matchers[i].is_error():  # llguidance then allows only EOS
+                self._fail(req_ids[i], matchers[i], "no token is allowed")
         if eos is not None:
-            empty = ~allowed.any(dim=1)
             allowed[empty, eos] = True
         mask = torch.ones(len(matchers), self.vocab_size, dtype=torch.bool)
         mask[rows] = allowed

@@ -179,6 +179,8 @@ class ModelRunner:
         )
         if inputs.sample_req_ids:
             self._sample(so, inputs, hidden, masks.result() if masks else None, out)
+        if self.structured is not None:
+            out.failed = self.structured.take_failures()
         return out
 
     def _sample(

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -215,6 +217,22 @@ def test_replica_kill(cluster: ServerProcess) -> None:
         assert victim is not None, "no replica reports the running stream"
         os.kill(before[victim], signal.SIGKILL)
         killed_at = time.monotonic()
+        # The dead replica leaves /cluster/replicas and /health turns 503 (fewer than
+        # --min-healthy-replicas, default all) within a few watch periods.
+        gone = unhealthy = None
+        while time.monotonic() - killed_at < 5 and (gone is None or unhealthy is None):
+            listed = {
+                r["replica"] for r in httpx.get(base + "/cluster/replicas").json()["replicas"]
+            }
+            if gone is None and victim not in listed:
+                gone = time.monotonic() - killed_at
+            if unhealthy is None and httpx.get(base + "/health").status_code == 503:
+                unhealthy = time.monotonic() - killed_at
+            time.sleep(0.1)
+        assert gone is not None and unhealthy is not None, (gone, unhealthy)
+        print(
+            f"kill: gone from /cluster/replicas in {gone:.2f} s, /health 503 in {unhealthy:.2f} s"
+        )
         # new requests from the moment of the kill: 3 clients, 8 each (bounded)
         outcomes = _requests_after(base, killed_at, num_clients=3, per_client=8)
         events += [line[6:] for line in lines if line.startswith("data: ")]
@@ -236,3 +254,42 @@ def test_replica_kill(cluster: ServerProcess) -> None:
             break
         time.sleep(1.0)
     assert len(now) == 2 and victim not in now, now
+    deadline = time.monotonic() + 10
+    while httpx.get(base + "/health").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert httpx.get(base + "/health").status_code == 200  # all replicas serve again
+
+
+def _descendants(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parents.items() if p == pid and c not in found]
+        found.update(children)
+        frontier.extend(children)
+    return found
+
+
+def test_every_listener_binds_loopback(cluster: ServerProcess) -> None:
+    """Every TCP listener of the local cluster's processes (Ray, Serve's proxy, each
+    replica's inter-deployment gRPC server) is on 127.0.0.1 (``ss -ltnp``)."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
+    ours = _descendants(cluster.proc.pid)
+    listeners = []
+    for line in out.splitlines():
+        fields = line.split()
+        pids = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        if pids & ours:
+            listeners.append((fields[3], line))
+    assert listeners, "no listener found for the cluster's processes"
+    loopback = ("127.0.0.1:", "[::1]:", "[::ffff:127.0.0.1]:")
+    public = [line for local, line in listeners if not local.startswith(loopback)]
+    assert public == [], public

@@ -88,3 +88,61 @@ def test_router_metrics_count_decisions_and_fractions() -> None:
     assert values[key] == 1.0
     assert values[("kvserve:router_matched_prefix_fraction_sum", ())] == pytest.approx(0.75)
     assert values[("kvserve:router_matched_prefix_fraction_count", ())] == 1.0
+
+
+def test_local_cluster_replicas_bind_serve_grpc_to_loopback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ray Serve binds each replica's inter-deployment gRPC server to [::]; in a local
+    cluster kvserve's deployments rebind it to 127.0.0.1 (cluster/loopback.py)."""
+    pytest.importorskip("ray")
+    import ray.serve._private.replica as replica_module
+
+    from kvserve.cluster import loopback
+
+    seen: list[str] = []
+    monkeypatch.setattr(replica_module, "add_port_to_grpc_server", lambda s, a: seen.append(a))
+    monkeypatch.delenv(loopback.LOCAL_CLUSTER_ENV, raising=False)
+    assert not loopback.bind_serve_grpc_to_loopback()  # a joined cluster: Ray's binding
+    monkeypatch.setenv(loopback.LOCAL_CLUSTER_ENV, "1")
+    assert loopback.bind_serve_grpc_to_loopback()
+    assert loopback.bind_serve_grpc_to_loopback()  # idempotent: wrapped once
+    replica_module.add_port_to_grpc_server(None, "[::]:0")
+    assert seen == ["127.0.0.1:0"]
+
+
+def test_min_healthy_replicas_is_checked() -> None:
+    pytest.importorskip("ray")
+    from kvserve.cluster.app import ClusterOptions
+
+    with pytest.raises(ValueError, match="--min-healthy-replicas 3"):
+        ClusterOptions(num_replicas=2, threads_per_replica=1, min_healthy_replicas=3)
+    assert ClusterOptions(num_replicas=2, threads_per_replica=1, min_healthy_replicas=1)
+
+
+def test_metrics_hub_drops_a_dead_replica_at_once() -> None:
+    pytest.importorskip("ray")
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayActorError
+
+    from kvserve.cluster.metrics_hub import MetricsHub
+
+    def actor(alive: dict[str, bool]) -> object:
+        async def ready() -> bool:
+            if not alive["on"]:
+                raise RayActorError()
+            return True
+
+        return SimpleNamespace(__ray_ready__=SimpleNamespace(remote=ready))
+
+    a, b = {"on": True}, {"on": True}
+    hub = MetricsHub(stale_after_s=60.0)
+    hub.push("a", 1, "text a", actor(a))
+    hub.push("b", 2, "text b", actor(b))
+    assert set(asyncio.run(hub.snapshot())) == {"a", "b"}
+    b["on"] = False  # killed: gone at the next snapshot, long before it is stale
+    assert set(asyncio.run(hub.snapshot())) == {"a"}
+    hub.push("b", 2, "late push from the dead replica", actor(b))
+    assert set(asyncio.run(hub.snapshot())) == {"a"}

@@ -257,7 +257,7 @@ def test_leaving_a_stream_early_aborts_the_request(tokenizer: Any) -> None:
     )
 
 
-def test_shutdown_aborts_in_flight_and_refuses_new(tokenizer: Any) -> None:
+def test_shutdown_drains_cuts_the_rest_and_refuses_new(tokenizer: Any) -> None:
     core, _ = fake_engine(tokenizer, step_s=0.01)
     engine = AsyncEngine(core)
 
@@ -265,10 +265,18 @@ def test_shutdown_aborts_in_flight_and_refuses_new(tokenizer: Any) -> None:
         stream = await engine.generate([5, 6], SamplingParams(max_tokens=200))
         first = await stream.__anext__()
         assert not first.finished
-        await engine.shutdown(drain_timeout_s=0.05)
-        rest = [d async for d in stream]
-        assert rest[-1].finish_reason == "abort"
+        short = await engine.generate([5, 7], SamplingParams(max_tokens=2))
+        t0 = time.monotonic()
+        await engine.shutdown(drain_timeout_s=0.3)
+        assert time.monotonic() - t0 >= 0.3  # the long one was waited for, then cut
+        with pytest.raises(EngineUnavailableError, match="shut down before"):
+            async for _ in stream:
+                pass
+        drained = [d async for d in short]  # finished within the drain
+        assert drained[-1].finish_reason == "length"
         assert not core.has_unfinished_requests() and not engine.is_healthy
+        assert core.kv_cache_manager.num_active_blocks == 0
+        await engine.shutdown()  # a second call returns
         with pytest.raises(EngineUnavailableError, match="shutting down"):
             await engine.generate([5, 6], SamplingParams(max_tokens=2))
 
@@ -321,3 +329,17 @@ def test_tokenize_and_detokenize_shapes(fake_server: tuple[str, EngineCore]) -> 
     ids = chat.json()["tokens"]
     text = httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"]
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_shutdown_returns_as_soon_as_nothing_is_in_flight(tokenizer: Any) -> None:
+    core, _ = fake_engine(tokenizer, step_s=0.002)
+    engine = AsyncEngine(core)
+
+    async def run() -> float:
+        stream = await engine.generate([5, 6], SamplingParams(max_tokens=3))
+        t0 = time.monotonic()
+        await engine.shutdown(drain_timeout_s=30.0)
+        assert [d async for d in stream][-1].finish_reason == "length"
+        return time.monotonic() - t0
+
+    assert asyncio.run(run()) < 5.0

@@ -1,7 +1,7 @@
 """Queue limit and graceful SIGTERM on a small real server (one running request at a time).
 
 The server runs with ``--max-num-seqs 1 --max-queue-len 1``: one request runs, one may
-wait, a third gets 503 + Retry-After. The SIGTERM test runs last on the same process.
+wait, a third gets 429 + Retry-After. The SIGTERM test runs last on the same process.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _read_events(response: httpx.Response) -> list[str]:
     return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
 
 
-def test_queue_limit_503_with_retry_after(small_server: ServerProcess) -> None:
+def test_queue_limit_429_with_retry_after(small_server: ServerProcess) -> None:
     url = small_server.base_url
     with httpx.Client(timeout=120) as http:
         running = _open_stream(http, small_server, 600)  # long: still running below
@@ -71,7 +71,7 @@ def test_queue_limit_503_with_retry_after(small_server: ServerProcess) -> None:
             json={"prompt": "x", "max_tokens": 2},
             headers=small_server.headers,
         )
-        assert refused.status_code == 503
+        assert refused.status_code == 429
         assert int(refused.headers["Retry-After"]) >= 1
         err = refused.json()["error"]
         assert err["code"] == "queue_full" and "retry" in err["message"]
@@ -96,8 +96,8 @@ def test_queue_limit_503_with_retry_after(small_server: ServerProcess) -> None:
 def test_sigterm_graceful_shutdown(small_server: ServerProcess) -> None:
     with httpx.Client(timeout=120) as http:
         # A request too long to finish within --graceful-shutdown-timeout 2: SIGTERM
-        # closes the port, the stream is cut after the grace period and the process
-        # exits 0.
+        # closes the port, the stream is cut after the grace period (an error event,
+        # then [DONE]) and the process exits 0.
         stream = _open_stream(http, small_server, 900)
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith("data: "))
@@ -105,7 +105,9 @@ def test_sigterm_graceful_shutdown(small_server: ServerProcess) -> None:
         rest: list[str] = []
         with contextlib.suppress(httpx.RemoteProtocolError, httpx.ReadError):
             rest.extend(lines)  # ends: the server closes it (no hang)
-        assert "data: [DONE]" not in rest
+        data = [line[6:] for line in rest if line.startswith("data: ")]
+        assert data[-1] == "[DONE]", data[-3:]
+        assert json.loads(data[-2])["error"]["code"] == "engine_unavailable"
         try:
             code = small_server.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

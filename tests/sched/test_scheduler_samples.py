@@ -175,3 +175,22 @@ def test_fork_unit_block_accounting() -> None:
     kv.allocate_slots(aligned, 32)
     assert kv.fork(aligned, Request("a2", list(range(32)), SamplingParams()), 32) == []
     kv.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["mixed", "separated"])
+def test_running_sequences_never_exceed_max_num_seqs(policy: str) -> None:
+    """Issue 21 item 4: several n=4 groups admitted in one step used to count only
+    their own leader's samples, so 3 groups of 4 ran 12 sequences under max_num_seqs 8."""
+    sched, kv = make(policy, num_blocks=400)
+    for i in range(6):
+        sched.add_request(group(4, req_id=f"g{i}", max_tokens=4))
+    peak = 0
+    for _ in range(60):
+        if not sched.has_unfinished_requests():
+            break
+        run_step(sched)
+        peak = max(peak, sched.num_running)
+        assert sched.num_running <= 8, [r.req_id for r in sched.running]
+    assert peak == 8 and not sched.has_unfinished_requests()
+    assert kv.num_active_blocks == 0
+    kv.check_invariants()
