@@ -41,6 +41,7 @@ from kvserve.request import (
     check_prompt,
 )
 from kvserve.sched import make_scheduler
+from kvserve.sched.cost_model import CostModel, output_features
 from kvserve.sched.output import Logprobs, ModelRunnerOutput
 from kvserve.structured.compiler import GrammarCompiler
 
@@ -130,6 +131,7 @@ class EngineCore:
         self.scheduler = make_scheduler(
             config.scheduler, self.kv_cache_manager, kv_connector=kv_connector, clock=clock
         )
+        self.scheduler.cost_model = _step_cost_model(config, self.runner, loaded.vocab_size)
         # True when the last step computed nothing (e.g. only remote loads pending).
         self.last_step_idle = False
         fit = self.kv_cache_manager.max_concurrent_requests(self.max_model_len)
@@ -273,6 +275,7 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         """Run one scheduler step; return the news for every request that advanced."""
         failed = self.poll_kv_transfer()
+        t0 = time.perf_counter()  # the step's time, for the cost model's online correction
         sched_out = self.scheduler.schedule()
         self.last_step_idle = sched_out.is_empty
         if (
@@ -300,6 +303,8 @@ class EngineCore:
                 # entry j scores prompt token start + j + 1 (a recomputed chunk overwrites)
                 state.prompt_logprobs[start + 1 : start + 1 + len(entries)] = entries
         core_outs = self.scheduler.update_from_output(sched_out, runner_out)
+        if self.scheduler.cost_model is not None and not sched_out.is_empty:
+            self._observe_step(self.scheduler.cost_model, sched_out, runner_out, t0)
         deltas: list[RequestDelta] = failed
         for out in core_outs:
             state = self._states.get(out.req_id)
@@ -335,6 +340,28 @@ class EngineCore:
                 delta.prompt_logprobs = list(state.prompt_logprobs)
             deltas.append(delta)
         return deltas
+
+    def _observe_step(
+        self, model: CostModel, so: Any, out: ModelRunnerOutput, t0: float
+    ) -> None:
+        """Feed the step's measured time (schedule + execute + update) to the cost model."""
+        ms = (time.perf_counter() - t0) * 1e3
+        features = output_features(
+            so.num_scheduled_tokens,
+            so.cached_seq_len,
+            out.sampled_token_ids,
+            so.num_scheduled_tokens_padded,
+            so.decode_batch_size_padded,
+        )
+        predicted = model.observe(features, ms)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "step %s: %d tokens, predicted %.1f ms, measured %.1f ms",
+                so.phase,
+                so.total_num_scheduled_tokens,
+                predicted,
+                ms,
+            )
 
     def poll_kv_transfer(self) -> list[RequestDelta]:
         """Apply finished KV transfers (free sent blocks, resume loaded requests) and
@@ -454,4 +481,24 @@ def _model_runner(
         config.scheduler,
         compile=config.model.compile,
         grammar_compiler=grammar_compiler,
+    )
+
+
+def _step_cost_model(config: EngineConfig, runner: Runner, vocab_size: int) -> CostModel | None:
+    """The scheduler's step-time model: None when ``max_step_ms`` is 0; a runner's own
+    ``cost_model`` attribute when it has one (the simulator's); for the real
+    ModelRunner, fitted now from timed steps (:mod:`kvserve.worker.step_cost`)."""
+    if not config.scheduler.max_step_ms:
+        return None
+    own = getattr(runner, "cost_model", None)
+    if isinstance(own, CostModel):
+        return own
+    from kvserve.worker.model_runner import ModelRunner
+
+    if not isinstance(runner, ModelRunner):
+        return None  # an injected runner without a model: token budgets only
+    from kvserve.worker.step_cost import calibrate
+
+    return calibrate(
+        runner, vocab_size=vocab_size, max_model_len=config.scheduler.max_model_len
     )
