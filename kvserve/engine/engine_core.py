@@ -341,9 +341,7 @@ class EngineCore:
             deltas.append(delta)
         return deltas
 
-    def _observe_step(
-        self, model: CostModel, so: Any, out: ModelRunnerOutput, t0: float
-    ) -> None:
+    def _observe_step(self, model: CostModel, so: Any, out: ModelRunnerOutput, t0: float) -> None:
         """Feed the step's measured time (schedule + execute + update) to the cost model."""
         ms = (time.perf_counter() - t0) * 1e3
         features = output_features(
@@ -499,6 +497,4 @@ def _step_cost_model(config: EngineConfig, runner: Runner, vocab_size: int) -> C
         return None  # an injected runner without a model: token budgets only
     from kvserve.worker.step_cost import calibrate
 
-    return calibrate(
-        runner, vocab_size=vocab_size, max_model_len=config.scheduler.max_model_len
-    )
+    return calibrate(runner, vocab_size=vocab_size, max_model_len=config.scheduler.max_model_len)

@@ -55,6 +55,9 @@ SHORT_PROMPT_TOKENS = 128
 # Under a time budget, the first prompt chunk of a step with decodes gets at least
 # this many tokens (the minimum progress rule; see the module docstring).
 MIN_PROMPT_TOKENS_WITH_DECODES = 32
+# Under a time budget a later chunk this small that does not finish its prompt is
+# left for the next step (a sliver of a prompt costs a row for almost no progress).
+MIN_TIMED_CHUNK_TOKENS = 16
 
 
 class MixedScheduler(Scheduler):
@@ -152,10 +155,11 @@ def _timed_chunk(timed: StepBudget, request: Request, context: int, limit: int) 
     """``limit`` (the chunk the token bounds allow) cut to what fits in ``timed`` at
     ``context``; the step's first prompt chunk keeps at least
     ``MIN_PROMPT_TOKENS_WITH_DECODES`` tokens (the minimum progress rule)."""
-    n = timed.prompt_tokens(context, limit, request.num_tokens - context)
+    remaining = request.num_tokens - context
+    n = timed.prompt_tokens(context, limit, remaining)
     if timed.num_prompt_tokens == 0:
-        n = max(n, min(limit, MIN_PROMPT_TOKENS_WITH_DECODES))
-    return n
+        return max(n, min(limit, MIN_PROMPT_TOKENS_WITH_DECODES))
+    return n if n >= min(remaining, MIN_TIMED_CHUNK_TOKENS) else 0
 
 
 def _timed_room(timed: StepBudget, request: Request, budget: int, cap: int) -> Callable[[int], int]:

@@ -253,8 +253,7 @@ def test_step_time_budget_bounds_mixed_steps(tmp_path, capsys):
     needed here), and a prompt over a longer cached context gets fewer tokens."""
     workload = {
         "requests": [
-            {"id": f"d{i}", "arrival_step": 0, "prompt_len": 16, "max_tokens": 60}
-            for i in range(4)
+            {"id": f"d{i}", "arrival_step": 0, "prompt_len": 16, "max_tokens": 60} for i in range(4)
         ]
         + [{"id": "L", "arrival_step": 1, "prompt_len": 3000, "max_tokens": 4}]
     }
