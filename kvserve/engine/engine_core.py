@@ -435,6 +435,7 @@ class EngineCore:
             total_padding_tokens=sched.total_padding_tokens,
             scheduler_state=str(sched.state),
             num_failed_steps=self.num_failed_steps,
+            **_cost_model_stats(sched.cost_model),
         )
 
     def check_no_leaks(self) -> None:
@@ -480,6 +481,17 @@ def _model_runner(
         compile=config.model.compile,
         grammar_compiler=grammar_compiler,
     )
+
+
+def _cost_model_stats(model: CostModel | None) -> dict[str, float]:
+    if model is None or not model.errors:
+        return {}
+    predicted, measured = model.errors[-1]
+    return {
+        "step_predicted_ms": predicted,
+        "step_measured_ms": measured,
+        "step_time_abs_error": model.abs_error_ewma,
+    }
 
 
 def _step_cost_model(config: EngineConfig, runner: Runner, vocab_size: int) -> CostModel | None:

@@ -165,6 +165,7 @@ class CostModel:
     errors: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=ERROR_HISTORY))
     num_observed: int = 0
     online: bool = True
+    abs_error_ewma: float = 0.0  # moving mean of |predicted - measured| / measured
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[Features, float]], source: str = "fitted") -> CostModel:
@@ -224,6 +225,10 @@ class CostModel:
         if features[1] <= 0 or not measured_ms > 0 or predicted <= 0:
             return 0.0
         self.errors.append((predicted, measured_ms))
+        err = abs(predicted - measured_ms) / measured_ms
+        self.abs_error_ewma += (err - self.abs_error_ewma) * (
+            1.0 if len(self.errors) == 1 else 0.05
+        )
         if not self.online:
             return predicted
         self.num_observed += 1
