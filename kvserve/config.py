@@ -75,6 +75,11 @@ class CacheConfig:
             )
 
 
+# Default token budget of a step (SchedulerConfig.max_num_batched_tokens): large enough
+# that a step without decodes keeps both cores busy; steps with decodes are bounded by
+# time (max_step_ms), not by this.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
 # Default step-time target for steps that also decode (``SchedulerConfig.max_step_ms``);
 # chosen by measurement, see docs/architecture.md ("Step-time budget").
 DEFAULT_MAX_STEP_MS = 150.0
@@ -120,7 +125,7 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 8192
     scheduler_policy: SchedulerPolicy = "mixed"
     long_prefill_token_threshold: int = 0
