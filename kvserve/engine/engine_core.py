@@ -507,6 +507,8 @@ def _step_cost_model(config: EngineConfig, runner: Runner, vocab_size: int) -> C
 
     if not isinstance(runner, ModelRunner):
         return None  # an injected runner without a model: token budgets only
-    from kvserve.worker.step_cost import calibrate
+    from kvserve.worker.step_cost import cached_calibration
 
-    return calibrate(runner, vocab_size=vocab_size, max_model_len=config.scheduler.max_model_len)
+    return cached_calibration(
+        runner, vocab_size=vocab_size, max_model_len=config.scheduler.max_model_len
+    )

@@ -7,6 +7,10 @@ long ones (the attention pairs), decode batches at short and long contexts (the
 decode KV reads, the sampled rows) and mixed steps. Every shape runs
 ``CALIBRATION_REPEATS`` times (the first shape once more, untimed, to warm up).
 
+One fit per process and model: :func:`cached_calibration` reuses it for every
+later engine on the same model, dtype, thread count, block and segment size (tests
+and ``LLM`` objects build many engines), each with its own online correction.
+
 Rules a caller must keep: call :func:`calibrate` before the engine's first step,
 while no request holds KV blocks (the shapes write into free blocks 1.. of the
 runner's cache and leave its input batch as they found it). A shape that does not
@@ -18,6 +22,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+
+import torch
 
 from kvserve.request import SamplingParams
 from kvserve.sched.cost_model import CostModel, Features, output_features
@@ -151,6 +157,28 @@ class _Calibrator:
                 )
             )
             self.live = set()
+
+
+_CACHE: dict[tuple[object, ...], CostModel] = {}
+
+
+def cached_calibration(runner: ModelRunner, *, vocab_size: int, max_model_len: int) -> CostModel:
+    """:func:`calibrate`, once per process for a model, dtype, thread count, block and
+    segment size; later calls get a fresh copy (own online state) of that fit."""
+    key = (
+        runner.loaded.fingerprint,
+        str(runner.loaded.dtype),
+        str(runner.device),
+        torch.get_num_threads(),
+        runner.block_size,
+        runner.scheduler_config.kv_segment_size,
+        runner.compiled is not None,
+        max_model_len,
+    )
+    model = _CACHE.get(key)
+    if model is None:
+        model = _CACHE[key] = calibrate(runner, vocab_size=vocab_size, max_model_len=max_model_len)
+    return CostModel(model.coef, calibration=list(model.calibration), source=model.source)
 
 
 def calibrate(
