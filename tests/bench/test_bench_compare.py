@@ -308,7 +308,7 @@ def test_step_budget_presets_compare_old_and_new_defaults() -> None:
     for name in ("interference", "multiturn", "random-c16"):
         variants = {v.name: v.engine_args for v in PRESETS[name].variants}
         assert variants["new-default"] == ()
-        assert ("--max-step-ms", "0") == variants["old-default"][-2:]
+        assert variants["old-default"][-2:] == ("--max-step-ms", "0")
         assert "--prefill-budget-with-decodes" in variants["readme-flags"]
     assert PRESETS["interference"].request_rate == 3.0
     assert PRESETS["multiturn"].max_concurrency == 24
