@@ -61,6 +61,15 @@ class CacheConfig:
             )
 
 
+# Default token budget of a step (SchedulerConfig.max_num_batched_tokens): large enough
+# that a step without decodes keeps both cores busy; steps with decodes are bounded by
+# time (max_step_ms), not by this.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+# Default step-time target for steps that also decode (``SchedulerConfig.max_step_ms``);
+# chosen by measurement, see docs/architecture.md ("Step-time budget").
+DEFAULT_MAX_STEP_MS = 150.0
+
 # A burst wait (``SchedulerConfig.batch_wait_ms``) lasts at most this many times it.
 BATCH_WAIT_MAX_FACTOR = 8
 
@@ -80,6 +89,14 @@ class SchedulerConfig:
       step that also runs decodes, prompt chunks get at most this many tokens in all
       (the step's length is what every running stream waits between two tokens);
       steps without decodes still use all of ``max_num_batched_tokens``.
+    - ``max_step_ms``: number >= 0 (0 = off). A step that also runs decodes gets only
+      the prompt tokens that the engine's cost model (``kvserve.sched.cost_model``,
+      fitted at startup) predicts fit in this many milliseconds beside the decodes,
+      whatever the prompts' contexts; steps without decodes still use all of
+      ``max_num_batched_tokens``. The separated policy picks its prefill bucket by the
+      same model while decodes wait. Applies together with
+      ``prefill_budget_with_decodes`` (both bounds hold); an engine without a cost
+      model (a test's scheduler, an injected runner) uses the token bounds only.
     - ``batch_wait_ms``: number >= 0 (0 = off). A server engine that was idle waits,
       before its first step, until no new request has arrived for this long (at most
       ``BATCH_WAIT_MAX_FACTOR`` times it), so a burst's requests, which the front end
@@ -94,11 +111,12 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 8192
     scheduler_policy: SchedulerPolicy = "mixed"
     long_prefill_token_threshold: int = 0
     prefill_budget_with_decodes: int = 0
+    max_step_ms: float = DEFAULT_MAX_STEP_MS
     batch_wait_ms: float = 10.0
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     num_seqs_buckets: tuple[int, ...] | None = None
@@ -140,6 +158,18 @@ class SchedulerConfig:
             minimum=0,
             why=" (0 = off)",
         )
+        step_ms = self.max_step_ms
+        if (
+            isinstance(step_ms, bool)
+            or not isinstance(step_ms, int | float)
+            or not 0 <= step_ms <= 60_000
+        ):
+            raise config_error(
+                "max_step_ms",
+                step_ms,
+                "must be a number of milliseconds from 0 (off) to 60000",
+                "max_step_ms=150",
+            )
         wait = self.batch_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1000:
             raise config_error(

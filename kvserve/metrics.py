@@ -69,6 +69,15 @@ _GAUGES: dict[str, tuple[str, str]] = {
         "Free KV blocks that still hold a cached prefix (evictable).",
     ),
     "num_empty_blocks": ("num_empty_blocks", "Free KV blocks holding nothing."),
+    "step_predicted_ms": (
+        "step_predicted_ms",
+        "The last step's time predicted by the step-time cost model (ms).",
+    ),
+    "step_measured_ms": ("step_measured_ms", "The last step's measured time (ms)."),
+    "step_time_abs_error": (
+        "step_time_abs_error",
+        "Cost model: moving mean of |predicted - measured| / measured step time.",
+    ),
 }
 # EngineStats field -> (metric name without prefix, help). Cumulative counts since start.
 _COUNTERS: dict[str, tuple[str, str]] = {

@@ -1,8 +1,10 @@
-"""``kvserve bench {serve,compare,forward}``.
+"""``kvserve bench {serve,compare,step-cost,forward}``.
 
 - ``serve``: load-test any OpenAI-compatible server (kvserve, vLLM, llama.cpp).
 - ``compare``: run a preset against several kvserve configurations (each started as
   ``kvserve serve``) and the HF transformers baseline; print a table of ratios.
+- ``step-cost``: the step-time cost model's prediction error on real steps
+  (``kvserve.bench.step_cost``).
 - ``forward``: the model forward-pass benchmark, implemented in
   ``kvserve.bench.forward`` (imported when the parser is built, like the top-level
   subcommands; "not yet available" while that module is missing).
@@ -23,8 +25,26 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-doc", "interference")
-PRESET_NAMES = ("prefix", "chunking", "policy", "throughput", "routing", "disagg")
+WORKLOADS = (
+    "random",
+    "shared-prefix",
+    "multi-turn",
+    "long-doc",
+    "interference",
+    "chat-interference",
+    "chat-multiturn",
+)
+PRESET_NAMES = (
+    "prefix",
+    "chunking",
+    "policy",
+    "throughput",
+    "routing",
+    "disagg",
+    "interference",
+    "multiturn",
+    "random-c16",
+)
 
 
 def _rate(text: str) -> float:
@@ -127,7 +147,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--num-prefixes", type=int, default=4, help="shared-prefix: number of system prompts"
     )
-    g.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    g.add_argument(
+        "--turns", type=int, default=4, help="multi-turn, chat-multiturn: turns per conversation"
+    )
     g.add_argument("--num-docs", type=int, default=2, help="long-doc: number of documents")
     g.add_argument("--doc-len", type=int, default=2048, help="long-doc: document length")
     g.add_argument(
@@ -210,6 +232,13 @@ def _add_compare_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="override the preset's cap on requests in flight",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every configuration this many times, interleaved, and report medians "
+        "(default: 1)",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
@@ -235,6 +264,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     _add_compare_arguments(p)
     p.set_defaults(_bench_run=run_compare)
+    from kvserve.bench import step_cost
+
+    p = sub.add_parser(
+        "step-cost",
+        help="the step-time cost model's prediction error on real steps",
+        description=step_cost.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    step_cost.add_arguments(p)
+    p.set_defaults(_bench_run=step_cost.run)
     p = sub.add_parser("forward", help="model forward-pass benchmark")
     try:
         forward = importlib.import_module("kvserve.bench.forward")
@@ -251,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     """Dispatch to the chosen bench command; 2 when none was chosen."""
     if getattr(args, "_bench_run", None) is None:
         print(
-            "usage: kvserve bench {serve,compare,forward} ... (see kvserve bench -h)",
+            "usage: kvserve bench {serve,compare,step-cost,forward} ... (see kvserve bench -h)",
             file=sys.stderr,
         )
         return 2
@@ -372,6 +411,7 @@ def run_compare(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=not args.no_progress,
             plots=not args.no_plots,
+            rounds=args.rounds,
         )
         vocab = _vocabulary(
             args.tokenizer or args.model or DEFAULT_MODEL, required=args.tokenizer is not None

@@ -21,6 +21,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -190,6 +191,7 @@ class CompareOptions:
     seed: int = 0
     progress: bool = True
     plots: bool = True
+    rounds: int = 1  # > 1: variants interleaved round by round, figures are medians
 
 
 def _run_kvserve_variant(
@@ -296,25 +298,34 @@ def run_compare(
         )
     workload = build_workload(replace(preset.workload, seed=opts.seed), vocab)
     opts.output_dir.mkdir(parents=True, exist_ok=True)
-    reports: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
-    for variant in variants:
-        out_dir = opts.output_dir / variant.name
-        out_dir.mkdir(parents=True, exist_ok=True)
-        print(f"[compare {preset.name}] {variant.name} ...", file=sys.stderr, flush=True)
-        try:
-            if variant.backend == "hf":
-                reports[variant.name] = _run_hf_variant(variant, workload, opts, out_dir)
-            else:
-                reports[variant.name] = _run_kvserve_variant(
-                    preset, variant, workload, opts, out_dir
+    if opts.rounds < 1:
+        raise ValueError(f"invalid rounds={opts.rounds!r}: must be >= 1 (for example: --rounds 3)")
+    per_round: list[dict[str, dict[str, float | None]]] = []
+    for k in range(opts.rounds):
+        reports: dict[str, dict[str, Any]] = {}
+        for variant in variants:
+            out_dir = opts.output_dir / variant.name
+            if opts.rounds > 1:
+                out_dir = out_dir / f"round-{k}"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            print(f"[compare {preset.name}] {variant.name} ...", file=sys.stderr, flush=True)
+            try:
+                if variant.backend == "hf":
+                    reports[variant.name] = _run_hf_variant(variant, workload, opts, out_dir)
+                else:
+                    reports[variant.name] = _run_kvserve_variant(
+                        preset, variant, workload, opts, out_dir
+                    )
+            except (RuntimeError, ValueError, OSError) as e:
+                errors[variant.name] = str(e)
+                print(
+                    f"[compare {preset.name}] {variant.name} failed: {e}",
+                    file=sys.stderr,
+                    flush=True,
                 )
-        except (RuntimeError, ValueError, OSError) as e:
-            errors[variant.name] = str(e)
-            print(
-                f"[compare {preset.name}] {variant.name} failed: {e}", file=sys.stderr, flush=True
-            )
-    values = figure_values(reports, preset.figures)
+        per_round.append(figure_values(reports, preset.figures))
+    values = _median_values(per_round, preset.figures)
     for name in names:
         values.setdefault(name, {f.key: None for f in preset.figures})
     values = {name: values[name] for name in names}
@@ -335,9 +346,25 @@ def run_compare(
         "more_targets": checked[1:] if preset.target is not None else checked,
         "errors": errors,
         "workload": workload.describe(),
+        "rounds": per_round,
     }
     (opts.output_dir / "compare.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def _median_values(
+    per_round: list[dict[str, dict[str, float | None]]], figures: tuple[Figure, ...]
+) -> dict[str, dict[str, float | None]]:
+    """Per variant and figure, the median over the rounds that measured it."""
+    out: dict[str, dict[str, float | None]] = {}
+    for values in per_round:
+        for name in values:
+            out.setdefault(name, {})
+    for name in out:
+        for f in figures:
+            got = [v for r in per_round if (v := r.get(name, {}).get(f.key)) is not None]
+            out[name][f.key] = statistics.median(got) if got else None
+    return out
 
 
 def format_result(result: dict[str, Any]) -> str:

@@ -93,7 +93,67 @@ HIT_RATE = Figure("prefix_cache_hit_rate", "prefix hit rate", higher_is_better=T
 # the two caches together, not in one.
 _CLUSTER = ("--replicas", "2", "--num-kv-blocks", "576", "--max-model-len", "2048")
 
+# The step-time budget's comparisons (issue 23): the engine's old defaults, the old
+# README flags, and today's defaults (a time budget per step with decodes). The old
+# configurations turn the time budget off to be what they were.
+_BUDGET_VARIANTS = (
+    Variant("old-default", ("--max-num-batched-tokens", "512", "--max-step-ms", "0")),
+    Variant(
+        "readme-flags",
+        (
+            "--max-num-batched-tokens",
+            "2048",
+            "--prefill-budget-with-decodes",
+            "1024",
+            "--max-step-ms",
+            "0",
+        ),
+    ),
+    Variant("new-default"),
+)
+
 PRESETS: dict[str, ComparePreset] = {
+    "interference": ComparePreset(
+        name="interference",
+        description="short chats streaming while 2.5-3k-token documents arrive (42 requests, "
+        "one in seven a document, Poisson 3 req/s; shaped like the peer interference.jsonl): "
+        "old default vs old README flags vs the step-time budget",
+        workload=WorkloadSpec(kind="chat-interference", num_requests=42),
+        variants=_BUDGET_VARIANTS,
+        reference="old-default",
+        figures=(
+            THROUGHPUT,
+            MEAN_TTFT,
+            P99_ITL,
+            Figure("chat/p99_itl_ms", "chat p99 ITL ms"),
+            Figure("doc/mean_ttft_ms", "doc mean TTFT ms"),
+            MEAN_TPOT,
+        ),
+        request_rate=3.0,
+        target=Target("p99_itl_ms", "new-default", "readme-flags", 0.8, at_most=True),
+    ),
+    "multiturn": ComparePreset(
+        name="multiturn",
+        description="12 conversations of 5 turns sent as 60 independent requests, 24 in flight "
+        "(each turn a prefix hit on the one before; shaped like the peer multiturn.jsonl): "
+        "old default vs old README flags vs the step-time budget",
+        workload=WorkloadSpec(kind="chat-multiturn", num_requests=60, turns=5),
+        variants=_BUDGET_VARIANTS,
+        reference="old-default",
+        figures=(THROUGHPUT, MEAN_TTFT, P99_ITL, MEAN_TPOT, HIT_RATE),
+        max_concurrency=24,
+    ),
+    "random-c16": ComparePreset(
+        name="random-c16",
+        description="random 512 in / 128 out, 32 requests, 16 in flight (the peer random row): "
+        "old default vs old README flags vs the step-time budget",
+        workload=WorkloadSpec(kind="random", num_requests=32, input_len=512, output_len=128),
+        variants=_BUDGET_VARIANTS,
+        reference="old-default",
+        figures=(THROUGHPUT, MEAN_TTFT, P99_ITL, MEAN_TPOT),
+        max_concurrency=16,
+        target=Target("output_throughput", "new-default", "old-default", 1.2, at_most=False),
+    ),
     "prefix": ComparePreset(
         name="prefix",
         description="shared-prefix workload (P=1024, U=64, O=64, 32 requests): prefix caching on vs off",

@@ -29,6 +29,18 @@ Kinds (``WorkloadSpec.kind``):
   t=0 (tag ``decode``), then ``num_long_prompts`` prompts of ``long_prompt_len``
   tokens (tag ``prefill``) arriving at ``long_prompt_start_s + k * long_prompt_gap_s``.
   This is the chunked-prefill experiment: the decodes' ITL shows the prefill stalls.
+- ``chat-interference`` (shaped like the peer harness's ``interference.jsonl``): of
+  ``num_requests`` requests one in seven is a document of 2,500-3,000 tokens asking for
+  24/32/48 output tokens (tag ``doc``), the rest short chats of 70-300 tokens asking
+  for 80/96/112/128 (tag ``chat``), in shuffled order; arrivals come from the load
+  generator (Poisson at ``--request-rate``, 3 in the peer runs). Long prompts arrive
+  while chats stream: the step-time budget's case.
+- ``chat-multiturn`` (shaped like ``multiturn.jsonl``): ``num_requests // turns``
+  conversations of ``turns`` turns sent as independent requests, conversation by
+  conversation; turn ``t``'s prompt is the conversation so far (user turns of 40-120
+  tokens, fixed 40-token assistant turns), so each turn after the first is a
+  prefix-cache hit on the one before; 48 output tokens each. The peer runs send them
+  all at once with 24 in flight.
 
 Token counts. Text is built from "words", each a single token with its leading space
 (" the", " cat"). With a tokenizer (:class:`WordVocabulary.from_tokenizer`), the words
@@ -52,7 +64,14 @@ from typing import Any, Literal
 from kvserve.config import check_int
 
 WorkloadKind = Literal[
-    "random", "shared-prefix", "multi-turn", "long-doc", "interference", "multi-tenant"
+    "random",
+    "shared-prefix",
+    "multi-turn",
+    "long-doc",
+    "interference",
+    "multi-tenant",
+    "chat-interference",
+    "chat-multiturn",
 ]
 WORKLOAD_KINDS: tuple[str, ...] = (
     "random",
@@ -61,6 +80,8 @@ WORKLOAD_KINDS: tuple[str, ...] = (
     "long-doc",
     "interference",
     "multi-tenant",
+    "chat-interference",
+    "chat-multiturn",
 )
 
 # Common short English words; almost all are a single BPE token with a leading space.
@@ -204,7 +225,7 @@ class WorkloadSpec:
         if self.kind in ("shared-prefix", "multi-tenant"):
             positive["prefix_len"] = ("--prefix-len 1024", self.prefix_len)
             positive["num_prefixes"] = ("--num-prefixes 4", self.num_prefixes)
-        if self.kind == "multi-turn":
+        if self.kind in ("multi-turn", "chat-multiturn"):
             positive["turns"] = ("--turns 4", self.turns)
         if self.kind == "long-doc":
             positive["num_docs"] = ("--num-docs 2", self.num_docs)
@@ -220,7 +241,7 @@ class WorkloadSpec:
             raise ValueError(
                 f"invalid range_ratio={self.range_ratio!r}: must be in [0, 1) (for example: --range-ratio 0.25)"
             )
-        if self.kind == "multi-turn" and self.num_requests < self.turns:
+        if self.kind in ("multi-turn", "chat-multiturn") and self.num_requests < self.turns:
             raise ValueError(
                 f"invalid num_requests={self.num_requests!r}: multi-turn needs at least --turns "
                 f"({self.turns}) requests, one conversation (for example: --num-requests {self.turns * 8})"
@@ -312,6 +333,10 @@ def build_workload(spec: WorkloadSpec, vocab: WordVocabulary | None = None) -> W
             doc = i % spec.num_docs
             turn = Turn(vocab.text(rng, spec.input_len), spec.input_len, spec.output_len)
             sessions.append(Session(i, docs[doc], spec.doc_len, (turn,), prefix_group=doc))
+    elif spec.kind == "chat-interference":
+        sessions = _chat_interference(spec, vocab, rng)
+    elif spec.kind == "chat-multiturn":
+        sessions = _chat_multiturn(spec, vocab, rng)
     else:  # interference
         for i in range(spec.num_decodes):
             turn = Turn(vocab.text(rng, spec.input_len), spec.input_len, spec.output_len)
@@ -323,6 +348,49 @@ def build_workload(spec: WorkloadSpec, vocab: WordVocabulary | None = None) -> W
                 Session(spec.num_decodes + k, "", 0, (turn,), arrival_s=arrival, tag="prefill")
             )
     return Workload(spec, tuple(sessions), exact_lengths=vocab.exact)
+
+
+CHAT_PROMPT_TOKENS = (70, 300)
+CHAT_OUTPUT_TOKENS = (80, 96, 112, 128)
+DOC_PROMPT_TOKENS = (2500, 3000)
+DOC_OUTPUT_TOKENS = (24, 32, 48)
+DOCS_EVERY = 7  # one request in seven is a document
+MULTITURN_USER_TOKENS = (40, 120)
+MULTITURN_ASSISTANT_TOKENS = 40
+MULTITURN_OUTPUT_TOKENS = 48
+
+
+def _chat_interference(
+    spec: WorkloadSpec, vocab: WordVocabulary, rng: random.Random
+) -> list[Session]:
+    """Short chats and long documents in shuffled order (see the module docstring)."""
+    num_docs = max(1, round(spec.num_requests / DOCS_EVERY)) if spec.num_requests > 1 else 0
+    kinds = ["doc"] * num_docs + ["chat"] * (spec.num_requests - num_docs)
+    rng.shuffle(kinds)
+    sessions: list[Session] = []
+    for i, kind in enumerate(kinds):
+        if kind == "doc":
+            n_in, n_out = rng.randint(*DOC_PROMPT_TOKENS), rng.choice(DOC_OUTPUT_TOKENS)
+        else:
+            n_in, n_out = rng.randint(*CHAT_PROMPT_TOKENS), rng.choice(CHAT_OUTPUT_TOKENS)
+        sessions.append(Session(i, "", 0, (Turn(vocab.text(rng, n_in), n_in, n_out),), tag=kind))
+    return sessions
+
+
+def _chat_multiturn(spec: WorkloadSpec, vocab: WordVocabulary, rng: random.Random) -> list[Session]:
+    """One independent request per turn; turn t's prompt is the conversation so far."""
+    sessions: list[Session] = []
+    for c in range(spec.num_requests // spec.turns):
+        history, history_len = "", 0
+        for _ in range(spec.turns):
+            n_user = rng.randint(*MULTITURN_USER_TOKENS)
+            history += vocab.text(rng, n_user)
+            history_len += n_user
+            turn = Turn(history, history_len, MULTITURN_OUTPUT_TOKENS)
+            sessions.append(Session(len(sessions), "", 0, (turn,), prefix_group=c))
+            history += vocab.text(rng, MULTITURN_ASSISTANT_TOKENS)
+            history_len += MULTITURN_ASSISTANT_TOKENS
+    return sessions
 
 
 def render_prompt(session: Session, turn_index: int, answers: list[str]) -> str:

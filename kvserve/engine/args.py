@@ -74,6 +74,14 @@ OPTIONS: tuple[_Option, ...] = (
         "inter-token latency (0 = off: max_num_batched_tokens)",
     ),
     _Option(
+        "max_step_ms",
+        "scheduler",
+        float,
+        "target milliseconds of a step that also decodes: its prompt tokens are sized by a "
+        "cost model fitted at startup and corrected from measured steps (0 = off: token "
+        "budgets only)",
+    ),
+    _Option(
         "batch_wait_ms",
         "scheduler",
         float,

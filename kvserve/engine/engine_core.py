@@ -41,6 +41,7 @@ from kvserve.request import (
     SamplingParams,
 )
 from kvserve.sched import make_scheduler
+from kvserve.sched.cost_model import CostModel, output_features
 from kvserve.sched.output import Logprobs, ModelRunnerOutput
 from kvserve.structured.compiler import GrammarCompiler
 
@@ -133,6 +134,7 @@ class EngineCore:
         self.scheduler = make_scheduler(
             config.scheduler, self.kv_cache_manager, kv_connector=kv_connector, clock=clock
         )
+        self.scheduler.cost_model = _step_cost_model(config, self.runner, loaded.vocab_size)
         # True when the last step computed nothing (e.g. only remote loads pending).
         self.last_step_idle = False
         fit = self.kv_cache_manager.max_concurrent_requests(self.max_model_len)
@@ -255,6 +257,7 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         """Run one scheduler step; return the news for every request that advanced."""
         failed = self.poll_kv_transfer()
+        t0 = time.perf_counter()  # the step's time, for the cost model's online correction
         sched_out = self.scheduler.schedule()
         self.last_step_idle = sched_out.is_empty
         if (
@@ -289,6 +292,8 @@ class EngineCore:
                 self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
                 failed.append(self._delta(gone.request, FinishReason.ERROR, error=error))
         core_outs = self.scheduler.update_from_output(sched_out, runner_out)
+        if self.scheduler.cost_model is not None and not sched_out.is_empty:
+            self._observe_step(self.scheduler.cost_model, sched_out, runner_out, t0)
         deltas: list[RequestDelta] = failed
         for out in core_outs:
             state = self._states.get(out.req_id)
@@ -324,6 +329,26 @@ class EngineCore:
                 delta.prompt_logprobs = list(state.prompt_logprobs)
             deltas.append(delta)
         return deltas
+
+    def _observe_step(self, model: CostModel, so: Any, out: ModelRunnerOutput, t0: float) -> None:
+        """Feed the step's measured time (schedule + execute + update) to the cost model."""
+        ms = (time.perf_counter() - t0) * 1e3
+        features = output_features(
+            so.num_scheduled_tokens,
+            so.cached_seq_len,
+            out.sampled_token_ids,
+            so.num_scheduled_tokens_padded,
+            so.decode_batch_size_padded,
+        )
+        predicted = model.observe(features, ms)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "step %s: %d tokens, predicted %.1f ms, measured %.1f ms",
+                so.phase,
+                so.total_num_scheduled_tokens,
+                predicted,
+                ms,
+            )
 
     def poll_kv_transfer(self) -> list[RequestDelta]:
         """Apply finished KV transfers (free sent blocks, resume loaded requests) and
@@ -401,6 +426,7 @@ class EngineCore:
             total_padding_tokens=sched.total_padding_tokens,
             scheduler_state=str(sched.state),
             num_failed_steps=self.num_failed_steps,
+            **_cost_model_stats(sched.cost_model),
         )
 
     def check_no_leaks(self) -> None:
@@ -445,4 +471,35 @@ def _model_runner(
         config.scheduler,
         compile=config.model.compile,
         grammar_compiler=grammar_compiler,
+    )
+
+
+def _cost_model_stats(model: CostModel | None) -> dict[str, float]:
+    if model is None or not model.errors:
+        return {}
+    predicted, measured = model.errors[-1]
+    return {
+        "step_predicted_ms": predicted,
+        "step_measured_ms": measured,
+        "step_time_abs_error": model.abs_error_ewma,
+    }
+
+
+def _step_cost_model(config: EngineConfig, runner: Runner, vocab_size: int) -> CostModel | None:
+    """The scheduler's step-time model: None when ``max_step_ms`` is 0; a runner's own
+    ``cost_model`` attribute when it has one (the simulator's); for the real
+    ModelRunner, fitted now from timed steps (:mod:`kvserve.worker.step_cost`)."""
+    if not config.scheduler.max_step_ms:
+        return None
+    own = getattr(runner, "cost_model", None)
+    if isinstance(own, CostModel):
+        return own
+    from kvserve.worker.model_runner import ModelRunner
+
+    if not isinstance(runner, ModelRunner):
+        return None  # an injected runner without a model: token budgets only
+    from kvserve.worker.step_cost import cached_calibration
+
+    return cached_calibration(
+        runner, vocab_size=vocab_size, max_model_len=config.scheduler.max_model_len
     )

@@ -110,3 +110,8 @@ class EngineStats:
     total_padding_tokens: int = 0
     scheduler_state: str = "IDLE"
     num_failed_steps: int = 0
+    # Step-time cost model (0 without one): the last step's predicted and measured
+    # milliseconds, and an exponentially weighted mean of |predicted - measured| / measured.
+    step_predicted_ms: float = 0.0
+    step_measured_ms: float = 0.0
+    step_time_abs_error: float = 0.0

@@ -52,6 +52,7 @@ from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_transfer.connector import KVConnectorScheduler
 from kvserve.request import Request, RequestStatus
 from kvserve.sched.admission import check_schedulable, running_seqs
+from kvserve.sched.cost_model import CostModel, StepBudget
 from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.sched.samples import SampleForker, core_output
 from kvserve.sched.step_builder import StepBuilder, chunk_size
@@ -142,6 +143,9 @@ class Scheduler(abc.ABC):
         self.num_prefill_padding_tokens = 0
         self.num_decode_padding_tokens = 0
         self.num_steps = 0
+        # Step-time model (kvserve.sched.cost_model), set by the engine; None: token
+        # budgets only. ``config.max_step_ms`` applies only with one.
+        self.cost_model: CostModel | None = None
 
     # ------------------------------------------------------------------ counters
     @property
@@ -291,6 +295,13 @@ class Scheduler(abc.ABC):
         self._set_state(self._state)
 
     # ------------------------------------------------------------------ scheduling helpers
+    def step_time_budget(self) -> StepBudget | None:
+        """A fresh ``max_step_ms`` budget for this step, or None when the time budget is
+        off (``max_step_ms`` 0, or no cost model attached)."""
+        if self.cost_model is None or not self.config.max_step_ms:
+            return None
+        return self.cost_model.budget(self.config.max_step_ms)
+
     @abc.abstractmethod
     def schedule(self) -> SchedulerOutput:
         """Decide this step's requests and token counts; allocate their KV blocks."""
@@ -314,7 +325,7 @@ class Scheduler(abc.ABC):
     def _admit(
         self,
         request: Request,
-        budget: int,
+        budget: int | Callable[[int], int],
         cap: int,
         step: StepBuilder,
         in_flight: set[BlockHash] | None = None,
@@ -322,6 +333,8 @@ class Scheduler(abc.ABC):
         """Try to move ``request`` (in ``waiting``, usually its head) to ``running``
         with its first chunk: prefix lookup, then one ``allocate_slots``. Returns the
         tokens scheduled, or None when the blocks do not fit (nothing changed).
+        ``budget`` is a token count, or a function of the request's context (its
+        prefix hit) giving one (a time budget: longer contexts cost more per token).
 
         With ``in_flight`` (from :meth:`_in_flight_blocks`): returns :data:`DEFERRED`
         (nothing changed) when the blocks the request would compute first are ones a
@@ -370,6 +383,8 @@ class Scheduler(abc.ABC):
                 request, kv.get_block_ids(request.req_id), num_external
             )
             return 0
+        if callable(budget):
+            budget = budget(num_hit)
         num_new = chunk_size(request.num_tokens - num_hit, budget, cap)
         if num_new <= 0:
             return None
@@ -390,11 +405,13 @@ class Scheduler(abc.ABC):
         return num_new
 
     def _admit_loaded(
-        self, request: Request, budget: int, cap: int, step: StepBuilder
+        self, request: Request, budget: int | Callable[[int], int], cap: int, step: StepBuilder
     ) -> int | None:
         """Admit a request back from a remote load: it already holds its blocks and
         ``num_computed_tokens`` counts what arrived; compute the rest."""
         kv = self.kv_cache_manager
+        if callable(budget):
+            budget = budget(request.num_computed_tokens)
         num_new = chunk_size(request.num_tokens - request.num_computed_tokens, budget, cap)
         if num_new <= 0 or kv.allocate_slots(request, num_new) is None:
             return None

@@ -15,6 +15,15 @@ Each step has ``max_num_batched_tokens`` tokens of budget::
    With ``prefill_budget_with_decodes`` set, a step that runs decodes gives prompt
    chunks at most that many tokens (a shorter step, so a shorter wait between two
    tokens of every stream); a step without decodes still uses the whole budget.
+   With ``max_step_ms`` set and a cost model attached (``Scheduler.cost_model``, fitted
+   by the engine at startup), a step that runs decodes also bounds its prompt chunks
+   by time: each chunk gets the tokens the model predicts fit in what is left of
+   ``max_step_ms`` after the decodes and earlier chunks, at that prompt's context (a
+   chunk over a 2.5k-token context gets far fewer tokens than one over 0). Minimum
+   progress: the first prompt chunk of such a step gets at least
+   ``MIN_PROMPT_TOKENS_WITH_DECODES`` tokens even when the decodes alone fill the
+   target, so prompts never starve behind many decodes. The short-prompt overflow
+   below does not apply under a time budget (a short prompt fits by time or waits).
 2. Then waiting requests, FCFS, while budget and a sequence slot (``max_num_seqs``)
    remain: prefix-cache lookup (``num_computed_tokens`` starts at the hit length),
    then the first chunk. A request that does not fit stops admission (no skipping).
@@ -31,8 +40,11 @@ the requester itself) frees its blocks and goes back to the front of ``waiting``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvserve.request import Request, RequestStatus
 from kvserve.sched.base import DEFERRED, Scheduler, SchedulerState
+from kvserve.sched.cost_model import StepBudget
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
 
@@ -40,6 +52,12 @@ from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
 # many tokens left to compute still joins the step, whole, while the step budget has
 # room (see the module docstring).
 SHORT_PROMPT_TOKENS = 128
+# Under a time budget, the first prompt chunk of a step with decodes gets at least
+# this many tokens (the minimum progress rule; see the module docstring).
+MIN_PROMPT_TOKENS_WITH_DECODES = 32
+# Under a time budget a later chunk this small that does not finish its prompt is
+# left for the next step (a sliver of a prompt costs a row for almost no progress).
+MIN_TIMED_CHUNK_TOKENS = 16
 
 
 class MixedScheduler(Scheduler):
@@ -58,6 +76,7 @@ class MixedScheduler(Scheduler):
         # streams wait on a step that runs decodes: bound the prompt work in it
         prompt_limit = self.config.prefill_budget_with_decodes
         capped = False
+        timed = self.step_time_budget()  # None: token bounds only
         for request in ordered:
             if prompt_limit and step.decode_ids and not is_decode(request):
                 capped = capped or budget > prompt_limit
@@ -67,31 +86,41 @@ class MixedScheduler(Scheduler):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this step
             num_tokens = chunk_size(request.num_tokens - request.num_computed_tokens, budget, cap)
+            if timed is not None and step.decode_ids and not is_decode(request):
+                num_tokens = _timed_chunk(timed, request, request.num_computed_tokens, num_tokens)
             if num_tokens <= 0:
                 continue
             new_blocks = self._allocate_or_preempt(request, num_tokens, step)
             if new_blocks is None:
                 continue
+            if timed is not None:
+                start = request.num_computed_tokens
+                done = start + num_tokens >= request.num_tokens
+                timed.add(num_tokens, start, done, prompt=not is_decode(request))
             step.add_running(request, num_tokens, new_blocks)
             budget -= num_tokens
             used += num_tokens
         if prompt_limit and step.decode_ids:
             capped = capped or budget > prompt_limit
             budget = min(budget, prompt_limit)
+        if not step.decode_ids:
+            timed = None  # no stream waits on this step: sized for throughput
 
         if self.num_preemptions == preemptions_before and self.waiting:
             in_flight = self._in_flight_blocks() if self.enable_prefix_caching else None
             i = 0
             while i < len(self.waiting):
                 request = self.waiting[i]
-                room = budget
-                if capped and budget < SHORT_PROMPT_TOKENS:
+                room: int | Callable[[int], int] = budget
+                if timed is not None:
+                    room = _timed_room(timed, request, budget, cap)
+                elif capped and budget < SHORT_PROMPT_TOKENS:
                     # past the prompt bound: a short prompt still joins, whole, if
                     # the step budget has room (see the module docstring)
                     short = self._uncached_prompt_tokens(request)
                     if short <= min(SHORT_PROMPT_TOKENS, self.max_num_batched_tokens - used):
-                        room = max(room, short)
-                if room <= 0:
+                        room = max(budget, short)
+                if budget <= 0 if callable(room) else room <= 0:
                     break
                 if not self._group_fits(request):
                     break
@@ -103,6 +132,9 @@ class MixedScheduler(Scheduler):
                     continue
                 budget = max(0, budget - admitted)
                 used += admitted
+                if timed is not None and admitted > 0:
+                    start = request.num_computed_tokens
+                    timed.add(admitted, start, start + admitted >= request.num_tokens, prompt=True)
                 if in_flight is not None:
                     self._add_in_flight(request, in_flight)
 
@@ -117,3 +149,25 @@ class MixedScheduler(Scheduler):
             return request.num_tokens  # blocks already held (remote KV): no overflow
         _, num_hit = self.kv_cache_manager.get_computed_blocks(request)
         return request.num_tokens - num_hit
+
+
+def _timed_chunk(timed: StepBudget, request: Request, context: int, limit: int) -> int:
+    """``limit`` (the chunk the token bounds allow) cut to what fits in ``timed`` at
+    ``context``; the step's first prompt chunk keeps at least
+    ``MIN_PROMPT_TOKENS_WITH_DECODES`` tokens (the minimum progress rule)."""
+    remaining = request.num_tokens - context
+    n = timed.prompt_tokens(context, limit, remaining)
+    if timed.num_prompt_tokens == 0:
+        return max(n, min(limit, MIN_PROMPT_TOKENS_WITH_DECODES))
+    return n if n >= min(remaining, MIN_TIMED_CHUNK_TOKENS) else 0
+
+
+def _timed_room(timed: StepBudget, request: Request, budget: int, cap: int) -> Callable[[int], int]:
+    """The admission budget of a waiting request under a time budget: given its prefix
+    hit (its context), the tokens of its first chunk (see :func:`_timed_chunk`)."""
+
+    def room(context: int) -> int:
+        limit = chunk_size(request.num_tokens - context, budget, cap)
+        return _timed_chunk(timed, request, context, limit)
+
+    return room

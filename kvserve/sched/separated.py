@@ -23,6 +23,12 @@ finishes and frees a slot while a prefill waits, the next step is a prefill (pre
 priority). ``num_scheduled_tokens`` is the actual count (what ``num_computed_tokens``
 advances by); ``num_scheduled_tokens_padded`` the padded one.
 
+Step-time budget: with ``max_step_ms`` and a cost model attached, a prefill step
+taken while decodes are running (they wait for it) gets the largest
+``num_batched_tokens_buckets`` entry whose padded chunk the model predicts to run in
+``max_step_ms`` at the prompt's context, at least the smallest bucket (the minimum
+progress rule); with no decodes running it uses all of ``max_num_batched_tokens``.
+
 Unlike the seed hardware we do not require a chunk to equal ``kv_segment_size``,
 and as a safety net (never needed while rule (4) holds) a decode that cannot get a
 block preempts the youngest running request by recompute instead of hanging.
@@ -93,9 +99,10 @@ class SeparatedScheduler(Scheduler):
         if prefill is None:
             if self.waiting and self.can_schedule():
                 # Admit the head of the holdback queue; on no fit it stays there.
-                self._admit(self.waiting[0], budget, 0, step)
+                self._admit(self.waiting[0], self._prefill_budget, 0, step)
         else:
-            num_tokens = chunk_size(prefill.num_tokens - prefill.num_computed_tokens, budget)
+            chunk = self._prefill_budget(prefill.num_computed_tokens)
+            num_tokens = chunk_size(prefill.num_tokens - prefill.num_computed_tokens, chunk)
             new_blocks = self.kv_cache_manager.allocate_slots(prefill, num_tokens)
             if new_blocks is not None:
                 step.add_running(prefill, num_tokens, new_blocks)
@@ -111,6 +118,21 @@ class SeparatedScheduler(Scheduler):
                     step.add_running(request, 1, new_blocks)
 
         return self._pad(step)
+
+    def _prefill_budget(self, context: int) -> int:
+        """Tokens of a prefill chunk at ``context``: ``max_num_batched_tokens``, or under a
+        step-time budget while decodes wait, the largest bucket predicted to fit
+        ``max_step_ms`` (at least the smallest; see the module docstring)."""
+        budget = self.max_num_batched_tokens
+        timed = self.step_time_budget()
+        if timed is None or not any(is_decode(r) for r in self.running):
+            return budget
+        buckets = [b for b in self.num_batched_tokens_buckets if b <= budget] or [budget]
+        best = buckets[0]
+        for b in buckets[1:]:
+            if timed.prompt_tokens(context, b) >= b:
+                best = b
+        return best
 
     def _active_state(self, step: StepBuilder) -> SchedulerState:
         if step.prefill_ids:

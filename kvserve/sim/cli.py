@@ -5,7 +5,7 @@
         [--block-size N] [--num-kv-blocks N] [--enable-prefix-caching |
         --no-enable-prefix-caching] [--num-batched-tokens-buckets 512,1024,...]
         [--num-seqs-buckets 1,2,4,8] [--long-prefill-token-threshold N]
-        [--kv-segment-size N] [--max-steps N] [--output FILE]
+        [--kv-segment-size N] [--max-step-ms MS] [--max-steps N] [--output FILE]
 
 Prints (or writes to ``--output``) one JSON object::
 
@@ -13,14 +13,16 @@ Prints (or writes to ``--output``) one JSON object::
      "steps": [{"step": 0, "phase": "prefill", "num_scheduled_tokens": {"A": 508},
                 "num_scheduled_tokens_padded": {"A": 512}, "num_computed_tokens": {"A": 0},
                 "decode_batch_padded": null, "num_running": 1, "num_waiting": 0,
-                "kv_usage": 0.1}, ...],
+                "kv_usage": 0.1, "predicted_ms": 160.2}, ...],
      "requests": {"A": {"num_prompt_tokens": 2048, "num_cached_tokens": 0,
                         "num_output_tokens": 16, "first_scheduled_step": 0,
                         "first_token_step": 4, "finish_step": 19, "num_preemptions": 0}},
      "summary": {"num_steps": 20, "total_padding_tokens": 0,
                  "prefix_cache_hit_rate": 0.0, "num_preemptions": 0}}
 
-``num_computed_tokens`` is the value before the step; ``num_running``,
+``predicted_ms`` is the step's time by the fixed reference cost model
+(``CostModel.reference``), which also sizes prompts beside decodes when
+``--max-step-ms`` is given (off by default here, unlike the engine). ``num_computed_tokens`` is the value before the step; ``num_running``,
 ``num_waiting`` and ``kv_usage`` are taken right after scheduling the step.
 Exit status: 0 done, 2 bad workload or configuration, 1 the run cannot finish (no
 progress, or ``--max-steps`` reached). Errors go to stderr.
@@ -51,6 +53,7 @@ _CONFIG_FLAGS = {
     "long_prefill_token_threshold": "long_prefill_token_threshold",
     "prefill_budget_with_decodes": "prefill_budget_with_decodes",
     "kv_segment_size": "kv_segment_size",
+    "max_step_ms": "max_step_ms",
 }
 
 
@@ -81,6 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             flag, type=int, metavar="N", help=f"{help_text} (default: {defaults[dest]})"
         )
+    parser.add_argument(
+        "--max-step-ms",
+        type=float,
+        metavar="MS",
+        help="target ms of a step that also decodes, sized by the fixed reference cost model "
+        "(kvserve.sched.cost_model.CostModel.reference, not this machine's; default: 0 = off, "
+        f"token budgets only; the engine's default is {defaults['max_step_ms']})",
+    )
     parser.add_argument(
         "--num-kv-blocks",
         type=int,
@@ -140,6 +151,9 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         if dest in ("num_batched_tokens_buckets", "num_seqs_buckets"):
             value = _parse_int_list(dest, value)
         overrides[field_name] = value
+    # The simulator's cost model is a fixed reference, not a measured one: its time
+    # budget is opt-in, so traces stay in token terms unless asked.
+    overrides.setdefault("max_step_ms", 0.0)
     config = SchedulerConfig(**overrides)
     config.validate()
     return config

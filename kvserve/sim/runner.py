@@ -28,6 +28,7 @@ from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from kvserve.engine.engine_core import EngineCore
 from kvserve.kv_cache.manager import cdiv
 from kvserve.request import Request, RequestError, SamplingParams
+from kvserve.sched.cost_model import CostModel, output_features
 from kvserve.sched.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from kvserve.sim.workload import VOCAB_SIZE, WorkloadRequest
 
@@ -163,6 +164,7 @@ def simulate(
             "enable_prefix_caching": config.enable_prefix_caching,
             "long_prefill_token_threshold": config.long_prefill_token_threshold,
             "prefill_budget_with_decodes": config.prefill_budget_with_decodes,
+            "max_step_ms": config.max_step_ms,
             "num_batched_tokens_buckets": list(config.num_batched_tokens_buckets or ()),
             "num_seqs_buckets": list(config.num_seqs_buckets or ()),
             "kv_segment_size": config.kv_segment_size,
@@ -198,6 +200,9 @@ class StandInRunner:
 
     def __init__(self, num_kv_blocks: int) -> None:
         self.num_kv_blocks = num_kv_blocks
+        # The engine hands this to the scheduler when max_step_ms is set: fixed
+        # coefficients (no online correction), so a simulation is deterministic.
+        self.cost_model = CostModel.reference()
         self.requests: dict[str, Request] = {}
         self.step = 0
         self.record: dict[str, Any] | None = None
@@ -209,7 +214,20 @@ class StandInRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.engine is not None, "set StandInRunner.engine before stepping"
         self.record = _step_record(self.step, scheduler_output, self.engine)
-        return stand_in_execute(scheduler_output, self.requests)
+        out = stand_in_execute(scheduler_output, self.requests)
+        so = scheduler_output
+        self.record["predicted_ms"] = _round(
+            self.cost_model.predict_ms(
+                output_features(
+                    so.num_scheduled_tokens,
+                    so.cached_seq_len,
+                    out.sampled_token_ids,
+                    so.num_scheduled_tokens_padded,
+                    so.decode_batch_size_padded,
+                )
+            )
+        )
+        return out
 
 
 def _step_record(step: int, output: SchedulerOutput, engine: EngineCore) -> dict[str, Any]:
@@ -224,6 +242,7 @@ def _step_record(step: int, output: SchedulerOutput, engine: EngineCore) -> dict
         "num_running": engine.scheduler.num_running,
         "num_waiting": engine.scheduler.num_waiting,
         "kv_usage": _round(engine.kv_cache_manager.usage),
+        "predicted_ms": 0.0,  # set by StandInRunner.execute_model for a step that runs
     }
 
 

@@ -288,3 +288,27 @@ def test_transfer_figures_arithmetic() -> None:
     assert fig["kv_bytes_per_token"] == 20_000.0 == fig["kv_nominal_bytes_per_token"]
     assert fig["kv_bytes_sent"] == 4e6
     assert transfer_figures({}, {})["kv_hidden_share"] is None
+
+
+def test_rounds_report_the_median_per_variant_and_figure() -> None:
+    from kvserve.bench.compare import _median_values
+
+    figures = (Figure("mean_itl_ms", "mean ITL ms"), Figure("p99_itl_ms", "p99 ITL ms"))
+    rounds = [
+        {"a": {"mean_itl_ms": 10.0, "p99_itl_ms": None}, "b": {"mean_itl_ms": 1.0}},
+        {"a": {"mean_itl_ms": 30.0, "p99_itl_ms": 5.0}},
+        {"a": {"mean_itl_ms": 20.0, "p99_itl_ms": 7.0}, "b": {"mean_itl_ms": 3.0}},
+    ]
+    values = _median_values(rounds, figures)
+    assert values["a"] == {"mean_itl_ms": 20.0, "p99_itl_ms": 6.0}
+    assert values["b"] == {"mean_itl_ms": 2.0, "p99_itl_ms": None}
+
+
+def test_step_budget_presets_compare_old_and_new_defaults() -> None:
+    for name in ("interference", "multiturn", "random-c16"):
+        variants = {v.name: v.engine_args for v in PRESETS[name].variants}
+        assert variants["new-default"] == ()
+        assert variants["old-default"][-2:] == ("--max-step-ms", "0")
+        assert "--prefill-budget-with-decodes" in variants["readme-flags"]
+    assert PRESETS["interference"].request_rate == 3.0
+    assert PRESETS["multiturn"].max_concurrency == 24

@@ -181,3 +181,43 @@ def test_default_vocabulary_is_approximate_single_words() -> None:
     vocab = WordVocabulary.default()
     assert not vocab.exact and len(vocab.words) > 200
     assert all(w.startswith(" ") and w[1:].isalpha() for w in vocab.words)
+
+
+def test_chat_interference_shape() -> None:
+    """Like the peer interference.jsonl: one in seven a 2.5-3k-token document, the rest
+    short chats, shuffled, tagged, arrivals left to the load generator."""
+    w = build_workload(WorkloadSpec(kind="chat-interference", num_requests=42, seed=1))
+    assert w == build_workload(WorkloadSpec(kind="chat-interference", num_requests=42, seed=1))
+    docs = [s for s in w.sessions if s.tag == "doc"]
+    chats = [s for s in w.sessions if s.tag == "chat"]
+    assert len(docs) == 6 and len(chats) == 36
+    for s in docs:
+        (t,) = s.turns
+        assert 2500 <= t.prompt_len <= 3000 and words(t.user_text) == t.prompt_len
+        assert t.output_len in (24, 32, 48)
+    for s in chats:
+        (t,) = s.turns
+        assert 70 <= t.prompt_len <= 300 and t.output_len in (80, 96, 112, 128)
+    assert all(s.arrival_s is None for s in w.sessions)
+    order = [s.tag for s in w.sessions]
+    assert order != sorted(order) and order != sorted(order, reverse=True)  # shuffled
+
+
+def test_chat_multiturn_turns_extend_the_previous_prompt() -> None:
+    """Like the peer multiturn.jsonl: every turn is its own request whose prompt is the
+    previous turn's prompt, a fixed assistant turn and a new user turn."""
+    w = build_workload(WorkloadSpec(kind="chat-multiturn", num_requests=60, turns=5))
+    assert w.num_requests == 60 and len({s.prefix_group for s in w.sessions}) == 12
+    prompts = [render_prompt(s, 0, []) for s in w.sessions]
+    for i, s in enumerate(w.sessions):
+        (t,) = s.turns
+        assert t.output_len == 48 and words(prompts[i]) == t.prompt_len
+        if i % 5:
+            prev = w.sessions[i - 1]
+            assert prev.prefix_group == s.prefix_group
+            assert prompts[i].startswith(prompts[i - 1])
+            assert 40 + 40 <= t.prompt_len - prev.turns[0].prompt_len <= 40 + 120
+        else:
+            assert 40 <= t.prompt_len <= 120
+    with pytest.raises(ValueError, match="num_requests"):
+        build_workload(WorkloadSpec(kind="chat-multiturn", num_requests=3, turns=5))

@@ -326,6 +326,9 @@ def test_metrics_parse_and_counters_move(
     assert moved("kvserve:inter_token_latency_seconds_count") >= 3
     assert moved("kvserve:e2e_request_latency_seconds_count") >= 1
     assert moved("kvserve:prefix_cache_queries_total") >= 3
+    # the step-time cost model (on by default) saw the steps it predicted
+    assert after["kvserve:step_predicted_ms"] > 0 and after["kvserve:step_measured_ms"] > 0
+    assert after["kvserve:step_time_abs_error"] >= 0
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(kvserve_server: ServerProcess) -> None:

@@ -55,6 +55,7 @@ def test_output_format(tmp_path, capsys):
     assert list(step) == [
         "step", "phase", "num_scheduled_tokens", "num_scheduled_tokens_padded",
         "num_computed_tokens", "decode_batch_padded", "num_running", "num_waiting", "kv_usage",
+        "predicted_ms",
     ]  # fmt: skip
     assert step["step"] == 1 and step["phase"] == "mixed"
     assert step["num_scheduled_tokens"]["A"] == 508
@@ -261,3 +262,30 @@ def test_any_token_id_is_accepted_unless_a_vocab_size_is_given(tmp_path, capsys)
     assert rc == 2
     assert "999999" in err or "70000" in err
     assert "49152" in err
+
+
+def test_step_time_budget_bounds_mixed_steps(tmp_path, capsys):
+    """With --max-step-ms the reference cost model sizes prompt chunks beside decodes:
+    every mixed step is predicted within the target (the minimum progress rule never
+    needed here), and a prompt over a longer cached context gets fewer tokens."""
+    workload = {
+        "requests": [
+            {"id": f"d{i}", "arrival_step": 0, "prompt_len": 16, "max_tokens": 60} for i in range(4)
+        ]
+        + [{"id": "L", "arrival_step": 1, "prompt_len": 3000, "max_tokens": 4}]
+    }
+    rc, result, err = run(
+        tmp_path, capsys, workload, "--max-num-batched-tokens", "2048", "--max-step-ms", "100"
+    )
+    assert rc == 0 and err == ""
+    assert result["config"]["max_step_ms"] == 100
+    mixed = [s for s in result["steps"] if s["phase"] == "mixed"]
+    assert len(mixed) >= 3
+    assert all(0 < s["predicted_ms"] <= 100.0 for s in mixed)
+    chunks = [s["num_scheduled_tokens"]["L"] for s in mixed if "L" in s["num_scheduled_tokens"]]
+    assert chunks[0] > chunks[-2] > 32  # later chunks sit over more context
+    rc, off, _ = run(tmp_path, capsys, workload, "--max-num-batched-tokens", "2048")
+    assert rc == 0
+    first = next(s for s in off["steps"] if "L" in s["num_scheduled_tokens"])
+    assert first["num_scheduled_tokens"]["L"] == 2048 - 4  # token budget only
+    assert first["predicted_ms"] > 100.0

@@ -1,0 +1,342 @@
+"""How long a step takes: a linear cost model of this machine and model, asked by the
+policies ("how many prompt tokens fit in this step beside these decodes?").
+
+A step is a list of rows, one per scheduled request: ``n`` new tokens computed over
+``c`` tokens of context that already have KV. Its predicted time is::
+
+    t = scale * (  overhead                         per step
+                 + per_token       * sum(n)          linears, norms, embeddings
+                 + per_prefill_pair * sum over rows with n > 1 of  n*c + n*(n+1)/2
+                 + per_decode_ctx  * sum over rows with n == 1 of c + 1
+                 + per_sampled_row * rows that sample (decodes, last prompt chunks))
+
+The two attention terms differ because prefill attention is compute-bound
+(every new token against every earlier one: the pairs) while decode attention reads
+the KV once per row (memory-bound). The coefficients are fitted, by non-negative
+least squares, from timed forward passes of chosen shapes at startup
+(:mod:`kvserve.worker.step_cost`), then corrected online from the engine's measured
+step times (:meth:`CostModel.observe`): every step moves ``scale`` toward
+measured / predicted (an exponentially weighted mean in log space) and, every
+``REFIT_EVERY`` steps, the coefficients are refitted on the calibration samples plus
+the most recent measured steps (``scale`` back to 1).
+
+Nothing here measures time or imports torch: the engine passes measured durations in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+NUM_FEATURES = 5
+FEATURE_NAMES = (
+    "overhead",
+    "per_token",
+    "per_prefill_pair",
+    "per_decode_ctx",
+    "per_sampled_row",
+)
+# Online correction: weight of one step in the log-scale EWMA, and the scale's bounds.
+SCALE_ALPHA = 0.1
+SCALE_BOUNDS = (0.25, 4.0)
+# Refit on calibration + the last RECENT_SAMPLES measured steps every REFIT_EVERY steps.
+REFIT_EVERY = 64
+RECENT_SAMPLES = 512
+# Predicted-vs-measured pairs kept for :meth:`CostModel.error_summary`.
+ERROR_HISTORY = 4096
+
+Features = tuple[float, float, float, float, float]
+
+
+def row_features(num_new: int, context: int, samples: bool) -> Features:
+    """The feature vector of one row (without the per-step overhead term)."""
+    if num_new <= 0:
+        return (0.0, 0.0, 0.0, 0.0, 0.0)
+    if num_new == 1:
+        return (0.0, 1.0, 0.0, float(context + 1), 1.0 if samples else 0.0)
+    pairs = num_new * context + num_new * (num_new + 1) / 2
+    return (0.0, float(num_new), float(pairs), 0.0, 1.0 if samples else 0.0)
+
+
+def step_features(rows: Iterable[tuple[int, int, bool]]) -> Features:
+    """Features of a step of ``(num_new, context, samples)`` rows (overhead counts 1
+    when any row computes a token)."""
+    acc = [0.0] * NUM_FEATURES
+    for n, c, s in rows:
+        f = row_features(n, c, s)
+        for i in range(1, NUM_FEATURES):
+            acc[i] += f[i]
+    acc[0] = 1.0 if acc[1] > 0 else 0.0
+    return (acc[0], acc[1], acc[2], acc[3], acc[4])
+
+
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(rhs)
+    m = [row[:] + [rhs[i]] for i, row in enumerate(matrix)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-300:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col and m[r][col] != 0.0:
+                f = m[r][col] / m[col][col]
+                for k in range(col, n + 1):
+                    m[r][k] -= f * m[col][k]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def fit_coefficients(
+    samples: Sequence[tuple[Sequence[float], float]],
+    *,
+    relative: bool = True,
+    ridge: float = 1e-9,
+) -> Features:
+    """Non-negative least squares fit of ``ms ~ coef . features``.
+
+    With ``relative`` each sample is weighted by ``1 / ms`` so that the fit minimises
+    relative errors (a 20 ms decode step counts as much as a 900 ms prefill). Features
+    are normalised to unit scale before solving; ``ridge`` keeps an unidentified
+    coefficient (a feature absent from every sample) at 0. A coefficient the
+    unconstrained fit makes negative is fixed at 0 and the rest refitted (active set).
+    Raises ValueError when ``samples`` is empty or a time is not positive.
+    """
+    if not samples:
+        raise ValueError("fit_coefficients: no samples to fit")
+    for _, ms in samples:
+        if not ms > 0:
+            raise ValueError(f"fit_coefficients: step time {ms!r} ms must be > 0")
+    scales = [max((abs(f[i]) for f, _ in samples), default=0.0) or 1.0 for i in range(NUM_FEATURES)]
+    rows = [([f[i] / scales[i] for i in range(NUM_FEATURES)], ms) for f, ms in samples]
+    active = [i for i in range(NUM_FEATURES) if any(r[0][i] for r in rows)]
+    coef = [0.0] * NUM_FEATURES
+    while active:
+        k = len(active)
+        ata = [[0.0] * k for _ in range(k)]
+        aty = [0.0] * k
+        for x, ms in rows:
+            w = 1.0 / (ms * ms) if relative else 1.0
+            xs = [x[i] for i in active]
+            for a in range(k):
+                aty[a] += w * xs[a] * ms
+                for b in range(k):
+                    ata[a][b] += w * xs[a] * xs[b]
+        for a in range(k):
+            ata[a][a] += ridge * (ata[a][a] or 1.0)
+        sol = _solve(ata, aty)
+        if sol is None:
+            active.pop()
+            continue
+        negative = [active[a] for a in range(k) if sol[a] < 0]
+        if not negative:
+            for a in range(k):
+                coef[active[a]] = sol[a]
+            break
+        worst = min(range(k), key=lambda a: sol[a])
+        active.pop(worst)
+    out = [coef[i] / scales[i] for i in range(NUM_FEATURES)]
+    return (out[0], out[1], out[2], out[3], out[4])
+
+
+@dataclass
+class CostModel:
+    """Predicted step times in milliseconds; see the module docstring.
+
+    Rules for callers: ``coef`` holds non-negative milliseconds per unit of each
+    feature (:data:`FEATURE_NAMES`); :meth:`observe` is called with each executed
+    step's features and its measured time, from the one thread that drives the
+    engine. The policies only read (:meth:`predict_ms`, :meth:`budget`).
+    """
+
+    coef: Features
+    calibration: list[tuple[Features, float]] = field(default_factory=list)
+    source: str = "fitted"
+    scale: float = 1.0
+    recent: deque[tuple[Features, float]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_SAMPLES)
+    )
+    errors: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=ERROR_HISTORY))
+    num_observed: int = 0
+    online: bool = True
+    abs_error_ewma: float = 0.0  # moving mean of |predicted - measured| / measured
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[Features, float]], source: str = "fitted") -> CostModel:
+        """A model fitted on ``samples`` (kept as the calibration set for refits)."""
+        return cls(fit_coefficients(samples), calibration=list(samples), source=source)
+
+    @classmethod
+    def reference(cls) -> CostModel:
+        """Fixed coefficients of the default model (SmolLM2-135M, bf16) on a 2-core
+        Zen 5, for the simulator and tests: 6 ms per step, 0.3 ms per token, 1.5e-5 ms
+        per prefill pair, 1e-4 ms per decode context token, 0.2 ms per sampled row."""
+        return cls((6.0, 0.3, 1.5e-5, 1e-4, 0.2), source="reference", online=False)
+
+    # ------------------------------------------------------------------ prediction
+    def raw_ms(self, features: Sequence[float]) -> float:
+        return _dot(self.coef, features)
+
+    def predict_ms(self, features: Sequence[float]) -> float:
+        """Predicted milliseconds of a step with these features (scale applied)."""
+        return self.scale * self.raw_ms(features)
+
+    def predict_rows_ms(self, rows: Iterable[tuple[int, int, bool]]) -> float:
+        return self.predict_ms(step_features(rows))
+
+    def chunk_ms(self, num_new: int, context: int, samples: bool = False) -> float:
+        """Predicted extra milliseconds of adding one row to a step (no overhead)."""
+        return self.predict_ms(row_features(num_new, context, samples))
+
+    def max_chunk(self, time_ms: float, context: int, limit: int) -> int:
+        """The most new tokens (<= ``limit``) of a prompt at ``context`` whose row costs at
+        most ``time_ms`` (ignoring the one sampled row of a last chunk); 0 when none."""
+        if limit <= 0 or time_ms <= 0:
+            return 0
+        a = self.scale * self.coef[2] / 2  # pairs: n*c + n(n+1)/2
+        b = self.scale * (self.coef[1] + self.coef[2] * (context + 0.5))
+        if a <= 0:
+            n = limit if b <= 0 else int(time_ms / b)
+        else:
+            n = int((-b + math.sqrt(b * b + 4 * a * time_ms)) / (2 * a))
+        n = max(0, min(limit, n))
+        while n > 0 and self.chunk_ms(n, context) > time_ms * (1 + 1e-9):
+            n -= 1  # float rounding at the boundary
+        return n
+
+    def budget(self, target_ms: float) -> StepBudget:
+        """A fresh time budget of ``target_ms`` for one step (the overhead is spent)."""
+        return StepBudget(self, target_ms)
+
+    # ------------------------------------------------------------------ online correction
+    def observe(self, features: Features, measured_ms: float) -> float:
+        """Record one executed step; returns the prediction it had (before correcting).
+
+        Moves ``scale`` toward ``measured / predicted`` and refits every
+        ``REFIT_EVERY`` steps (when ``online``). Steps with no tokens, or a time that is
+        not positive, are ignored (returns 0)."""
+        predicted = self.predict_ms(features)
+        if features[1] <= 0 or not measured_ms > 0 or predicted <= 0:
+            return 0.0
+        self.errors.append((predicted, measured_ms))
+        err = abs(predicted - measured_ms) / measured_ms
+        self.abs_error_ewma += (err - self.abs_error_ewma) * (
+            1.0 if len(self.errors) == 1 else 0.05
+        )
+        if not self.online:
+            return predicted
+        self.num_observed += 1
+        self.recent.append((features, measured_ms))
+        log_ratio = math.log(measured_ms / predicted)
+        scale = self.scale * math.exp(SCALE_ALPHA * log_ratio)
+        self.scale = min(max(scale, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
+        if self.num_observed % REFIT_EVERY == 0:
+            self.refit()
+        return predicted
+
+    def refit(self) -> None:
+        """Refit on the calibration samples plus the recent measured steps (scale 1)."""
+        samples = list(self.calibration) + list(self.recent)
+        if len(samples) < NUM_FEATURES:
+            return
+        self.coef = fit_coefficients(samples)
+        self.scale = 1.0
+
+    def error_summary(self) -> dict[str, float | int]:
+        """Relative prediction errors ``(predicted - measured) / measured`` of the
+        recorded steps: count, median and p90/p99 of the absolute error, mean signed
+        error, and the share within 15 %."""
+        errs = sorted(abs(p - m) / m for p, m in self.errors)
+        if not errs:
+            return {"steps": 0}
+        signed = [(p - m) / m for p, m in self.errors]
+
+        def pct(q: float) -> float:
+            return errs[min(len(errs) - 1, int(q * len(errs)))]
+
+        return {
+            "steps": len(errs),
+            "median_abs_error": pct(0.5),
+            "p90_abs_error": pct(0.9),
+            "p99_abs_error": pct(0.99),
+            "mean_signed_error": sum(signed) / len(signed),
+            "within_15pct": sum(1 for e in errs if e <= 0.15) / len(errs),
+        }
+
+    def describe(self) -> str:
+        c = self.coef
+        return (
+            f"{self.source}: {c[0]:.2f} ms/step + {c[1] * 1e3:.1f} us/token + "
+            f"{c[2] * 1e6:.2f} ns/prefill pair + {c[3] * 1e6:.1f} ns/decode ctx token + "
+            f"{c[4] * 1e3:.1f} us/sampled row"
+        )
+
+
+class StepBudget:
+    """The time left in one step as a policy fills it.
+
+    Rules for callers: :meth:`add` every row scheduled (decodes and chunks, in any
+    order), ask :meth:`prompt_tokens` before scheduling a prompt chunk, then
+    :meth:`add` the chunk actually scheduled.
+    """
+
+    def __init__(self, model: CostModel, target_ms: float) -> None:
+        self.model = model
+        self.target_ms = target_ms
+        self.rows: list[tuple[int, int, bool]] = []
+        self.num_prompt_tokens = 0
+
+    @property
+    def predicted_ms(self) -> float:
+        return self.model.predict_rows_ms(self.rows) if self.rows else 0.0
+
+    @property
+    def remaining_ms(self) -> float:
+        overhead = 0.0 if self.rows else self.model.scale * self.model.coef[0]
+        return self.target_ms - self.predicted_ms - overhead
+
+    def add(
+        self, num_new: int, context: int, samples: bool = True, *, prompt: bool = False
+    ) -> None:
+        """Count a scheduled row; ``prompt`` rows add to :attr:`num_prompt_tokens`."""
+        self.rows.append((num_new, context, samples))
+        if prompt:
+            self.num_prompt_tokens += num_new
+
+    def prompt_tokens(self, context: int, limit: int, remaining: int | None = None) -> int:
+        """The most tokens (<= ``limit``) of a prompt at ``context`` that fit in the time
+        left; a chunk that reaches ``remaining`` (the tokens left to its prompt, when
+        given) finishes it and also pays one sampled row."""
+        left = self.remaining_ms
+        n = self.model.max_chunk(left, context, limit)
+        if remaining is not None and n >= remaining > 0:
+            while n > 0 and self.model.chunk_ms(n, context, True) > left:
+                n -= 1  # the last chunk samples: leave room for its row
+        return n
+
+
+def output_features(
+    num_scheduled_tokens: Mapping[str, int],
+    cached_seq_len: Mapping[str, int],
+    sampled_token_ids: Mapping[str, list[int]],
+    num_scheduled_tokens_padded: Mapping[str, int] | None = None,
+    decode_batch_size_padded: int | None = None,
+) -> Features:
+    """Features of an executed step from its SchedulerOutput's fields and the runner's
+    sampled tokens: padded chunk sizes where given (padding is computed), and a
+    padded decode batch's dummy rows as decode rows over no context."""
+    padded = num_scheduled_tokens_padded or {}
+    rows = [
+        (max(n, padded.get(r, n)), cached_seq_len.get(r, 0), bool(sampled_token_ids.get(r)))
+        for r, n in num_scheduled_tokens.items()
+    ]
+    if decode_batch_size_padded:
+        num_decodes = sum(1 for n, _, _ in rows if n == 1)
+        rows += [(1, 0, False)] * max(0, decode_batch_size_padded - num_decodes)
+    return step_features(rows)
