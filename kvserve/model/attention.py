@@ -302,6 +302,10 @@ def native_attention(
     )
     if amx:
         return _native_attention_amx(q, kv_cache, nb, seg, scale)
+    if (nb.prefills or nb.cascade is not None) and nb.kernel.vec_prefill_supports(
+        q.dtype, q.shape[-1]
+    ):
+        return _native_attention_amx(q, kv_cache, nb, seg, scale, vec=True)
     if not nb.prefills:
         c = nb.cascade
         if c is None:
@@ -356,11 +360,19 @@ def native_attention(
 
 
 def _native_attention_amx(
-    q: torch.Tensor, kv_cache: torch.Tensor, nb: NativeBatch, seg: int, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    nb: NativeBatch,
+    seg: int,
+    scale: float,
+    vec: bool = False,
 ) -> torch.Tensor:
     """The AMX split of a native batch: decode rows through the vector kernel (grouped
     rows over their own suffix only), then every prefill request whole, then each
-    shared-prefix group's prefix merged into its rows (see :class:`CascadeSplit`)."""
+    shared-prefix group's prefix merged into its rows (see :class:`CascadeSplit`).
+    ``vec``: the prefill parts run on the AVX-512/AVX2 prefill kernel (CPUs without
+    AMX, any dtype the kernel takes) instead of AMX tiles; same split, same contract."""
+    prefill = nb.kernel.prefill_attention_vec if vec else nb.kernel.prefill_attention_amx
     c = nb.cascade
     if c is not None:
         decode_seqs, decode_tables = c.decode_seqs, c.decode_tables
@@ -374,9 +386,7 @@ def _native_attention_amx(
         out = torch.empty(q.shape, dtype=q.dtype)
     if nb.prefill_seqs is not None:
         assert nb.prefill_tables is not None
-        nb.kernel.prefill_attention_amx(q, kv_cache, nb.prefill_seqs, nb.prefill_tables, scale, out)
+        prefill(q, kv_cache, nb.prefill_seqs, nb.prefill_tables, scale, out)
     if c is not None:
-        nb.kernel.prefill_attention_amx(
-            q, kv_cache, c.group_seqs, c.group_tables, scale, out, lse, c.row_map, merge=True
-        )
+        prefill(q, kv_cache, c.group_seqs, c.group_tables, scale, out, lse, c.row_map, merge=True)
     return out
