@@ -210,6 +210,13 @@ struct V256 {
 #endif
 
 #if defined(KVS_PF_HAVE_DP)
+// acc += q . broadcast(*p) (bf16 pairs) with the broadcast folded into the instruction
+// ({1to16} memory operand): the compiler emits a separate vpbroadcastd otherwise.
+inline __m512 dp_bcast(__m512 acc, __m512bh q, const u32a* p) {
+  __asm__("vdpbf16ps %[m]%{1to16%}, %[q], %[acc]" : [acc] "+v"(acc) : [q] "v"(q), [m] "m"(*p));
+  return acc;
+}
+
 // V of one (seq, KV head) in key pairs: vp[kk][d] = V[2kk][d] | V[2kk + 1][d] << 16 (bf16
 // bits), keys padded with zeros to a multiple of kKC: the broadcast operand of P.V.
 void pack_v_pairs(const Args& a, const int64_t* bt, int h, int64_t keys, uint32_t* vp) {
@@ -316,7 +323,7 @@ void run_task(const Args& a, const Task& t, const uint32_t* vp) {
         for (int p = 0; p < D / 2; ++p) {
           const __m512bh qv = (__m512bh)_mm512_load_si512(qp[p]);
           for (int k = 0; k < KG; ++k)
-            acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)_mm512_set1_epi32(static_cast<int>(k32[k * (D / 2) + p])), qv);
+            acc[k] = dp_bcast(acc[k], qv, k32 + k * (D / 2) + p);
         }
 #endif
       } else {
@@ -378,9 +385,8 @@ void run_task(const Args& a, const Task& t, const uint32_t* vp) {
         for (int j = 0; j < DB; ++j) acc[j] = V::mul(V::load(obuf[d0 + j]), alpha);
         for (int kk = 0; kk < kKC / 2; ++kk) {
           const __m512bh pv = (__m512bh)_mm512_load_si512(pp[kk]);
-          const uint32_t* vr = vc + kk * D + d0;
-          for (int j = 0; j < DB; ++j)
-            acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(static_cast<int>(vr[j])), pv);
+          const u32a* vr = vc + kk * D + d0;
+          for (int j = 0; j < DB; ++j) acc[j] = dp_bcast(acc[j], pv, vr + j);
         }
         for (int j = 0; j < DB; ++j) V::store(obuf[d0 + j], acc[j]);
       }
