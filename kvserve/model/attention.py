@@ -45,7 +45,11 @@ Two implementations of the same contract, chosen per step by
   (bfloat16, head_dim 64), prefill chunks go to a second kernel that runs Q.K^T and
   P.V as AMX tile products over the pages, prior and new keys in one pass, 64 keys
   at a time (segments are multiples of 64, so the per-segment merge is the same
-  computation); ``KVSERVE_PREFILL_AMX=0`` turns it off.
+  computation); ``KVSERVE_PREFILL_AMX=0`` turns it off. Without AMX the same split
+  runs on ``csrc/prefill_vec.cpp`` (AVX-512: vdpbf16ps for bfloat16, fp32 FMAs for
+  float32; AVX2: fp32 FMAs; head_dim 32/64/128, any block size), where a row's result
+  does not depend on how the prompt was chunked; ``KVSERVE_PREFILL_VEC=0`` turns it off
+  (then: the decode kernel for short chunks' prior context, flash for the rest).
 - ``portable``: PyTorch ops (gather by slot / by block, SDPA). Decode rows are
   gathered up to the longest context and masked past each row's ``seq_len``. It is
   the reference the tests hold the native kernel to, and the fallback where no C++

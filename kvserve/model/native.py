@@ -1,6 +1,7 @@
 """kvserve's native CPU kernels: build once, load with ctypes, call per layer.
 
-``csrc/*.cpp`` (paged attention; AMX prefill attention; fused add+RMSNorm, SiLU*mul,
+``csrc/*.cpp`` (paged attention; AMX and AVX-512/AVX2 prefill attention; fused
+add+RMSNorm, SiLU*mul,
 RoPE+KV write; sampling helpers) is a
 plain C ABI (no PyTorch headers), compiled with the system C++ compiler into
 ``~/.cache/kvserve/ext/<key>/`` where ``<key>`` hashes the sources, the compiler flags,
