@@ -386,12 +386,12 @@ def run(args: argparse.Namespace) -> int:
         }
 
     for new_tokens, cached in args.cached_prefill:
-        p = prompts(1, cached + new_tokens)[0]
-        kv.prefill([p[:cached]], reserve=new_tokens)  # the prefix's KV, untimed
+        prompt = prompts(1, cached + new_tokens)[0]
+        kv.prefill([prompt[:cached]], reserve=new_tokens)  # the prefix's KV, untimed
         blocks = next(iter(kv.live.values()))["blocks"]
-        kv.prefill_cached(p, cached, blocks)  # warm-up
+        kv.prefill_cached(prompt, cached, blocks)  # warm-up
         kv_t = [
-            _timed(functools.partial(kv.prefill_cached, p, cached, blocks))
+            _timed(functools.partial(kv.prefill_cached, prompt, cached, blocks))
             for _ in range(args.repeats)
         ]
         t = statistics.median(kv_t)
