@@ -368,7 +368,8 @@ class PagedAttentionKernel:
 
         Rules: :meth:`vec_prefill_supports` holds for q's dtype and head_dim; any
         block_size. ``isa``: None = ``KVSERVE_PREFILL_VEC`` if it names a variant,
-        else the best usable one (vdpbf16ps for bfloat16 where present); or one of
+        else the best usable one (vdpbf16ps for bfloat16 on AMD CPUs that have it,
+        where it was measured at the fp32 FMA rate; fp32 FMAs otherwise); or one of
         ``PREFILL_VEC_ISAS`` (RuntimeError where unusable). A row's result does not
         depend on the other rows of the call (see the source).
         """

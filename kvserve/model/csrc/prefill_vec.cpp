@@ -29,7 +29,8 @@
 //     probe of 10 independent zmm chains: vdpbf16ps issues at the same rate as an
 //     fp32 FMA (0.273 ns each), i.e. twice the FLOP rate of widened fp32 FMAs (on the
 //     Intel Sapphire Rapids machine it issued at ~1/4 of the FMA rate; AMX serves
-//     bfloat16 there).
+//     bfloat16 there). The default picks it on AMD CPUs only (KVSERVE_PREFILL_VEC
+//     names a variant to force one).
 //   - otherwise fp32 FMAs (bfloat16 K/V widened on the broadcast, P kept in fp32).
 //
 // Determinism (a row's result does not depend on its chunk): a lane's arithmetic
@@ -535,8 +536,8 @@ extern "C" {
 int kvs_prefill_vec_isas() { return available_isas(); }
 
 // Returns 0 on success; 1: unsupported dtype; 2: the requested ISA is unavailable
-// (isa 0 = the best usable one: vdpbf16ps for bfloat16 where present, else AVX-512
-// fp32, else AVX2); 3: unsupported shape (head_dim 32, 64 or 128; num_heads a multiple
+// (isa 0 = the best usable one: vdpbf16ps for bfloat16 on AMD CPUs that have it, else
+// AVX-512 fp32, else AVX2); 3: unsupported shape (head_dim 32, 64 or 128; num_heads a multiple
 // of num_kv_heads); 4: merge without lse. dtype: 0 = float32, 1 = bfloat16.
 int kvs_prefill_attention_vec(const void* q, int64_t q_row_stride, int64_t q_head_stride,
                               void* out, const void* kv, int64_t num_blocks, int block_size,
@@ -549,8 +550,8 @@ int kvs_prefill_attention_vec(const void* q, int64_t q_row_stride, int64_t q_hea
   if (merge && lse == nullptr) return 4;
   if (dtype != 0 && dtype != 1) return 1;
   const int bits = available_isas();
-  if (isa == 0) {
-    if (dtype == 1 && (bits & (1 << 3))) isa = 3;
+  if (isa == 0) {  // vdpbf16ps where it was measured fast (AMD), see the top of this file
+    if (dtype == 1 && (bits & (1 << 3)) && __builtin_cpu_is("amd")) isa = 3;
     else if (bits & (1 << 2)) isa = 2;
     else if (bits & (1 << 1)) isa = 1;
     else return 2;
