@@ -5,6 +5,14 @@ both see the same machine load):
 
 - prefill tok/s of one prompt of each ``--prefill-lens`` length (one step, logits for
   the last token only; HF: ``model(ids, logits_to_keep=1)`` with a KV cache);
+- prefill tok/s of a chunk over a cached prefix, each ``--cached-prefill`` ``NEW@CACHED``
+  (a prefix-cache hit: the prefix's KV is in the request's blocks, one step prefills
+  the NEW tokens, attending to all CACHED ones; kvserve only);
+- for every prefill row, the fraction of the FLOP limit it reaches: model FLOPs
+  (:func:`prefill_flops`: 2 per weight per new token, the last token's LM head, and
+  attention's Q.K and P.V, causal part counted once) over the FLOP/s of a large
+  matmul in the model dtype on the same threads and clock (:func:`matmul_flop_s`, the
+  machine's practical GEMM peak);
 - decode step time at each ``--decode-batches`` size: every request has a
   ``--context``-token prompt already prefilled, then one token per request per step
   (kvserve: ``ModelRunner.execute_model`` with greedy sampling; HF: ``model(next_ids,
@@ -44,6 +52,51 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _cached_list(text: str) -> list[tuple[int, int]]:
+    """``512@2048,256@4096`` -> [(512, 2048), (256, 4096)] (new tokens, cached tokens)."""
+    if text.strip() == "none":
+        return []
+    out = []
+    for item in text.split(","):
+        new, _, cached = item.strip().partition("@")
+        try:
+            pair = (int(new), int(cached))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid chunk {item!r}: give NEW@CACHED token counts (e.g. 512@2048)"
+            ) from None
+        if pair[0] < 2 or pair[1] < 1:
+            raise argparse.ArgumentTypeError(
+                f"invalid chunk {item!r}: NEW >= 2 and CACHED >= 1 (e.g. 512@2048)"
+            )
+        out.append(pair)
+    return out
+
+
+def prefill_flops(arch: Any, new: int, cached: int = 0) -> float:
+    """FLOPs of prefilling ``new`` tokens over ``cached`` ones (logits of the last token):
+    2 per weight per token for the layers' linears, the LM head once, and attention's
+    Q.K and P.V (2 * 2 * H * D per query-key pair, ``new * cached + new^2 / 2`` pairs)."""
+    h, d, hk = arch.num_heads, arch.head_dim, arch.num_kv_heads
+    per_layer = arch.hidden_size * (h + 2 * hk) * d + h * d * arch.hidden_size
+    per_layer += 3 * arch.hidden_size * arch.intermediate_size
+    linear = 2.0 * arch.num_layers * per_layer * new + 2.0 * arch.hidden_size * arch.vocab_size
+    attention = 4.0 * arch.num_layers * h * d * (new * cached + new * new / 2)
+    return linear + attention
+
+
+def matmul_flop_s(dtype: Any, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a ``size``-cubed matmul in ``dtype`` (median; the bench's clock and
+    threads): the practical FLOP limit the prefill rows are measured against."""
+    import torch
+
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    torch.matmul(a, b)
+    times = [_timed(functools.partial(torch.matmul, a, b)) for _ in range(repeats)]
+    return 2.0 * size**3 / statistics.median(times)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="smollm2-135m-instruct", help="model (default: %(default)s)"
@@ -54,8 +107,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-lens",
         type=_int_list,
-        default=[512, 2048],
-        help="prompt lengths (default: 512,2048)",
+        default=[512, 2048, 4096],
+        help="prompt lengths (default: 512,2048,4096)",
+    )
+    parser.add_argument(
+        "--cached-prefill",
+        type=_cached_list,
+        default=[(512, 2048), (512, 4096)],
+        help="chunks over a cached prefix, NEW@CACHED comma-separated, or none "
+        "(default: 512@2048,512@4096)",
     )
     parser.add_argument(
         "--decode-batches",
@@ -170,7 +230,35 @@ class _KvserveDriver:
         last = {r: out.sampled_token_ids[r][0] for r in self.live}
         for r, tok in last.items():
             self.live[r]["last"] = tok
+        for r, req in zip(self.live, new, strict=True):
+            self.live[r]["blocks"] = req.block_ids
         return last
+
+    def prefill_cached(self, prompt: list[int], cached: int, blocks: list[int]) -> None:
+        """One step prefilling ``prompt[cached:]`` as a new request whose first
+        ``cached`` tokens are a prefix-cache hit: their KV must already be in the first
+        blocks of ``blocks`` (which cover the whole prompt)."""
+        from kvserve.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+        finished = set(self.live)
+        self.live.clear()
+        self.counter += 1
+        req_id = f"b{self.counter}"
+        new = NewRequestData(req_id, list(prompt), [], list(blocks), cached, self.params)
+        n = len(prompt) - cached
+        so = SchedulerOutput(
+            phase="prefill",
+            scheduled_new_reqs=[new],
+            scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={req_id: n},
+            num_scheduled_tokens_padded={req_id: n},
+            scheduled_token_ids={req_id: list(prompt[cached:])},
+            cached_seq_len={req_id: cached},
+            kv_segment_size=self.kv_segment_size,
+            finished_req_ids=finished,
+        )
+        out = self.runner.execute_model(so)
+        self.live[req_id] = {"len": len(prompt), "last": out.sampled_token_ids[req_id][0]}
 
     def decode_step(self) -> None:
         from kvserve.sched.output import CachedRequestData, SchedulerOutput
@@ -257,7 +345,11 @@ def run(args: argparse.Namespace) -> int:
         return torch.randint(100, vocab - 100, (n, length), generator=gen).tolist()
 
     max_batch = max(args.decode_batches)
-    tokens_needed = max(max(args.prefill_lens), max_batch * (args.context + args.decode_steps + 4))
+    tokens_needed = max(
+        max(args.prefill_lens),
+        max_batch * (args.context + args.decode_steps + 4),
+        max([n + c for n, c in args.cached_prefill], default=0),
+    )
     num_blocks = 2 + 2 * -(-tokens_needed // args.block_size)
     kv = _KvserveDriver(loaded, args.block_size, args.kv_segment_size, num_blocks)
     hf = None if args.no_hf else _HfDriver(loaded.model_dir, loaded.dtype)
@@ -270,8 +362,12 @@ def run(args: argparse.Namespace) -> int:
         "cpu_count": os.cpu_count(),
         "context": args.context,
         "prefill": {},
+        "cached_prefill": {},
         "decode": {},
     }
+    arch = loaded.model.config
+    peak = matmul_flop_s(loaded.dtype)
+    results["matmul_gflop_s"] = peak / 1e9
 
     for length in args.prefill_lens:
         p = prompts(1, length)
@@ -286,6 +382,24 @@ def run(args: argparse.Namespace) -> int:
         results["prefill"][length] = {
             "kvserve_tok_s": length / statistics.median(kv_t),
             "hf_tok_s": length / statistics.median(hf_t) if hf_t else None,
+            "fraction_of_flop_limit": prefill_flops(arch, length) / statistics.median(kv_t) / peak,
+        }
+
+    for new_tokens, cached in args.cached_prefill:
+        prompt = prompts(1, cached + new_tokens)[0]
+        kv.prefill([prompt[:cached]], reserve=new_tokens)  # the prefix's KV, untimed
+        blocks = next(iter(kv.live.values()))["blocks"]
+        kv.prefill_cached(prompt, cached, blocks)  # warm-up
+        kv_t = [
+            _timed(functools.partial(kv.prefill_cached, prompt, cached, blocks))
+            for _ in range(args.repeats)
+        ]
+        t = statistics.median(kv_t)
+        results["cached_prefill"][f"{new_tokens}@{cached}"] = {
+            "new_tokens": new_tokens,
+            "cached_tokens": cached,
+            "kvserve_tok_s": new_tokens / t,
+            "fraction_of_flop_limit": prefill_flops(arch, new_tokens, cached) / t / peak,
         }
 
     for batch in args.decode_batches:
@@ -340,11 +454,27 @@ def _print_table(r: dict[str, Any]) -> None:
         f"kvserve bench forward: model={r['model']} dtype={r['dtype']} threads={r['threads']} "
         f"clock={r['clock']} (medians)"
     )
-    print(f"{'measure':<28}{'kvserve':>12}{'HF':>12}{'kv/HF':>9}")
+    print(f"{'measure':<28}{'kvserve':>12}{'HF':>12}{'kv/HF':>9}{'of FLOP limit':>15}")
     for length, v in r["prefill"].items():
         print(
             f"{f'prefill {length} tok/s':<28}{v['kvserve_tok_s']:>12.0f}"
             f"{num(v['hf_tok_s'], '.0f'):>12}{ratio(v['kvserve_tok_s'], v['hf_tok_s']):>9}"
+            f"{v['fraction_of_flop_limit']:>15.0%}"
+        )
+    for key, v in r.get("cached_prefill", {}).items():
+        print(
+            f"{f'prefill {key} tok/s':<28}{v['kvserve_tok_s']:>12.0f}{'-':>12}{'-':>9}"
+            f"{v['fraction_of_flop_limit']:>15.0%}"
+        )
+    lens = r["prefill"]
+    if lens and 512 in lens and 2048 in lens:
+        rel = lens[2048]["kvserve_tok_s"] / lens[512]["kvserve_tok_s"]
+        print(f"kvserve prefill tok/s, 2048 / 512 tokens: {rel:.2f}x (target >= 0.8x)")
+    if "matmul_gflop_s" in r:
+        print(
+            f"FLOP limit: {r['matmul_gflop_s']:.0f} GFLOP/s, a 2048^3 {r['dtype']} matmul "
+            "measured here (same threads and clock); prefill NEW@CACHED: NEW tokens after "
+            "CACHED cached ones"
         )
     for batch, v in r["decode"].items():
         print(

@@ -45,7 +45,11 @@ Two implementations of the same contract, chosen per step by
   (bfloat16, head_dim 64), prefill chunks go to a second kernel that runs Q.K^T and
   P.V as AMX tile products over the pages, prior and new keys in one pass, 64 keys
   at a time (segments are multiples of 64, so the per-segment merge is the same
-  computation); ``KVSERVE_PREFILL_AMX=0`` turns it off.
+  computation); ``KVSERVE_PREFILL_AMX=0`` turns it off. Without AMX the same split
+  runs on ``csrc/prefill_vec.cpp`` (AVX-512: vdpbf16ps for bfloat16, fp32 FMAs for
+  float32; AVX2: fp32 FMAs; head_dim 32/64/128, any block size), where a row's result
+  does not depend on how the prompt was chunked; ``KVSERVE_PREFILL_VEC=0`` turns it off
+  (then: the decode kernel for short chunks' prior context, flash for the rest).
 - ``portable``: PyTorch ops (gather by slot / by block, SDPA). Decode rows are
   gathered up to the longest context and masked past each row's ``seq_len``. It is
   the reference the tests hold the native kernel to, and the fallback where no C++
@@ -302,6 +306,10 @@ def native_attention(
     )
     if amx:
         return _native_attention_amx(q, kv_cache, nb, seg, scale)
+    if (nb.prefills or nb.cascade is not None) and nb.kernel.vec_prefill_supports(
+        q.dtype, q.shape[-1]
+    ):
+        return _native_attention_amx(q, kv_cache, nb, seg, scale, vec=True)
     if not nb.prefills:
         c = nb.cascade
         if c is None:
@@ -356,11 +364,19 @@ def native_attention(
 
 
 def _native_attention_amx(
-    q: torch.Tensor, kv_cache: torch.Tensor, nb: NativeBatch, seg: int, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    nb: NativeBatch,
+    seg: int,
+    scale: float,
+    vec: bool = False,
 ) -> torch.Tensor:
     """The AMX split of a native batch: decode rows through the vector kernel (grouped
     rows over their own suffix only), then every prefill request whole, then each
-    shared-prefix group's prefix merged into its rows (see :class:`CascadeSplit`)."""
+    shared-prefix group's prefix merged into its rows (see :class:`CascadeSplit`).
+    ``vec``: the prefill parts run on the AVX-512/AVX2 prefill kernel (CPUs without
+    AMX, any dtype the kernel takes) instead of AMX tiles; same split, same contract."""
+    prefill = nb.kernel.prefill_attention_vec if vec else nb.kernel.prefill_attention_amx
     c = nb.cascade
     if c is not None:
         decode_seqs, decode_tables = c.decode_seqs, c.decode_tables
@@ -374,9 +390,7 @@ def _native_attention_amx(
         out = torch.empty(q.shape, dtype=q.dtype)
     if nb.prefill_seqs is not None:
         assert nb.prefill_tables is not None
-        nb.kernel.prefill_attention_amx(q, kv_cache, nb.prefill_seqs, nb.prefill_tables, scale, out)
+        prefill(q, kv_cache, nb.prefill_seqs, nb.prefill_tables, scale, out)
     if c is not None:
-        nb.kernel.prefill_attention_amx(
-            q, kv_cache, c.group_seqs, c.group_tables, scale, out, lse, c.row_map, merge=True
-        )
+        prefill(q, kv_cache, c.group_seqs, c.group_tables, scale, out, lse, c.row_map, merge=True)
     return out

@@ -59,7 +59,8 @@ class DecodeBatch:
     attn_mask: torch.Tensor  # [1, num_rows, 1, max_blocks * block_size] 0 / -inf
 
 
-# Prefill chunks with fewer rows than this read their prior context in place through
+# Where no prefill kernel runs (AMX or prefill_vec.cpp: see ``native_attention``):
+# prefill chunks with fewer rows than this read their prior context in place through
 # the native kernel; longer chunks gather it segment by segment for PyTorch's fused
 # flash kernel (its AMX/oneDNN GEMMs beat the kernel's vector loop from 16 rows on:
 # 2.45 vs 1.27 ms per layer at 64 rows x 1,024 prior tokens, bf16, this machine kind).

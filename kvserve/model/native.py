@@ -1,6 +1,7 @@
 """kvserve's native CPU kernels: build once, load with ctypes, call per layer.
 
-``csrc/*.cpp`` (paged attention; AMX prefill attention; fused add+RMSNorm, SiLU*mul,
+``csrc/*.cpp`` (paged attention; AMX and AVX-512/AVX2 prefill attention; fused
+add+RMSNorm, SiLU*mul,
 RoPE+KV write; sampling helpers) is a
 plain C ABI (no PyTorch headers), compiled with the system C++ compiler into
 ``~/.cache/kvserve/ext/<key>/`` where ``<key>`` hashes the sources, the compiler flags,
@@ -43,6 +44,7 @@ _SOURCES = [
         "fused_ops.cpp",
         "sampling.cpp",
         "linear_panels.cpp",
+        "prefill_vec.cpp",
     )
 ]
 _HEADERS = [_CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources
@@ -50,6 +52,10 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_VAR = "KVSERVE_ATTENTION"  # "native" (default when it builds) or "portable"
 AMX_ENV_VAR = "KVSERVE_PREFILL_AMX"  # "0" keeps prefill chunks off the AMX kernel
+# prefill chunks on CPUs without AMX: "0" keeps them off the vector prefill kernel;
+# "avx2", "avx512", "avx512bf16" force that variant (where usable), "1"/unset: the best
+VEC_ENV_VAR = "KVSERVE_PREFILL_VEC"
+PREFILL_VEC_ISAS = {"avx2": 1, "avx512": 2, "avx512bf16": 3}
 
 
 def _cpu_flags() -> str:
@@ -173,6 +179,16 @@ class PagedAttentionKernel:
         self._linear_bf16_amx.restype = i32
         lib.kvs_linear_bf16_amx_available.restype = i32
         self.linear_bf16_amx_available: bool = bool(lib.kvs_linear_bf16_amx_available())
+        self._vec = lib.kvs_prefill_attention_vec
+        self._vec.argtypes = [vp, i64, i64, vp, vp, i64, i32, i32, i32, i32, vp, i64, vp, i64]
+        self._vec.argtypes += [f32, i32, i32, i32, vp, vp, i32]
+        self._vec.restype = i32
+        lib.kvs_prefill_vec_isas.restype = i32
+        bits = int(lib.kvs_prefill_vec_isas())
+        # the usable variants of prefill_attention_vec, by name (see PREFILL_VEC_ISAS)
+        self.prefill_vec_isas: frozenset[str] = frozenset(
+            name for name, bit in PREFILL_VEC_ISAS.items() if bits & (1 << bit)
+        )
 
     @staticmethod
     def pack_linear_f32(weight: torch.Tensor) -> torch.Tensor:
@@ -322,6 +338,69 @@ class PagedAttentionKernel:
         )
         if rc != 0:
             raise RuntimeError(f"kvs_prefill_attention_amx returned {rc}")
+
+    def vec_prefill_supports(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether :meth:`prefill_attention_vec` runs here for this dtype and head_dim
+        (32, 64 or 128; float32 or bfloat16; an AVX2 or AVX-512 CPU) with
+        ``KVSERVE_PREFILL_VEC`` not ``0`` (a forced variant must be usable)."""
+        env = os.environ.get(VEC_ENV_VAR, "1")
+        if env == "0" or dtype not in _DTYPES or head_dim not in (32, 64, 128):
+            return False
+        if env in PREFILL_VEC_ISAS:
+            return env in self.prefill_vec_isas and (env != "avx512bf16" or dtype == torch.bfloat16)
+        return bool(self.prefill_vec_isas)
+
+    def prefill_attention_vec(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        seqs: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        row_map: torch.Tensor | None = None,
+        merge: bool = False,
+        isa: str | None = None,
+    ) -> None:
+        """:meth:`prefill_attention_amx`'s contract on AVX-512/AVX2 (``prefill_vec.cpp``),
+        for float32 or bfloat16 (q, out and kv_cache share the dtype).
+
+        Rules: :meth:`vec_prefill_supports` holds for q's dtype and head_dim; any
+        block_size. ``isa``: None = ``KVSERVE_PREFILL_VEC`` if it names a variant,
+        else the best usable one (vdpbf16ps for bfloat16 on AMD CPUs that have it,
+        where it was measured at the fp32 FMA rate; fp32 FMAs otherwise); or one of
+        ``PREFILL_VEC_ISAS`` (RuntimeError where unusable). A row's result does not
+        depend on the other rows of the call (see the source).
+        """
+        name = isa if isa is not None else os.environ.get(VEC_ENV_VAR, "1")
+        code = PREFILL_VEC_ISAS.get(name, 0)
+        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        rc = self._vec(
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            out.data_ptr(),
+            kv_cache.data_ptr(),
+            num_blocks,
+            block_size,
+            q.shape[1],
+            num_kv_heads,
+            head_dim,
+            seqs.data_ptr(),
+            seqs.shape[0],
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            scale,
+            _DTYPES[q.dtype],
+            code,
+            torch.get_num_threads(),
+            None if lse is None else lse.data_ptr(),
+            None if row_map is None else row_map.data_ptr(),
+            int(merge),
+        )
+        if rc != 0:
+            raise RuntimeError(f"kvs_prefill_attention_vec returned {rc} (isa {name!r})")
 
     def softmax_rows(self, logits: torch.Tensor, inv_temperature: torch.Tensor) -> torch.Tensor:
         """``softmax(logits * inv_temperature[:, None], -1)``; contiguous fp32 [B, V] CPU.

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from model.test_attention import reference_attention
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata, paged_attention
-from kvserve.model.native import AMX_ENV_VAR, get_kernel
+from kvserve.model.native import AMX_ENV_VAR, VEC_ENV_VAR, get_kernel
 
 
 @st.composite
@@ -91,8 +91,10 @@ def _shared_prefix_specs(case: dict) -> tuple[list[SeqSpec], int, torch.Tensor, 
 @settings(max_examples=20, deadline=None)
 @given(case=shared_prefix_steps())
 def test_vector_cascade_matches_reference(case: dict, dtype: torch.dtype) -> None:
-    """Without AMX (float32, or AMX off): decode-only steps with shared-prefix groups
-    run the group's prefix through the vector kernel once, merged into each row."""
+    """Without AMX and the vector prefill kernel (AMX and KVSERVE_PREFILL_VEC off):
+    decode-only steps with shared-prefix groups run the group's prefix through the
+    decode kernel once, merged into each row (tests/model/test_prefill_vec.py covers
+    the prefill kernel's cascade)."""
     kernel = get_kernel()
     assert kernel is not None
     case = dict(case, prefill=None)
@@ -107,6 +109,7 @@ def test_vector_cascade_matches_reference(case: dict, dtype: torch.dtype) -> Non
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(AMX_ENV_VAR, "0")
+        mp.setenv(VEC_ENV_VAR, "0")
         mp.setattr(type(kernel), "__call__", spy)
         gen = torch.Generator().manual_seed(case["seed"] + 1)
         q, k, v = (torch.randn(num_tokens, n, 64, generator=gen).to(dtype) for n in (9, 3, 3))
