@@ -18,6 +18,7 @@ Defaults that differ between OpenAI and vLLM, and the ones kvserve picks:
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -342,6 +343,30 @@ class CompletionRequest(_SamplingRequest):
         return max(wanted) if wanted else None
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str = "{}"
+
+
+class AssistantToolCall(_Strict):
+    """One entry of an assistant message's ``tool_calls`` in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def as_template_dict(self) -> dict[str, Any]:
+        try:
+            args: Any = json.loads(self.function.arguments)
+        except ValueError:
+            args = self.function.arguments
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.function.name, "arguments": args},
+        }
+
+
 def _check_content(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
@@ -367,6 +392,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)] = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -374,11 +401,19 @@ class ChatMessage(_Strict):
         return _check_content(value)
 
     def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: ``developer`` becomes ``system``;
+        an assistant's ``tool_calls`` keep OpenAI's shape with ``arguments`` parsed
+        into a dict (templates render it with ``tojson``), a tool message keeps
+        its ``tool_call_id``."""
         content = self.content
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.as_template_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -405,8 +440,9 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 20})
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
+    tools: list[Any] | None = None
     tool_choice: Annotated[Any, WithJsonSchema({})] = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         self.check_common()
@@ -414,11 +450,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request(
                 "messages is empty: send at least one message; for example " + EXAMPLES["messages"],
                 param="messages",
-            )
-        if self.tools:
-            raise bad_request(
-                "tools are not supported by this server: remove tools and tool_choice",
-                param="tools",
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request(

@@ -3,9 +3,11 @@
 Routes:
     GET  /health                 200 while the engine runs, 503 otherwise
     GET  /metrics                Prometheus text format (``kvserve.metrics``)
-    GET  /v1/models              the served model
+    GET  /v1/models              the served model; /v1/models/{id} (404 for another id)
     POST /v1/completions         stream and non-stream (``openai_serving``)
-    POST /v1/chat/completions    stream and non-stream
+    POST /v1/chat/completions    stream and non-stream; tools (``chat/tools.py``)
+    POST /v1/responses           OpenAI's Responses API (``responses``)
+    GET  /docs                   Swagger UI, assets from the swagger-ui-bundle package
     POST /tokenize, /detokenize  vLLM's shapes
     GET  /openapi.json           every route's request body and responses (``openapi_doc``)
 
@@ -48,7 +50,16 @@ from kvserve.entrypoints.openai_protocol import (
     TokenizeRequest,
 )
 from kvserve.entrypoints.openai_serving import Generation, OpenAIServing, abort_all
+from kvserve.entrypoints.extras import (
+    alias_metrics,
+    asset,
+    docs_html,
+    ignored_fields,
+    ignored_header,
+    model_card,
+)
 from kvserve.entrypoints.openapi_doc import openapi_document
+from kvserve.entrypoints.responses import ResponsesRequest, start_response
 from kvserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
@@ -63,6 +74,11 @@ def build_app(
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_queue_len: int | None = None,
+    tool_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    default_seed: int | None = None,
+    metrics_prefix: str | None = "vllm:",
+    root_path: str = "",
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncEngine``, or the scale-out
     ingress's ``RemoteEngine``: anything with :class:`~kvserve.engine.client.EngineClient`).
@@ -78,7 +94,14 @@ def build_app(
             "limit (for example: max_queue_len=64)"
         )
     served = served_model_name or async_engine.model_name
-    serving = OpenAIServing(async_engine, served_model_name=served, max_queue_len=max_queue_len)
+    serving = OpenAIServing(
+        async_engine,
+        served_model_name=served,
+        max_queue_len=max_queue_len,
+        tool_parser=tool_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        default_seed=default_seed,
+    )
     started = time.time()
 
     @contextlib.asynccontextmanager
@@ -87,7 +110,9 @@ def build_app(
         yield
         await async_engine.shutdown()
 
-    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None, root_path=root_path
+    )
     app.state.async_engine = async_engine
     app.state.serving = serving
 
@@ -112,8 +137,8 @@ def build_app(
         if exc.status_code == 404:
             message = (
                 f"no route {request.method} {request.url.path}: this server has "
-                "/v1/models, /v1/completions, /v1/chat/completions, /tokenize, "
-                "/detokenize, /health, /metrics, /version and /openapi.json"
+                "/v1/models, /v1/completions, /v1/chat/completions, /v1/responses, "
+                "/tokenize, /detokenize, /health, /metrics, /version, /docs and /openapi.json"
             )
         else:
             message = f"{exc.detail} ({request.method} {request.url.path})"
@@ -136,7 +161,22 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(await async_engine.render_metrics(), media_type=CONTENT_TYPE)
+        text = alias_metrics(await async_engine.render_metrics(), metrics_prefix)
+        return Response(text, media_type=CONTENT_TYPE)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> Response:
+        base = request.scope.get("root_path", "")
+        return Response(
+            docs_html(f"{base}/openapi.json", f"{base}/docs/assets"), media_type="text/html"
+        )
+
+    @app.get("/docs/assets/{name}", include_in_schema=False)
+    async def docs_asset(name: str) -> Response:
+        found = asset(name)
+        if found is None:
+            raise StarletteHTTPException(404)
+        return Response(found[0], media_type=found[1])
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -148,33 +188,44 @@ def build_app(
         except PackageNotFoundError:
             return {"version": "unknown"}
 
+    def card() -> dict[str, Any]:
+        return model_card(
+            served, async_engine.model_name, int(started), async_engine.max_model_len
+        )
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served,
-                    "object": "model",
-                    "created": int(started),
-                    "owned_by": "kvserve",
-                    "root": async_engine.model_name,
-                    "parent": None,
-                    "max_model_len": async_engine.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id)
+        return card()
 
     # ------------------------------------------------------------------ generation
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
-        return await _respond(request, serving, await serving.start_completion(req), req.stream)
+        gen = await serving.start_completion(req)
+        return await _respond(request, serving, gen, req.stream, ignored_fields(req))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
-        return await _respond(request, serving, await serving.start_chat(req), req.stream)
+        gen = await serving.start_chat(req)
+        return await _respond(request, serving, gen, req.stream, ignored_fields(req))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        req = await _parse(request, ResponsesRequest)
+        run = await start_response(serving, req)
+        headers = ignored_header(ignored_fields(req))
+        if req.stream:
+            return _SSEResponse(run.events(), on_close=run.abort, headers=headers)
+        body = await _until_disconnect(request, run.collect(), on_disconnect=run.abort)
+        if body is None:
+            return Response(status_code=499)
+        return JSONResponse(body, headers=headers)
 
     # ------------------------------------------------------------------ tokenizer
     @app.post("/tokenize")
@@ -259,18 +310,24 @@ T = TypeVar("T")
 
 
 async def _respond(
-    request: Request, serving: OpenAIServing, gen: Generation, stream: bool
+    request: Request,
+    serving: OpenAIServing,
+    gen: Generation,
+    stream: bool,
+    ignored: list[str] | None = None,
 ) -> Response:
     """Stream ``gen`` as Server-Sent Events, or wait for it and answer in one body;
-    a client that disconnects has its engine requests aborted (499 when not streamed)."""
+    a client that disconnects has its engine requests aborted (499 when not streamed).
+    ``ignored``: request fields named in the ``x-kvserve-ignored-fields`` header."""
+    headers = ignored_header(ignored or [])
     if stream:
-        return _SSEResponse(serving.events(gen), on_close=abort_all(gen.streams))
+        return _SSEResponse(serving.events(gen), on_close=abort_all(gen.streams), headers=headers)
     choices = await _until_disconnect(
         request, serving.collect(gen), on_disconnect=abort_all(gen.streams)
     )
     if choices is None:
         return Response(status_code=499)
-    return JSONResponse(serving.response(gen, choices))
+    return JSONResponse(serving.response(gen, choices), headers=headers)
 
 
 async def _until_disconnect(
@@ -309,11 +366,16 @@ class _SSEResponse(StreamingResponse):
     disconnects, whatever the ASGI spec version (Starlette only watches for
     disconnects below 2.4). ``on_close`` also runs if streaming never started."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
         self._on_close = on_close
 

@@ -31,6 +31,7 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.engine.client import DeltaStream, EngineClient
 from kvserve.engine.outputs import RequestDelta
+from kvserve.entrypoints.chat.tools import TOOL_PARAM_NAMES, ToolOutput, plan_tools
 from kvserve.entrypoints.openai_errors import APIError, bad_request, request_error_to_api
 from kvserve.entrypoints.openai_protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -49,6 +50,23 @@ from kvserve.entrypoints.token_texts import TokenTexts
 from kvserve.request import RequestError, SamplingParams
 
 RETRY_AFTER_S = 1
+
+
+class SeedSource:
+    """``--seed``: requests without a ``seed`` get the next draw of one generator
+    seeded once, so a server started with the same seed and sent the same requests
+    in the same order samples the same tokens (vLLM's engine-wide seed). Without
+    ``--seed`` requests are left unseeded."""
+
+    def __init__(self, seed: int | None) -> None:
+        import random
+
+        self._rng = random.Random(seed) if seed is not None else None
+
+    def fill(self, params: SamplingParams) -> SamplingParams:
+        if self._rng is None or params.seed is not None:
+            return params
+        return dataclasses.replace(params, seed=self._rng.getrandbits(63))
 
 
 # --------------------------------------------------------------------- streams
@@ -151,7 +169,16 @@ class OpenAIServing:
         *,
         served_model_name: str,
         max_queue_len: int | None = None,
+        tool_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        default_seed: int | None = None,
     ) -> None:
+        """``tool_parser`` + ``enable_auto_tool_choice``: read tool calls out of the
+        text for ``tool_choice: "auto"`` (``chat/tools.py``); ``default_seed``: the
+        seed source of requests that send none (``--seed``)."""
+        self.tool_parser = tool_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.seeds = SeedSource(default_seed)
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
@@ -265,6 +292,7 @@ class OpenAIServing:
                 max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
             params = req.sampling_params(max_tokens, req.logprobs, max_tokens_param="max_tokens")
             params = dataclasses.replace(params, prompt_logprobs=req.engine_prompt_logprobs)
+            params = self.seeds.fill(params)
             inputs.append((text, ids, params))
             prompt_ids.append(ids)
             if req.echo:
@@ -286,12 +314,15 @@ class OpenAIServing:
         )
 
     # ------------------------------------------------------------------ chat
-    def render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    def render_chat(
+        self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[int]]:
         messages = [m.as_template_dict() for m in req.messages]
         try:
             text = str(
                 self.tokenizer.apply_chat_template(
                     messages,
+                    tools=tools,
                     tokenize=False,
                     add_generation_prompt=req.add_generation_prompt,
                     **(req.chat_template_kwargs or {}),
@@ -307,13 +338,31 @@ class OpenAIServing:
         """Validate and queue the conversation."""
         self.check_model(req.model)
         req.check()
-        text, ids = self.render_chat(req)
+        plan = plan_tools(
+            req.tools,
+            req.tool_choice,
+            req.parallel_tool_calls,
+            tool_parser=self.tool_parser,
+            auto_enabled=self.enable_auto_tool_choice,
+        )
+        text, ids = self.render_chat(req, plan.template_tools)
         max_tokens, max_param = req.requested_max_tokens
         params = req.sampling_params(max_tokens, req.num_logprobs, max_tokens_param=max_param)
+        params = self.seeds.fill(params)
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
         names = req.param_names(max_param)
+        forced = plan.structured()
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise bad_request(
+                    f"tool_choice {plan.mode!r} constrains the output to tool calls, so it "
+                    "cannot be combined with response_format or structured_outputs: drop one",
+                    param="tool_choice",
+                )
+            params = dataclasses.replace(params, structured_outputs=forced)
+            names = {**names, **TOOL_PARAM_NAMES}
         streams = await self.submit(req_id, [(text, ids, params)], req.cache_salt, names)
-        renderer = ChatRenderer(req, self.token_texts, ids)
+        renderer = ChatRenderer(req, self.token_texts, ids, ToolOutput(plan, len(streams)))
         return Generation(
             req_id, streams, renderer, _include_usage(req), [0] * len(streams), n=params.n
         )
