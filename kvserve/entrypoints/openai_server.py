@@ -42,14 +42,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.client import EngineClient
-from kvserve.entrypoints.openai_errors import APIError, bad_request, validation_error_to_api
-from kvserve.entrypoints.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from kvserve.entrypoints.openai_serving import Generation, OpenAIServing, abort_all
 from kvserve.entrypoints.extras import (
     alias_metrics,
     asset,
@@ -58,6 +50,14 @@ from kvserve.entrypoints.extras import (
     ignored_header,
     model_card,
 )
+from kvserve.entrypoints.openai_errors import APIError, bad_request, validation_error_to_api
+from kvserve.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvserve.entrypoints.openai_serving import Generation, OpenAIServing, abort_all
 from kvserve.entrypoints.openapi_doc import openapi_document
 from kvserve.entrypoints.responses import ResponsesRequest, start_response
 from kvserve.metrics import CONTENT_TYPE
@@ -189,9 +189,7 @@ def build_app(
             return {"version": "unknown"}
 
     def card() -> dict[str, Any]:
-        return model_card(
-            served, async_engine.model_name, int(started), async_engine.max_model_len
-        )
+        return model_card(served, async_engine.model_name, int(started), async_engine.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -5,40 +5,10 @@ the function-calling and real-client tests of this folder (one per module)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from support.server_helpers import serve_thread
-
-TEMPLATE = Path(__file__).resolve().parents[3] / "examples" / "tool_chat_template_smollm2.jinja"
-MODEL = "smollm2-135m-instruct"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "description": "the city, e.g. Paris"},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city"],
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "Get the current time in a time zone",
-        "parameters": {
-            "type": "object",
-            "properties": {"timezone": {"type": "string"}},
-            "required": ["timezone"],
-        },
-    },
-}
+from support.tool_defs import TEMPLATE
 
 
 @pytest.fixture(scope="module")
