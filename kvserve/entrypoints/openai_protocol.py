@@ -183,9 +183,16 @@ class _SamplingRequest(_Strict):
             )
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, *, max_tokens_param: str
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        *,
+        max_tokens_param: str,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """Build SamplingParams; raise APIError(400) naming the offending field."""
+        """Build SamplingParams; raise APIError(400) naming the offending field.
+        ``defaults`` (the model's generation config) fill sampling fields the
+        request leaves out."""
         kwargs: dict[str, Any] = {
             "max_tokens": max_tokens,
             "ignore_eos": self.ignore_eos,
@@ -212,6 +219,8 @@ class _SamplingRequest(_Strict):
             "repetition_penalty",
         ):
             value = getattr(self, name, None)
+            if value is None and defaults:
+                value = defaults.get(name)
             if value is not None:
                 kwargs[name] = value
         try:

@@ -78,10 +78,16 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     default_seed: int | None = None,
     metrics_prefix: str | None = "vllm:",
-    root_path: str = "",
+    sampling_defaults: dict[str, Any] | None = None,
+    max_logprobs: int = 20,
+    log_requests: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncEngine``, or the scale-out
     ingress's ``RemoteEngine``: anything with :class:`~kvserve.engine.client.EngineClient`).
+
+    Function calling, ``--seed``, generation-config defaults, ``--max-logprobs``
+    and request logging are :class:`OpenAIServing`'s options of the same names;
+    ``metrics_prefix``: /metrics repeats every ``kvserve:`` series under it (None: not).
 
     ``served_model_name`` (default: the engine's model name) is the one name
     ``model`` may take. ``max_queue_len``: past this many waiting requests, new ones
@@ -101,6 +107,9 @@ def build_app(
         tool_parser=tool_parser,
         enable_auto_tool_choice=enable_auto_tool_choice,
         default_seed=default_seed,
+        sampling_defaults=sampling_defaults,
+        max_logprobs=max_logprobs,
+        log_requests=log_requests,
     )
     started = time.time()
 
@@ -110,9 +119,7 @@ def build_app(
         yield
         await async_engine.shutdown()
 
-    app = FastAPI(
-        title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None, root_path=root_path
-    )
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = async_engine
     app.state.serving = serving
 

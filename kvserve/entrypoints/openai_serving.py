@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -50,6 +51,7 @@ from kvserve.entrypoints.token_texts import TokenTexts
 from kvserve.request import RequestError, SamplingParams
 
 RETRY_AFTER_S = 1
+logger = logging.getLogger("kvserve.requests")
 
 
 class SeedSource:
@@ -172,10 +174,19 @@ class OpenAIServing:
         tool_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
         default_seed: int | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
+        max_logprobs: int = 20,
+        log_requests: bool = False,
     ) -> None:
         """``tool_parser`` + ``enable_auto_tool_choice``: read tool calls out of the
         text for ``tool_choice: "auto"`` (``chat/tools.py``); ``default_seed``: the
-        seed source of requests that send none (``--seed``)."""
+        seed source of requests that send none (``--seed``); ``sampling_defaults``:
+        sampling fields a request leaves out take these (``--generation-config``);
+        ``max_logprobs``: most logprobs a request may ask for; ``log_requests``: one
+        log line per queued request."""
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.max_logprobs = max_logprobs
+        self.log_requests = log_requests
         self.tool_parser = tool_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.seeds = SeedSource(default_seed)
@@ -208,6 +219,10 @@ class OpenAIServing:
         Refusals become APIError naming the request's field (``names``: engine field
         -> request field)."""
         requests = []
+        for _, ids, params in inputs:
+            self.check_logprobs(params, names)
+            if self.log_requests:
+                logger.info("request %s: %d prompt tokens, params %s", req_id, len(ids), params)
         try:
             for i, (text, ids, params) in enumerate(inputs):
                 requests.append(
@@ -251,6 +266,18 @@ class OpenAIServing:
             raise
         return streams
 
+    def check_logprobs(self, params: SamplingParams, names: dict[str, str]) -> None:
+        """400 when a request asks for more logprobs than ``--max-logprobs``."""
+        for field_name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, field_name)
+            if value is not None and value > self.max_logprobs:
+                param = names.get(field_name, field_name)
+                raise bad_request(
+                    f"{param}={value} is more than this server allows (--max-logprobs "
+                    f"{self.max_logprobs}): ask for at most {self.max_logprobs}",
+                    param=param,
+                )
+
     async def collect(self, gen: Generation) -> list[Choice]:
         """Drain the streams into one choice each (all samples, best_of included);
         engine failures become a 500."""
@@ -290,7 +317,12 @@ class OpenAIServing:
                 # Never below 1, so that a too-long prompt is refused for its length.
                 room = max(self.engine.max_model_len - len(ids), 1)
                 max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
-            params = req.sampling_params(max_tokens, req.logprobs, max_tokens_param="max_tokens")
+            params = req.sampling_params(
+                max_tokens,
+                req.logprobs,
+                max_tokens_param="max_tokens",
+                defaults=self.sampling_defaults,
+            )
             params = dataclasses.replace(params, prompt_logprobs=req.engine_prompt_logprobs)
             params = self.seeds.fill(params)
             inputs.append((text, ids, params))
@@ -347,7 +379,12 @@ class OpenAIServing:
         )
         text, ids = self.render_chat(req, plan.template_tools)
         max_tokens, max_param = req.requested_max_tokens
-        params = req.sampling_params(max_tokens, req.num_logprobs, max_tokens_param=max_param)
+        params = req.sampling_params(
+            max_tokens,
+            req.num_logprobs,
+            max_tokens_param=max_param,
+            defaults=self.sampling_defaults,
+        )
         params = self.seeds.fill(params)
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
         names = req.param_names(max_param)
