@@ -160,6 +160,15 @@ class _SamplingRequest(_Strict):
     )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older names of structured_outputs' fields (mapped onto it).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's sampling extensions.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, json_schema_extra={"minimum": 1})
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -206,6 +215,9 @@ class _SamplingRequest(_Strict):
             "prompt_logprobs": self.prompt_logprobs,
             "logit_bias": self.token_logit_bias(),
             "structured_outputs": self.structured(),
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         for name in (
             "n",
@@ -233,9 +245,24 @@ class _SamplingRequest(_Strict):
         return {"max_tokens": max_tokens_param, **self._structured_names()}
 
     def _structured_names(self) -> dict[str, str]:
+        legacy = self._legacy_guided()
+        if legacy:
+            return {f"structured_outputs.{k}": f"guided_{k}" for k in legacy} | {
+                "structured_outputs": "guided_" + next(iter(legacy))
+            }
         if self.response_format is None or self.structured_outputs is not None:
             return {}
         return dict(RESPONSE_FORMAT_NAMES)
+
+    def _legacy_guided(self) -> dict[str, Any]:
+        """The ``guided_*`` fields sent, by structured_outputs name."""
+        values = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        return {k: v for k, v in values.items() if v is not None}
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with integer token ids; 400 naming it for a key that is not one."""
@@ -255,6 +282,20 @@ class _SamplingRequest(_Strict):
     def structured(self) -> StructuredOutputsParams | None:
         """``structured_outputs`` or ``response_format`` as engine params (see
         :func:`structured_params`); 400 naming the request's field."""
+        legacy = self._legacy_guided()
+        if legacy:
+            if self.structured_outputs is not None:
+                raise bad_request(
+                    "send structured_outputs or the older guided_* fields, not both",
+                    param="guided_" + next(iter(legacy)),
+                )
+            if len(legacy) > 1:
+                raise bad_request(
+                    f"send one guided_* field, got {', '.join('guided_' + k for k in legacy)}",
+                    param="guided_" + next(iter(legacy)),
+                )
+            so = StructuredOutputsRequest.model_validate(legacy)
+            return structured_params(so, self.response_format)
         return structured_params(self.structured_outputs, self.response_format)
 
 
