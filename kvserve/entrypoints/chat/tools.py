@@ -139,15 +139,30 @@ class ToolPlan:
 
 
 def closed_parameters(schema: dict[str, Any] | None) -> dict[str, Any]:
-    """A function's parameters schema as the forced grammar uses it: an object
-    schema that does not say whether other properties are allowed gets
-    ``additionalProperties: false`` (its declared properties only, as OpenAI's
-    strict mode). Without it a small model tends to invent property after property
-    until ``max_tokens``; the arguments still validate against the original schema."""
-    schema = dict(schema or EMPTY_PARAMETERS)
-    if "properties" in schema and "additionalProperties" not in schema:
-        schema["additionalProperties"] = False
-    return schema
+    """A function's parameters schema as the forced grammar uses it: every object
+    schema in it (nested ones too) that lists ``properties`` but does not say
+    whether others are allowed gets ``additionalProperties: false`` (its declared
+    properties only, as OpenAI's strict mode). Without it a small model tends to
+    invent property after property until ``max_tokens``; whatever the grammar
+    allows still validates against the original schema."""
+    return _close(dict(schema or EMPTY_PARAMETERS))
+
+
+def _close(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_close(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _close(v) for k, v in out[key].items()}
+    for key in ("items", "anyOf", "oneOf", "allOf", "prefixItems", "additionalProperties"):
+        if key in out and not isinstance(out[key], bool):
+            out[key] = _close(out[key])
+    return out
 
 
 def plan_tools(
