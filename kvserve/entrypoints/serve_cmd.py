@@ -161,6 +161,21 @@ def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
         options, notices = vllm_flags.engine_options(args, engine_kwargs_from_args(args))
         for notice in notices:
             print(f"kvserve serve: {notice}", file=sys.stderr)
+        unsupported = [
+            flag
+            for flag, on in (
+                ("--enable-auto-tool-choice", args.enable_auto_tool_choice),
+                ("--seed", args.seed is not None),
+                ("--max-logprobs", args.max_logprobs != vllm_flags.MAX_LOGPROBS),
+                ("--enable-log-requests", args.log_requests),
+            )
+            if on
+        ]
+        if unsupported:
+            raise ValueError(
+                f"{', '.join(unsupported)} cannot be combined with --replicas yet (the Ray "
+                "Serve ingress does not pass them on): drop them or serve one engine"
+            )
         if options.get("hash_algo") == "builtin":
             raise ValueError(
                 "--hash-algo builtin gives different hashes in every process, so the router "
