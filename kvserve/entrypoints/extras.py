@@ -20,7 +20,8 @@ IGNORED_FIELDS_HEADER = "x-kvserve-ignored-fields"
 KNOWN_IGNORED = frozenset(
     {"user", "metadata", "store", "service_tier", "guided_decoding_backend", "truncation"}
 )
-_logged: set[str] = set()
+_logged: set[str] = set()  # names already logged (bounded: clients choose them)
+MAX_LOGGED_NAMES = 1024
 
 
 def ignored_fields(req: BaseModel, prefix: str = "") -> list[str]:
@@ -31,14 +32,25 @@ def ignored_fields(req: BaseModel, prefix: str = "") -> list[str]:
     known = sorted(name for name in KNOWN_IGNORED if name in sent)
     names = [prefix + n for n in extra + known]
     for name in names:
-        if name not in _logged:
+        if name not in _logged and len(_logged) < MAX_LOGGED_NAMES:
             _logged.add(name)
             logger.info("ignoring request field %r (kvserve does not use it)", name)
     return names
 
 
+MAX_HEADER_NAMES = 32
+
+
 def ignored_header(names: list[str]) -> dict[str, str]:
-    return {IGNORED_FIELDS_HEADER: ",".join(names)} if names else {}
+    """The ``x-kvserve-ignored-fields`` header: names comma-separated, each in
+    ASCII (``ascii()`` escapes, so any field name fits an HTTP header), at most
+    :data:`MAX_HEADER_NAMES` then ``+N more``."""
+    if not names:
+        return {}
+    shown = [ascii(n)[1:-1].replace(",", "\\x2c") for n in names[:MAX_HEADER_NAMES]]
+    if len(names) > MAX_HEADER_NAMES:
+        shown.append(f"+{len(names) - MAX_HEADER_NAMES} more")
+    return {IGNORED_FIELDS_HEADER: ",".join(shown)}
 
 
 # ---------------------------------------------------------------------- metrics

@@ -34,9 +34,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema
 
 from kvserve.entrypoints.openai_errors import APIError, bad_request, validation_error_to_api
 from kvserve.entrypoints.openai_protocol import ChatCompletionRequest, _Strict
@@ -68,7 +68,8 @@ class ResponsesRequest(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
-    previous_response_id: str | None = None
+    # Refused when set (nothing is stored): the schema says null only.
+    previous_response_id: Annotated[Any, WithJsonSchema({"type": "null"})] = None
     store: bool | None = None
     text: dict[str, Any] | None = None
     seed: int | None = None
