@@ -30,7 +30,9 @@ def ignored_fields(req: BaseModel, prefix: str = "") -> list[str]:
     extra = sorted((req.model_extra or {}).keys())
     sent = req.model_fields_set
     known = sorted(name for name in KNOWN_IGNORED if name in sent)
-    names = [prefix + n for n in extra + known]
+    unused = getattr(req, "unused_fields", None)
+    lost = unused() if callable(unused) else []
+    names = [prefix + n for n in extra + known + lost]
     for name in names:
         if name not in _logged and len(_logged) < MAX_LOGGED_NAMES:
             _logged.add(name)

@@ -78,6 +78,31 @@ _CONTENT_SCHEMA: dict[str, Any] = {
 }
 
 
+_FUNCTION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+        "description": {"type": "string"},
+        "parameters": {"type": "object", "properties": {"type": {"const": "object"}}},
+        "strict": {"type": "boolean"},
+    },
+}
+_TOOLS_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {"type": {"const": "function"}, "function": _FUNCTION_SCHEMA},
+            },
+        },
+        {"type": "null"},
+    ]
+}
+
+
 # --------------------------------------------------------------------- validators
 def _check_stop(value: Any) -> list[str] | None:
     if value is None:
@@ -166,8 +191,13 @@ class _SamplingRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM's sampling extensions.
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = Field(
+        default=None,
+        json_schema_extra={"minItems": 1, "items": {"type": "integer", "minimum": 0}},
+    )
+    bad_words: list[str] | None = Field(
+        default=None, json_schema_extra={"items": {"type": "string", "minLength": 1}}
+    )
     truncate_prompt_tokens: int | None = Field(default=None, json_schema_extra={"minimum": 1})
 
     @field_validator("stop", mode="before")
@@ -255,7 +285,10 @@ class _SamplingRequest(_Strict):
         return dict(RESPONSE_FORMAT_NAMES)
 
     def _legacy_guided(self) -> dict[str, Any]:
-        """The ``guided_*`` fields sent, by structured_outputs name."""
+        """The ``guided_*`` fields sent, by structured_outputs name (none when
+        ``structured_outputs`` is sent: it wins)."""
+        if self.structured_outputs is not None:
+            return {}
         values = {
             "json": self.guided_json,
             "regex": self.guided_regex,
@@ -284,19 +317,21 @@ class _SamplingRequest(_Strict):
         :func:`structured_params`); 400 naming the request's field."""
         legacy = self._legacy_guided()
         if legacy:
-            if self.structured_outputs is not None:
-                raise bad_request(
-                    "send structured_outputs or the older guided_* fields, not both",
-                    param="guided_" + next(iter(legacy)),
-                )
-            if len(legacy) > 1:
-                raise bad_request(
-                    f"send one guided_* field, got {', '.join('guided_' + k for k in legacy)}",
-                    param="guided_" + next(iter(legacy)),
-                )
-            so = StructuredOutputsRequest.model_validate(legacy)
+            kind, value = next(iter(legacy.items()))
+            so = StructuredOutputsRequest.model_validate({kind: value})
             return structured_params(so, self.response_format)
         return structured_params(self.structured_outputs, self.response_format)
+
+    def unused_fields(self) -> list[str]:
+        """Fields that were sent but lost to another: guided_* beside
+        structured_outputs, and every guided_* after the first (json, regex,
+        choice, grammar order); named in the ignored-fields header."""
+        sent = [
+            name
+            for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if getattr(self, name) is not None
+        ]
+        return sent if self.structured_outputs is not None else sent[1:]
 
 
 class CompletionRequest(_SamplingRequest):
@@ -490,9 +525,16 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 20})
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[Any, WithJsonSchema(_TOOLS_SCHEMA)] = None
     tool_choice: Annotated[Any, WithJsonSchema({})] = None
     parallel_tool_calls: bool | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, list):
+            raise ValueError('use a list of {"type": "function", "function": {...}} tools')
+        return value
 
     def check(self) -> None:
         self.check_common()

@@ -296,6 +296,9 @@ def _limit_token_ids(schemas: dict[str, Any], vocab_size: int) -> None:
     """Token ids in prompts, ``tokens`` and ``logit_bias`` keys: below ``vocab_size``."""
     for name, field in (("CompletionRequest", "prompt"), ("DetokenizeRequest", "tokens")):
         _set_token_max(schemas.get(name, {}).get("properties", {}).get(field), vocab_size - 1)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        allowed = schemas.get(name, {}).get("properties", {}).get("allowed_token_ids")
+        _set_token_max(allowed, vocab_size - 1)
     pattern = f"^({_below_regex(vocab_size)})$"
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         bias = schemas.get(name, {}).get("properties", {}).get("logit_bias")

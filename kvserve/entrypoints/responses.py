@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 from kvserve.entrypoints.openai_errors import APIError, bad_request, validation_error_to_api
 from kvserve.entrypoints.openai_protocol import ChatCompletionRequest, _Strict
@@ -52,6 +52,78 @@ from kvserve.entrypoints.openai_serving import (
 INPUT_EXAMPLE = '"input": [{"role": "user", "content": "Hello"}]'
 
 
+_TEXT_CONTENT: dict[str, Any] = {
+    "anyOf": [
+        {"type": "string"},
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "text"],
+                "properties": {
+                    "type": {"enum": ["input_text", "output_text", "text"]},
+                    "text": {"type": "string"},
+                },
+            },
+        },
+    ]
+}
+_INPUT_ITEM_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "object",
+            "required": ["role", "content"],
+            "properties": {
+                "type": {"const": "message"},
+                "role": {"enum": ["user", "assistant", "system", "developer"]},
+                "content": _TEXT_CONTENT,
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "call_id", "name", "arguments"],
+            "properties": {
+                "type": {"const": "function_call"},
+                "call_id": {"type": "string"},
+                "name": {"type": "string"},
+                "arguments": {"type": "string"},
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "call_id", "output"],
+            "properties": {
+                "type": {"const": "function_call_output"},
+                "call_id": {"type": "string"},
+                "output": {"type": "string"},
+            },
+        },
+    ]
+}
+RESPONSES_TOOLS_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "name"],
+                "properties": {
+                    "type": {"const": "function"},
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                    "description": {"type": "string"},
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"type": {"const": "object"}},
+                    },
+                    "strict": {"type": "boolean"},
+                },
+            },
+        },
+        {"type": "null"},
+    ]
+}
+
+
 class ResponsesRequest(_Strict):
     """POST /v1/responses (the fields kvserve reads; others are listed in the
     ``x-kvserve-ignored-fields`` header)."""
@@ -59,14 +131,26 @@ class ResponsesRequest(_Strict):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    input: str | list[Any]
+    input: Annotated[
+        str | list[Any],
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "minItems": 1, "items": _INPUT_ITEM_SCHEMA},
+                ]
+            }
+        ),
+    ]
     instructions: str | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[Any, WithJsonSchema(RESPONSES_TOOLS_SCHEMA)] = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, json_schema_extra={"minimum": 1})
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0})
+    top_p: float | None = Field(
+        default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1}
+    )
     stream: bool = False
     # Refused when set (nothing is stored): the schema says null only.
     previous_response_id: Annotated[Any, WithJsonSchema({"type": "null"})] = None
@@ -74,6 +158,13 @@ class ResponsesRequest(_Strict):
     text: dict[str, Any] | None = None
     seed: int | None = None
     metadata: dict[str, Any] | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, list):
+            raise ValueError('use a list of {"type": "function", "name": ...} tools')
+        return value
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -102,6 +193,16 @@ def _text_of(content: Any, where: str) -> str:
     )
 
 
+def _require_strings(item: dict[str, Any], where: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        if not isinstance(item.get(name), str):
+            raise bad_request(
+                f"{where}.{name} must be a string (a {item.get('type')} item has "
+                f"{', '.join(names)})",
+                param=f"{where}.{name}",
+            )
+
+
 def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The chat messages of a responses request (see the module docstring)."""
     messages: list[dict[str, Any]] = []
@@ -126,6 +227,7 @@ def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 )
             messages.append({"role": role, "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
+            _require_strings(item, where, ("call_id", "name", "arguments"))
             call = {
                 "id": str(item.get("call_id") or item.get("id") or ""),
                 "type": "function",
@@ -140,6 +242,11 @@ def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
+            _require_strings(item, where, ("call_id",))
+            if not isinstance(item.get("output"), str | list):
+                raise bad_request(
+                    f"{where}.output must be the tool's result as a string", param=f"{where}.output"
+                )
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output, where)
             messages.append(

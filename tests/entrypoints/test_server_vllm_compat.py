@@ -105,6 +105,17 @@ def test_guided_fields_map_to_structured_outputs(server: tuple[str, Any]) -> Non
             assert r.status_code == 200, r.text
             assert seen[-1].structured_outputs.kind == kind
             assert "x-kvserve-ignored-fields" not in r.headers
+        both = httpx.post(
+            url + "/v1/completions",
+            json={
+                "prompt": "x",
+                "max_tokens": 2,
+                "guided_regex": "a+",
+                "structured_outputs": {"choice": ["b"]},
+            },
+        )
+        assert both.status_code == 200 and seen[-1].structured_outputs.kind == "choice"
+        assert both.headers["x-kvserve-ignored-fields"] == "guided_regex"
         bad = httpx.post(
             url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "guided_regex": "("}
         )
