@@ -225,6 +225,12 @@ def to_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                     f"{where}.role is {role!r}: use user, assistant, system or developer",
                     param=f"{where}.role",
                 )
+            if "content" not in item:
+                raise bad_request(
+                    f"{where} has no content: a message item needs role and content; for "
+                    "example " + INPUT_EXAMPLE,
+                    param=f"{where}.content",
+                )
             messages.append({"role": role, "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
             _require_strings(item, where, ("call_id", "name", "arguments"))

@@ -21,6 +21,10 @@ CROSS_FIELD_RULES = [
     ("best_of", "invalid_value"),  # best_of >= n
     ("min_tokens", "invalid_value"),  # min_tokens <= max_tokens
     ("structured_outputs", "invalid_value"),
+    ("guided_json", "invalid_value"),  # vLLM's older names of structured_outputs
+    ("guided_regex", "invalid_value"),
+    ("guided_choice", "invalid_value"),
+    ("guided_grammar", "invalid_value"),
     ("response_format", "invalid_value"),
     # function calling: a named tool_choice must be one of tools, "auto" needs the
     # server's --enable-auto-tool-choice, tool names must be distinct, and forced
