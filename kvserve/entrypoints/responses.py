@@ -175,8 +175,12 @@ def _text_of(content: Any, where: str) -> str:
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text"):
-                texts.append(str(part.get("text", "")))
+            if (
+                isinstance(part, dict)
+                and part.get("type") in ("input_text", "output_text", "text")
+                and isinstance(part.get("text"), str)
+            ):
+                texts.append(part["text"])
                 continue
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise bad_request(
