@@ -168,8 +168,6 @@ class ResponsesRequest(_Strict):
 
 
 def _text_of(content: Any, where: str) -> str:
-    if content is None:
-        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
