@@ -1,7 +1,8 @@
 """kvserve: an LLM serving engine built around prefill processing.
 
 Public API: ``LLM``, ``SamplingParams``, ``RequestOutput`` (imported lazily so that
-``import kvserve`` stays light and torch-free until an engine is built).
+``import kvserve`` stays light and torch-free until an engine is built), and as in
+vLLM ``StructuredOutputsParams`` (old name ``GuidedDecodingParams``) and ``Logprob``.
 """
 
 from __future__ import annotations
@@ -9,8 +10,18 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.request import SamplingParams
+from kvserve.structured.params import StructuredOutputsParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
+
+__all__ = [
+    "LLM",
+    "GuidedDecodingParams",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 __version__ = "0.1.0"
 
 
@@ -23,4 +34,8 @@ def __getattr__(name: str) -> Any:
         from kvserve.engine.outputs import RequestOutput
 
         return RequestOutput
+    if name == "Logprob":
+        from kvserve.engine.offline_compat import Logprob
+
+        return Logprob
     raise AttributeError(f"module 'kvserve' has no attribute {name!r}")

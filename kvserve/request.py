@@ -146,8 +146,26 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: sample only these token ids; never generate these words (each as
+    # its token sequence, with and without a leading space); keep only the last
+    # k prompt tokens. ``guided_decoding`` is vLLM's old name of structured_outputs.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    guided_decoding: StructuredOutputsParams | None = None
+    # Set by the engine from bad_words (the tokenizer lives there).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise RequestError(
+                    "set structured_outputs or its old name guided_decoding, not both",
+                    param="guided_decoding",
+                )
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -225,6 +243,24 @@ class SamplingParams:
             raise bad("stop", self.stop, "use non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "use non-negative token ids")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0
+                for t in self.allowed_token_ids
+            )
+        ):
+            raise bad(
+                "allowed_token_ids", self.allowed_token_ids, "use a non-empty list of token ids"
+            )
+        if self.bad_words is not None and any(
+            not isinstance(w, str) or not w for w in self.bad_words
+        ):
+            raise bad("bad_words", self.bad_words, "use a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None and (
+            not isinstance(self.truncate_prompt_tokens, int) or self.truncate_prompt_tokens < 1
+        ):
+            raise bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "use an integer >= 1")
 
     @property
     def greedy(self) -> bool:

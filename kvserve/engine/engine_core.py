@@ -159,6 +159,16 @@ class EngineCore:
         Changes nothing."""
         validate_request(prompt_token_ids, params, self.limits, grammar=self.grammar_compiler)
 
+    def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's token sequence, with and without a leading space (vLLM's rule)."""
+        out: list[list[int]] = []
+        for word in params.bad_words or ():
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
     def make_request(
         self,
         prompt_token_ids: list[int],
@@ -173,7 +183,14 @@ class EngineCore:
         an id when none is given, ``max_tokens`` filled in when None. Changes no
         engine state, so any thread may call it. With ``n``/``best_of`` > 1 the
         result is sample 0, holding the other samples (``Request.group``, ids
-        ``<id>#<i>``); :meth:`add` queues them all."""
+        ``<id>#<i>``); :meth:`add` queues them all. ``truncate_prompt_tokens=k``
+        keeps the prompt's last k tokens (the text is then dropped); ``bad_words``
+        are tokenized here (``bad_words_token_ids``)."""
+        k = params.truncate_prompt_tokens
+        if k is not None and k < len(prompt_token_ids):
+            prompt_token_ids, prompt = prompt_token_ids[-k:], None
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_word_ids(params))
         self.validate_request(prompt_token_ids, params)
         if params.max_tokens is None:
             params = dataclasses.replace(

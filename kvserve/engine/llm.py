@@ -13,6 +13,9 @@ caching) and returned in input order.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,10 +23,14 @@ from tqdm.auto import tqdm
 
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.offline_compat import chat_message, split_prompts, vllm_logprobs
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.engine.vllm_compat import generation_defaults, translate_vllm_options
+from kvserve.entrypoints.token_texts import TokenTexts
 from kvserve.request import RequestError, SamplingParams
 
-Message = dict[str, str]
+Message = dict[str, Any]
+logger = logging.getLogger("kvserve.llm")
 
 
 class LLM:
@@ -31,10 +38,36 @@ class LLM:
     (``max_num_batched_tokens=256``, ``scheduler_policy="separated"``, ...); unknown names
     raise TypeError, bad values ValueError."""
 
-    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        config = build_engine_config(model=model, **engine_options)
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        seed: int | None = None,
+        generation_config: str | None = "auto",
+        **engine_options: Any,
+    ) -> None:
+        """vLLM's GPU options (``tensor_parallel_size=1``, ``gpu_memory_utilization``,
+        ``enforce_eager``, ``trust_remote_code``, ``tokenizer``, ...) are mapped or
+        refused by :func:`~kvserve.engine.vllm_compat.translate_vllm_options` (the
+        notices are logged). ``seed``: requests without a seed draw theirs from one
+        generator seeded with it (same prompts in the same order: same outputs).
+        ``generation_config``: the source of :meth:`get_default_sampling_params`
+        (``auto``: the model's generation_config.json; ``vllm``: none; a folder)."""
+        options, notices = translate_vllm_options({"model": model, **engine_options})
+        for notice in notices:
+            logger.info("%s", notice)
+        config = build_engine_config(**options)
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.tokenizer
+        self._seeds = random.Random(seed) if seed is not None else None
+        self._defaults = generation_defaults(
+            generation_config, getattr(self.engine.loaded, "model_dir", None)
+        )
+        self._texts: TokenTexts | None = None
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (vLLM's)."""
+        return SamplingParams(**self._defaults)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -49,17 +82,18 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids, not both) and return in order."""
+        """Generate for every prompt and return in order. ``prompts``: strings or
+        vLLM's prompt dicts (``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``);
+        or ``prompt_token_ids`` (not both)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError(
                 "pass exactly one of prompts (text) or prompt_token_ids (lists of ints)"
             )
         texts: list[str | None]
         if prompts is not None:
-            if isinstance(prompts, str):
-                prompts = [prompts]
-            texts = list(prompts)
-            token_lists = [self._encode(t) for t in prompts]
+            pairs = split_prompts(prompts)
+            texts = [t for t, _ in pairs]
+            token_lists = [ids if ids is not None else self._encode(t or "") for t, ids in pairs]
         else:
             given: Sequence[Any] = prompt_token_ids or []
             if given and isinstance(given[0], int):
@@ -75,8 +109,15 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the chat template (the model's, or ``chat_template``, a Jinja string)
+        to one conversation (or a list of them) and generate. ``tools`` (OpenAI's
+        function tools) and ``chat_template_kwargs`` go to the template; content may
+        be a list of text parts. The output is the model's text (parse calls from it
+        with ``kvserve.entrypoints.chat.tool_parsers``)."""
         conversations: list[Sequence[Message]]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
@@ -84,9 +125,15 @@ class LLM:
             conversations = list(messages)  # type: ignore[arg-type]
         texts: list[str | None] = []
         token_lists: list[list[int]] = []
-        for conv in conversations:
+        for c, conv in enumerate(conversations):
+            rendered = [chat_message(m, f"messages[{c}][{j}]") for j, m in enumerate(conv)]
             text = self.tokenizer.apply_chat_template(
-                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt
+                rendered,
+                tools=tools,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
             )
             texts.append(text)
             token_lists.append(self.tokenizer.encode(text, add_special_tokens=False))
@@ -109,7 +156,7 @@ class LLM:
         cache_salt: str | None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(token_lists)
+            params_list = [self.get_default_sampling_params()] * len(token_lists)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(token_lists)
         else:
@@ -119,6 +166,13 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(token_lists)} prompts: "
                     "pass one SamplingParams for all, or exactly one per prompt"
                 )
+        if self._seeds is not None:
+            params_list = [
+                p
+                if p.seed is not None
+                else dataclasses.replace(p, seed=self._seeds.getrandbits(63))
+                for p in params_list
+            ]
         engine = self.engine
         requests = []
         for i, (text, ids, params) in enumerate(zip(texts, token_lists, params_list, strict=True)):
@@ -181,7 +235,19 @@ class LLM:
             raise
         for out, params in zip((results[r] for r in order), params_list, strict=True):
             out.outputs = select_samples(out.outputs, params)
+            self._vllm_shapes(out)
         return [results[r] for r in order]
+
+    def _vllm_shapes(self, out: RequestOutput) -> None:
+        """Logprobs as vLLM's ``dict[int, Logprob]`` (offline_compat.TokenLogprobs)."""
+        if self._texts is None:
+            self._texts = TokenTexts(self.tokenizer)
+        text = self._texts.text
+        for comp in out.outputs:
+            if comp.logprobs:
+                comp.logprobs = vllm_logprobs(comp.logprobs, comp.token_ids, text)  # type: ignore[assignment]
+        if out.prompt_logprobs is not None:
+            out.prompt_logprobs = vllm_logprobs(out.prompt_logprobs, out.prompt_token_ids, text)  # type: ignore[assignment]
 
 
 def select_samples(

@@ -18,6 +18,7 @@ Defaults that differ between OpenAI and vLLM, and the ones kvserve picks:
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -70,6 +71,31 @@ _CONTENT_SCHEMA: dict[str, Any] = {
                 "type": "object",
                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
                 "required": ["type", "text"],
+            },
+        },
+        {"type": "null"},
+    ]
+}
+
+
+_FUNCTION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+        "description": {"type": "string"},
+        "parameters": {"type": "object", "properties": {"type": {"const": "object"}}},
+        "strict": {"type": "boolean"},
+    },
+}
+_TOOLS_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {"type": {"const": "function"}, "function": _FUNCTION_SCHEMA},
             },
         },
         {"type": "null"},
@@ -159,6 +185,20 @@ class _SamplingRequest(_Strict):
     )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older names of structured_outputs' fields (mapped onto it).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's sampling extensions.
+    allowed_token_ids: list[int] | None = Field(
+        default=None,
+        json_schema_extra={"minItems": 1, "items": {"type": "integer", "minimum": 0}},
+    )
+    bad_words: list[str] | None = Field(
+        default=None, json_schema_extra={"items": {"type": "string", "minLength": 1}}
+    )
+    truncate_prompt_tokens: int | None = Field(default=None, json_schema_extra={"minimum": 1})
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -182,9 +222,16 @@ class _SamplingRequest(_Strict):
             )
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, *, max_tokens_param: str
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        *,
+        max_tokens_param: str,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """Build SamplingParams; raise APIError(400) naming the offending field."""
+        """Build SamplingParams; raise APIError(400) naming the offending field.
+        ``defaults`` (the model's generation config) fill sampling fields the
+        request leaves out."""
         kwargs: dict[str, Any] = {
             "max_tokens": max_tokens,
             "ignore_eos": self.ignore_eos,
@@ -198,6 +245,9 @@ class _SamplingRequest(_Strict):
             "prompt_logprobs": self.prompt_logprobs,
             "logit_bias": self.token_logit_bias(),
             "structured_outputs": self.structured(),
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         for name in (
             "n",
@@ -211,6 +261,8 @@ class _SamplingRequest(_Strict):
             "repetition_penalty",
         ):
             value = getattr(self, name, None)
+            if value is None and defaults:
+                value = defaults.get(name)
             if value is not None:
                 kwargs[name] = value
         try:
@@ -223,9 +275,27 @@ class _SamplingRequest(_Strict):
         return {"max_tokens": max_tokens_param, **self._structured_names()}
 
     def _structured_names(self) -> dict[str, str]:
+        legacy = self._legacy_guided()
+        if legacy:
+            return {f"structured_outputs.{k}": f"guided_{k}" for k in legacy} | {
+                "structured_outputs": "guided_" + next(iter(legacy))
+            }
         if self.response_format is None or self.structured_outputs is not None:
             return {}
         return dict(RESPONSE_FORMAT_NAMES)
+
+    def _legacy_guided(self) -> dict[str, Any]:
+        """The ``guided_*`` fields sent, by structured_outputs name (none when
+        ``structured_outputs`` is sent: it wins)."""
+        if self.structured_outputs is not None:
+            return {}
+        values = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
+        return {k: v for k, v in values.items() if v is not None}
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """``logit_bias`` with integer token ids; 400 naming it for a key that is not one."""
@@ -245,7 +315,23 @@ class _SamplingRequest(_Strict):
     def structured(self) -> StructuredOutputsParams | None:
         """``structured_outputs`` or ``response_format`` as engine params (see
         :func:`structured_params`); 400 naming the request's field."""
+        legacy = self._legacy_guided()
+        if legacy:
+            kind, value = next(iter(legacy.items()))
+            so = StructuredOutputsRequest.model_validate({kind: value})
+            return structured_params(so, self.response_format)
         return structured_params(self.structured_outputs, self.response_format)
+
+    def unused_fields(self) -> list[str]:
+        """Fields that were sent but lost to another: guided_* beside
+        structured_outputs, and every guided_* after the first (json, regex,
+        choice, grammar order); named in the ignored-fields header."""
+        sent = [
+            name
+            for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if getattr(self, name) is not None
+        ]
+        return sent if self.structured_outputs is not None else sent[1:]
 
 
 class CompletionRequest(_SamplingRequest):
@@ -342,6 +428,30 @@ class CompletionRequest(_SamplingRequest):
         return max(wanted) if wanted else None
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str = "{}"
+
+
+class AssistantToolCall(_Strict):
+    """One entry of an assistant message's ``tool_calls`` in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+    def as_template_dict(self) -> dict[str, Any]:
+        try:
+            args: Any = json.loads(self.function.arguments)
+        except ValueError:
+            args = self.function.arguments
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.function.name, "arguments": args},
+        }
+
+
 def _check_content(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
@@ -367,6 +477,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[Any, WithJsonSchema(_CONTENT_SCHEMA)] = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -374,11 +486,19 @@ class ChatMessage(_Strict):
         return _check_content(value)
 
     def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: ``developer`` becomes ``system``;
+        an assistant's ``tool_calls`` keep OpenAI's shape with ``arguments`` parsed
+        into a dict (templates render it with ``tojson``), a tool message keeps
+        its ``tool_call_id``."""
         content = self.content
         role = "system" if self.role == "developer" else self.role
         out: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.as_template_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
 
@@ -405,8 +525,16 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 20})
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
+    tools: Annotated[Any, WithJsonSchema(_TOOLS_SCHEMA)] = None
     tool_choice: Annotated[Any, WithJsonSchema({})] = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, list):
+            raise ValueError('use a list of {"type": "function", "function": {...}} tools')
+        return value
 
     def check(self) -> None:
         self.check_common()
@@ -414,11 +542,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise bad_request(
                 "messages is empty: send at least one message; for example " + EXAMPLES["messages"],
                 param="messages",
-            )
-        if self.tools:
-            raise bad_request(
-                "tools are not supported by this server: remove tools and tool_choice",
-                param="tools",
             )
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request(

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvserve.engine.outputs import RequestDelta
+from kvserve.entrypoints.chat.tools import ToolOutput
 from kvserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.entrypoints.token_texts import TokenTexts
 from kvserve.request import FinishReason
@@ -294,12 +295,18 @@ class ChatRenderer:
     chunk_object = "chat.completion.chunk"
 
     def __init__(
-        self, req: ChatCompletionRequest, token_texts: TokenTexts, prompt_ids: list[int]
+        self,
+        req: ChatCompletionRequest,
+        token_texts: TokenTexts,
+        prompt_ids: list[int],
+        tools: ToolOutput | None = None,
     ) -> None:
         self.req = req
         self.token_texts = token_texts
         self.num_top = req.top_logprobs or 0
         self.prompt_ids = prompt_ids
+        # Function calling (chat/tools.py): parses each choice's text into tool_calls.
+        self.tools = tools if tools is not None and tools.active else None
 
     def response_fields(self, choices: list[Choice]) -> dict[str, Any]:
         """vLLM's top-level ``prompt_logprobs`` when asked for."""
@@ -337,13 +344,21 @@ class ChatRenderer:
         if self.req.logprobs and delta.new_token_ids:
             lp = self.logprobs(delta.new_token_ids, delta.new_logprobs)
         carries_prompt_lps = self.req.prompt_logprobs is not None and delta.prompt_logprobs
-        if not (delta.new_text or delta.finished or lp or carries_prompt_lps):
-            return None
+        finish_reason: str | None = delta.finish_reason
+        if self.tools is not None:
+            body = self.tools.chunk_delta(index, delta.new_text, delta.finished)
+            finish_reason = self.tools.finish_reason(index, finish_reason)
+            if not (body or delta.finished or lp or carries_prompt_lps):
+                return None
+        else:
+            if not (delta.new_text or delta.finished or lp or carries_prompt_lps):
+                return None
+            body = {"content": delta.new_text} if delta.new_text or lp else {}
         choice: dict[str, Any] = {
             "index": index,
-            "delta": {"content": delta.new_text} if delta.new_text or lp else {},
+            "delta": body,
             "logprobs": lp,
-            "finish_reason": delta.finish_reason,
+            "finish_reason": finish_reason,
         }
         if delta.finished:
             choice["stop_reason"] = delta.stop_reason
@@ -351,11 +366,19 @@ class ChatRenderer:
 
     def choice(self, choice: Choice) -> dict[str, Any]:
         lp = self.logprobs(choice.token_ids, choice.logprobs) if self.req.logprobs else None
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+        finish_reason: str | None = choice.finish_reason
+        if self.tools is not None:
+            content, calls = self.tools.message(choice.index, choice.text)
+            message = {"role": "assistant", "content": content, "refusal": None}
+            if calls:
+                message["tool_calls"] = calls
+            finish_reason = self.tools.finish_reason(choice.index, finish_reason)
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": choice.text, "refusal": None},
+            "message": message,
             "logprobs": lp,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": choice.stop_reason,
         }
 

@@ -3,9 +3,11 @@
 Routes:
     GET  /health                 200 while the engine runs, 503 otherwise
     GET  /metrics                Prometheus text format (``kvserve.metrics``)
-    GET  /v1/models              the served model
+    GET  /v1/models              the served model; /v1/models/{id} (404 for another id)
     POST /v1/completions         stream and non-stream (``openai_serving``)
-    POST /v1/chat/completions    stream and non-stream
+    POST /v1/chat/completions    stream and non-stream; tools (``chat/tools.py``)
+    POST /v1/responses           OpenAI's Responses API (``responses``)
+    GET  /docs                   Swagger UI, assets from the swagger-ui-bundle package
     POST /tokenize, /detokenize  vLLM's shapes
     GET  /openapi.json           every route's request body and responses (``openapi_doc``)
 
@@ -41,6 +43,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.engine.client import EngineClient
+from kvserve.entrypoints.extras import (
+    alias_metrics,
+    asset,
+    docs_html,
+    ignored_fields,
+    ignored_header,
+    model_card,
+)
 from kvserve.entrypoints.openai_errors import APIError, bad_request, validation_error_to_api
 from kvserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -50,6 +60,7 @@ from kvserve.entrypoints.openai_protocol import (
 )
 from kvserve.entrypoints.openai_serving import Generation, OpenAIServing, abort_all
 from kvserve.entrypoints.openapi_doc import openapi_document
+from kvserve.entrypoints.responses import ResponsesRequest, start_response
 from kvserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
@@ -65,9 +76,20 @@ def build_app(
     served_model_name: str | None = None,
     max_queue_len: int | None = None,
     max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    tool_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    default_seed: int | None = None,
+    metrics_prefix: str | None = "vllm:",
+    sampling_defaults: dict[str, Any] | None = None,
+    max_logprobs: int = 20,
+    log_requests: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncEngine``, or the scale-out
     ingress's ``RemoteEngine``: anything with :class:`~kvserve.engine.client.EngineClient`).
+
+    Function calling, ``--seed``, generation-config defaults, ``--max-logprobs``
+    and request logging are :class:`OpenAIServing`'s options of the same names;
+    ``metrics_prefix``: /metrics repeats every ``kvserve:`` series under it (None: not).
 
     ``served_model_name`` (default: the engine's model name) is the one name
     ``model`` may take. ``max_queue_len``: a request whose sequences (prompts x n)
@@ -87,6 +109,12 @@ def build_app(
         served_model_name=served,
         max_queue_len=max_queue_len,
         max_prompts_per_request=max_prompts_per_request,
+        tool_parser=tool_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        default_seed=default_seed,
+        sampling_defaults=sampling_defaults,
+        max_logprobs=max_logprobs,
+        log_requests=log_requests,
     )
     started = time.time()
 
@@ -121,8 +149,8 @@ def build_app(
         if exc.status_code == 404:
             message = (
                 f"no route {request.method} {request.url.path}: this server has "
-                "/v1/models, /v1/completions, /v1/chat/completions, /tokenize, "
-                "/detokenize, /health, /metrics, /version and /openapi.json"
+                "/v1/models, /v1/completions, /v1/chat/completions, /v1/responses, "
+                "/tokenize, /detokenize, /health, /metrics, /version, /docs and /openapi.json"
             )
         else:
             message = f"{exc.detail} ({request.method} {request.url.path})"
@@ -151,7 +179,22 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(await async_engine.render_metrics(), media_type=CONTENT_TYPE)
+        text = alias_metrics(await async_engine.render_metrics(), metrics_prefix)
+        return Response(text, media_type=CONTENT_TYPE)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> Response:
+        base = request.scope.get("root_path", "")
+        return Response(
+            docs_html(f"{base}/openapi.json", f"{base}/docs/assets"), media_type="text/html"
+        )
+
+    @app.get("/docs/assets/{name}", include_in_schema=False)
+    async def docs_asset(name: str) -> Response:
+        found = asset(name)
+        if found is None:
+            raise StarletteHTTPException(404)
+        return Response(found[0], media_type=found[1])
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -163,33 +206,42 @@ def build_app(
         except PackageNotFoundError:
             return {"version": "unknown"}
 
+    def card() -> dict[str, Any]:
+        return model_card(served, async_engine.model_name, int(started), async_engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served,
-                    "object": "model",
-                    "created": int(started),
-                    "owned_by": "kvserve",
-                    "root": async_engine.model_name,
-                    "parent": None,
-                    "max_model_len": async_engine.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id)
+        return card()
 
     # ------------------------------------------------------------------ generation
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
-        return await _respond(request, serving, await serving.start_completion(req), req.stream)
+        gen = await serving.start_completion(req)
+        return await _respond(request, serving, gen, req.stream, ignored_fields(req))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
-        return await _respond(request, serving, await serving.start_chat(req), req.stream)
+        gen = await serving.start_chat(req)
+        return await _respond(request, serving, gen, req.stream, ignored_fields(req))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        req = await _parse(request, ResponsesRequest)
+        run = await start_response(serving, req)
+        headers = ignored_header(ignored_fields(req))
+        if req.stream:
+            return _SSEResponse(run.events(), on_close=run.abort, headers=headers)
+        body = await _until_disconnect(request, run.collect(), on_disconnect=run.abort)
+        if body is None:
+            return Response(status_code=499)
+        return JSONResponse(body, headers=headers)
 
     # ------------------------------------------------------------------ tokenizer
     @app.post("/tokenize")
@@ -274,18 +326,24 @@ T = TypeVar("T")
 
 
 async def _respond(
-    request: Request, serving: OpenAIServing, gen: Generation, stream: bool
+    request: Request,
+    serving: OpenAIServing,
+    gen: Generation,
+    stream: bool,
+    ignored: list[str] | None = None,
 ) -> Response:
     """Stream ``gen`` as Server-Sent Events, or wait for it and answer in one body;
-    a client that disconnects has its engine requests aborted (499 when not streamed)."""
+    a client that disconnects has its engine requests aborted (499 when not streamed).
+    ``ignored``: request fields named in the ``x-kvserve-ignored-fields`` header."""
+    headers = ignored_header(ignored or [])
     if stream:
-        return _SSEResponse(serving.events(gen), on_close=abort_all(gen.streams))
+        return _SSEResponse(serving.events(gen), on_close=abort_all(gen.streams), headers=headers)
     choices = await _until_disconnect(
         request, serving.collect(gen), on_disconnect=abort_all(gen.streams)
     )
     if choices is None:
         return Response(status_code=499)
-    return JSONResponse(serving.response(gen, choices))
+    return JSONResponse(serving.response(gen, choices), headers=headers)
 
 
 async def _until_disconnect(
@@ -324,11 +382,16 @@ class _SSEResponse(StreamingResponse):
     disconnects, whatever the ASGI spec version (Starlette only watches for
     disconnects below 2.4). ``on_close`` also runs if streaming never started."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[str],
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
         self._on_close = on_close
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +33,7 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.engine.client import DeltaStream, EngineClient
 from kvserve.engine.outputs import RequestDelta
+from kvserve.entrypoints.chat.tools import TOOL_PARAM_NAMES, ToolOutput, plan_tools
 from kvserve.entrypoints.openai_errors import APIError, bad_request, request_error_to_api
 from kvserve.entrypoints.openai_protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -50,6 +52,24 @@ from kvserve.entrypoints.token_texts import TokenTexts
 from kvserve.request import RequestError, SamplingParams
 
 RETRY_AFTER_S = 1
+logger = logging.getLogger("kvserve.requests")
+
+
+class SeedSource:
+    """``--seed``: requests without a ``seed`` get the next draw of one generator
+    seeded once, so a server started with the same seed and sent the same requests
+    in the same order samples the same tokens (vLLM's engine-wide seed). Without
+    ``--seed`` requests are left unseeded."""
+
+    def __init__(self, seed: int | None) -> None:
+        import random
+
+        self._rng = random.Random(seed) if seed is not None else None
+
+    def fill(self, params: SamplingParams) -> SamplingParams:
+        if self._rng is None or params.seed is not None:
+            return params
+        return dataclasses.replace(params, seed=self._rng.getrandbits(63))
 
 
 # --------------------------------------------------------------------- streams
@@ -155,7 +175,25 @@ class OpenAIServing:
         served_model_name: str,
         max_queue_len: int | None = None,
         max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        tool_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        default_seed: int | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
+        max_logprobs: int = 20,
+        log_requests: bool = False,
     ) -> None:
+        """``tool_parser`` + ``enable_auto_tool_choice``: read tool calls out of the
+        text for ``tool_choice: "auto"`` (``chat/tools.py``); ``default_seed``: the
+        seed source of requests that send none (``--seed``); ``sampling_defaults``:
+        sampling fields a request leaves out take these (``--generation-config``);
+        ``max_logprobs``: most logprobs a request may ask for; ``log_requests``: one
+        log line per queued request."""
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.max_logprobs = max_logprobs
+        self.log_requests = log_requests
+        self.tool_parser = tool_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.seeds = SeedSource(default_seed)
         self.engine = engine
         self.max_prompts_per_request = max_prompts_per_request
         self.tokenizer = engine.tokenizer
@@ -186,6 +224,10 @@ class OpenAIServing:
         Refusals become APIError naming the request's field (``names``: engine field
         -> request field)."""
         requests = []
+        for _, ids, params in inputs:
+            self.check_logprobs(params, names)
+            if self.log_requests:
+                logger.info("request %s: %d prompt tokens, params %s", req_id, len(ids), params)
         try:
             for i, (text, ids, params) in enumerate(inputs):
                 requests.append(
@@ -225,6 +267,18 @@ class OpenAIServing:
                 raise request_error_to_api(e, names) from None
             raise
         return streams
+
+    def check_logprobs(self, params: SamplingParams, names: dict[str, str]) -> None:
+        """400 when a request asks for more logprobs than ``--max-logprobs``."""
+        for field_name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, field_name)
+            if value is not None and value > self.max_logprobs:
+                param = names.get(field_name, field_name)
+                raise bad_request(
+                    f"{param}={value} is more than this server allows (--max-logprobs "
+                    f"{self.max_logprobs}): ask for at most {self.max_logprobs}",
+                    param=param,
+                )
 
     async def collect(self, gen: Generation) -> list[Choice]:
         """Drain the streams into one choice each (all samples, best_of included);
@@ -277,8 +331,14 @@ class OpenAIServing:
                 # Never below 1, so that a too-long prompt is refused for its length.
                 room = max(self.engine.max_model_len - len(ids), 1)
                 max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
-            params = req.sampling_params(max_tokens, req.logprobs, max_tokens_param="max_tokens")
+            params = req.sampling_params(
+                max_tokens,
+                req.logprobs,
+                max_tokens_param="max_tokens",
+                defaults=self.sampling_defaults,
+            )
             params = dataclasses.replace(params, prompt_logprobs=req.engine_prompt_logprobs)
+            params = self.seeds.fill(params)
             inputs.append((text, ids, params))
             prompt_ids.append(ids)
             if req.echo:
@@ -300,12 +360,15 @@ class OpenAIServing:
         )
 
     # ------------------------------------------------------------------ chat
-    def render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    def render_chat(
+        self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str, list[int]]:
         messages = [m.as_template_dict() for m in req.messages]
         try:
             text = str(
                 self.tokenizer.apply_chat_template(
                     messages,
+                    tools=tools,
                     tokenize=False,
                     add_generation_prompt=req.add_generation_prompt,
                     **(req.chat_template_kwargs or {}),
@@ -321,13 +384,36 @@ class OpenAIServing:
         """Validate and queue the conversation."""
         self.check_model(req.model)
         req.check()
-        text, ids = self.render_chat(req)
+        plan = plan_tools(
+            req.tools,
+            req.tool_choice,
+            req.parallel_tool_calls,
+            tool_parser=self.tool_parser,
+            auto_enabled=self.enable_auto_tool_choice,
+        )
+        text, ids = self.render_chat(req, plan.template_tools)
         max_tokens, max_param = req.requested_max_tokens
-        params = req.sampling_params(max_tokens, req.num_logprobs, max_tokens_param=max_param)
+        params = req.sampling_params(
+            max_tokens,
+            req.num_logprobs,
+            max_tokens_param=max_param,
+            defaults=self.sampling_defaults,
+        )
+        params = self.seeds.fill(params)
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
         names = req.param_names(max_param)
+        forced = plan.structured()
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise bad_request(
+                    f"tool_choice {plan.mode!r} constrains the output to tool calls, so it "
+                    "cannot be combined with response_format or structured_outputs: drop one",
+                    param="tool_choice",
+                )
+            params = dataclasses.replace(params, structured_outputs=forced)
+            names = {**names, **TOOL_PARAM_NAMES}
         streams = await self.submit(req_id, [(text, ids, params)], req.cache_salt, names)
-        renderer = ChatRenderer(req, self.token_texts, ids)
+        renderer = ChatRenderer(req, self.token_texts, ids, ToolOutput(plan, len(streams)))
         return Generation(
             req_id, streams, renderer, _include_usage(req), [0] * len(streams), n=params.n
         )

@@ -32,6 +32,7 @@ from kvserve.entrypoints.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvserve.entrypoints.responses import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -155,6 +156,18 @@ _SSE = {
 }
 
 
+_RESPONSE: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "object", "status", "output"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "response"},
+        "status": {"enum": ["completed", "incomplete"]},
+        "output": {"type": "array", "items": {"type": "object"}},
+    },
+}
+
+
 def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
@@ -213,6 +226,7 @@ def openapi_document(
         ChatCompletionRequest,
         TokenizeRequest,
         DetokenizeRequest,
+        ResponsesRequest,
     ]
     _, top = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     schemas: dict[str, Any] = dict(top.get("$defs", {}))
@@ -237,9 +251,28 @@ def openapi_document(
             _envelope("chat.completion", _CHAT_CHOICE),
             streams=True,
         ),
+        "/v1/responses": _post(
+            "Responses (OpenAI's Responses API, served as a chat completion)",
+            ResponsesRequest,
+            _RESPONSE,
+            streams=True,
+        ),
         "/tokenize": _post("Tokenize", TokenizeRequest, _TOKENIZE, streams=False),
         "/detokenize": _post("Detokenize", DetokenizeRequest, _DETOKENIZE, streams=False),
         "/v1/models": _get("The served model", _json(_MODELS_LIST), ("401",)),
+        "/v1/models/{model_id}": {
+            "get": {
+                **_get("One model by id", _json({"type": "object"}), ("401", "404"))["get"],
+                "parameters": [
+                    {
+                        "name": "model_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string"},
+                    }
+                ],
+            }
+        },
         "/health": _get("200 while the engine runs", None, ("503",)),
         "/metrics": _get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}, ()),
         "/version": _get(
@@ -263,6 +296,9 @@ def _limit_token_ids(schemas: dict[str, Any], vocab_size: int) -> None:
     """Token ids in prompts, ``tokens`` and ``logit_bias`` keys: below ``vocab_size``."""
     for name, field in (("CompletionRequest", "prompt"), ("DetokenizeRequest", "tokens")):
         _set_token_max(schemas.get(name, {}).get("properties", {}).get(field), vocab_size - 1)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        allowed = schemas.get(name, {}).get("properties", {}).get("allowed_token_ids")
+        _set_token_max(allowed, vocab_size - 1)
     pattern = f"^({_below_regex(vocab_size)})$"
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         bias = schemas.get(name, {}).get("properties", {}).get("logit_bias")

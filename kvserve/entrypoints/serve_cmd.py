@@ -1,8 +1,10 @@
 """``kvserve serve``: the OpenAI-compatible server on uvicorn.
 
-    kvserve serve --host 127.0.0.1 --port 8000 [--api-key KEY] [--max-queue-len N]
+    kvserve serve [MODEL] --host 127.0.0.1 --port 8000 [--api-key KEY] [--max-queue-len N]
                   [--served-model-name NAME] [engine options: --model, --max-num-seqs, ...]
                   [--kv-role both|prefill|decode ...]   (docs/disaggregation.md)
+                  [vLLM's flags: --seed, --generation-config, --enable-auto-tool-choice
+                   --tool-call-parser hermes, --tensor-parallel-size 1, ... (vllm_flags)]
 
 ``--kv-role prefill`` serves only ``/health`` and ``/metrics`` over HTTP and takes
 prefill work on ``--kv-address``; ``--kv-role decode`` serves the OpenAI API and
@@ -33,6 +35,8 @@ import uvicorn
 
 from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.engine.args import add_engine_arguments, build_engine_config, engine_kwargs_from_args
+from kvserve.engine.vllm_compat import generation_defaults
+from kvserve.entrypoints import vllm_flags
 from kvserve.kv_transfer.factory import (
     add_kv_transfer_arguments,
     build_connector,
@@ -146,6 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
     add_engine_arguments(parser)
     add_kv_transfer_arguments(parser)
+    vllm_flags.add_arguments(parser)
 
 
 def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
@@ -172,7 +177,24 @@ def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
     n = args.replicas
     threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // max(n, 1))
     try:
-        options = engine_kwargs_from_args(args)
+        options, notices = vllm_flags.engine_options(args, engine_kwargs_from_args(args))
+        for notice in notices:
+            print(f"kvserve serve: {notice}", file=sys.stderr)
+        unsupported = [
+            flag
+            for flag, on in (
+                ("--enable-auto-tool-choice", args.enable_auto_tool_choice),
+                ("--seed", args.seed is not None),
+                ("--max-logprobs", args.max_logprobs != vllm_flags.MAX_LOGPROBS),
+                ("--enable-log-requests", args.log_requests),
+            )
+            if on
+        ]
+        if unsupported:
+            raise ValueError(
+                f"{', '.join(unsupported)} cannot be combined with --replicas yet (the Ray "
+                "Serve ingress does not pass them on): drop them or serve one engine"
+            )
         if options.get("hash_algo") == "builtin":
             raise ValueError(
                 "--hash-algo builtin gives different hashes in every process, so the router "
@@ -216,7 +238,11 @@ def run(args: argparse.Namespace) -> int:
         return _run_replicas(args, api_key)
     t0 = time.perf_counter()
     try:
-        config = build_engine_config(**engine_kwargs_from_args(args))
+        options, notices = vllm_flags.engine_options(args, engine_kwargs_from_args(args))
+        for notice in notices:
+            logger.info("%s", notice)
+        prefix = vllm_flags.metrics_prefix(args.metrics_prefix)
+        config = build_engine_config(**options)
         kv_config = kv_transfer_config_from_args(args)
 
         def build() -> EngineCore:
@@ -260,12 +286,28 @@ def run(args: argparse.Namespace) -> int:
         service = PrefillService(async_engine, engine.kv_connector, engine.kv_connector.transport)
         app = build_prefill_app(async_engine, service)
     else:
+        try:
+            defaults = generation_defaults(
+                args.generation_config, getattr(engine.loaded, "model_dir", None)
+            )
+        except ValueError as e:
+            print(f"kvserve serve: {e}", file=sys.stderr)
+            return 2
+        if defaults:
+            logger.info("default sampling from generation_config.json: %s", defaults)
         app = build_app(
             async_engine,
             api_key=api_key,
             served_model_name=args.served_model_name,
             max_queue_len=args.max_queue_len,
             max_prompts_per_request=args.max_prompts_per_request or None,
+            tool_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            default_seed=args.seed,
+            metrics_prefix=prefix,
+            sampling_defaults=defaults,
+            max_logprobs=args.max_logprobs,
+            log_requests=args.log_requests,
         )
     logger.info(
         "loaded %s in %.1f s (dtype=%s, attention=%s, max_model_len=%d, %d KV blocks, "
@@ -287,8 +329,9 @@ def run(args: argparse.Namespace) -> int:
             app,
             host=args.host,
             port=args.port,
-            log_level=args.log_level,
+            log_level=args.uvicorn_log_level or args.log_level,
             access_log=args.access_log,
+            root_path=args.root_path,
             # The drain below already waited for the requests; this only bounds
             # writing out the cut ones' last bytes.
             timeout_graceful_shutdown=min(grace, FLUSH_TIMEOUT_S),

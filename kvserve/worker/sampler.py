@@ -13,6 +13,8 @@ Order of operations (vLLM V1 semantics):
         ├─ token mask (structured outputs; given by the caller, True = allowed):
         │  disallowed tokens get -inf
         ├─ logit_bias: bias added to the listed token ids
+        ├─ allowed_token_ids / bad words: other tokens, or a bad word's last token
+        │  once the output ends with the rest of it, get -inf
         ├─ min_tokens: stop tokens (and EOS unless ignore_eos) get -inf while
         │  len(output) < min_tokens
         ├─ repetition penalty over prompt + output tokens (HF/vLLM): a seen token's
@@ -143,6 +145,7 @@ class Sampler:
             p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
         )
         need_bias = any(p.logit_bias for p in params)
+        need_bans = any(p.allowed_token_ids or p.bad_words_token_ids for p in params)
         is_greedy = [p.temperature < _SAMPLING_EPS for p in params]
 
         # Fast path: argmax of the raw logits.
@@ -150,6 +153,7 @@ class Sampler:
             all(is_greedy)
             and token_mask is None
             and not (need_logprobs or need_min_tokens or need_rep or need_freq_pres or need_bias)
+            and not need_bans
         ):
             return SamplerOutput(token_ids=_argmax(logits).tolist(), logprobs=[None] * len(states))
 
@@ -159,10 +163,14 @@ class Sampler:
         if token_mask is not None:
             masked = logits.masked_fill(~token_mask, float("-inf"))  # a private copy
             logits = masked
-        if (need_min_tokens or need_rep or need_freq_pres or need_bias) and masked is None:
+        if (
+            need_min_tokens or need_rep or need_freq_pres or need_bias or need_bans
+        ) and masked is None:
             logits = logits.clone()  # the rules below work in place on a private copy
         if need_bias:
             _apply_logit_bias(logits, states)
+        if need_bans:
+            _apply_token_bans(logits, states)
         if need_min_tokens:
             logits = logits.clone() if masked is logits else logits
             _apply_min_tokens(logits, states)
@@ -318,6 +326,26 @@ def _apply_logit_bias(logits: torch.Tensor, states: list[SamplingRequestState]) 
             torch.tensor(values, device=device, dtype=logits.dtype),
             accumulate=True,
         )
+
+
+def _apply_token_bans(logits: torch.Tensor, states: list[SamplingRequestState]) -> None:
+    """``allowed_token_ids``: every other token gets -inf; ``bad_words_token_ids``:
+    a one-token word is never sampled, a longer one's last token is banned right
+    after the output ends with the rest of it (vLLM's rule)."""
+    vocab_size = logits.shape[1]
+    for i, s in enumerate(states):
+        allowed = s.params.allowed_token_ids
+        if allowed:
+            keep = torch.tensor([t for t in allowed if t < vocab_size], dtype=torch.long)
+            row = torch.full((vocab_size,), float("-inf"), dtype=logits.dtype, device=logits.device)
+            keep = keep.to(logits.device)
+            row[keep] = logits[i, keep]
+            logits[i] = row
+        for ids in s.params.bad_words_token_ids or ():
+            prefix = ids[:-1]
+            ends_with_prefix = not prefix or s.output_token_ids[-len(prefix) :] == prefix
+            if ends_with_prefix and ids[-1] < vocab_size:
+                logits[i, ids[-1]] = float("-inf")
 
 
 def _apply_min_tokens(logits: torch.Tensor, states: list[SamplingRequestState]) -> None:

@@ -212,8 +212,8 @@ CASES: list[tuple[str, Any, int, str | None, list[str]]] = [
         "/v1/chat/completions",
         {"messages": CHAT, "tools": [{"type": "function"}]},
         400,
-        "tools",
-        ["remove"],
+        "tools[0]",
+        ["not a function tool", "get_weather"],
     ),
     (
         "/v1/completions",

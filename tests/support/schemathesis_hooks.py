@@ -21,7 +21,19 @@ CROSS_FIELD_RULES = [
     ("best_of", "invalid_value"),  # best_of >= n
     ("min_tokens", "invalid_value"),  # min_tokens <= max_tokens
     ("structured_outputs", "invalid_value"),
+    ("guided_json", "invalid_value"),  # vLLM's older names of structured_outputs
+    ("guided_regex", "invalid_value"),
+    ("guided_choice", "invalid_value"),
+    ("guided_grammar", "invalid_value"),
     ("response_format", "invalid_value"),
+    # function calling: a named tool_choice must be one of tools, "auto" needs the
+    # server's --enable-auto-tool-choice, tool names must be distinct, and forced
+    # choice excludes response_format (chat/tools.py)
+    ("tool_choice", "invalid_value"),
+    ("tools", "invalid_value"),
+    # /v1/responses items: shapes the item schema's anyOf lets through (e.g. a
+    # message with both "type": "function_call" and a role)
+    ("input", "invalid_value"),
 ]
 
 

@@ -522,3 +522,22 @@ def test_native_draw_and_softmax_match_portable_on_wide_rows() -> None:
     kept = torch.where(probs >= threshold[:, None], probs, torch.zeros(()))
     assert torch.equal(drawn, _inverse_cdf_sample(kept.double(), uniforms))
     assert int(drawn[5]) < 1000 and float(probs[9, int(drawn[9])]) >= float(threshold[9])
+
+
+# -- allowed_token_ids and bad words (vLLM's) ------------------------------------------
+
+
+def test_allowed_token_ids_and_bad_words() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0]] * 3)
+    states = [
+        state(temperature=0.0, allowed_token_ids=[2, 4]),
+        state(temperature=0.0, output=[3], bad_words_token_ids=[[0], [3, 1]]),
+        state(temperature=0.0, output=[2], bad_words_token_ids=[[3, 1]]),
+    ]
+    out = Sampler()(logits, states)
+    # row 0: only 2 and 4 allowed -> 2; row 1: 0 banned, 1 banned after 3 -> 2;
+    # row 2: the two-token word's prefix is not the output's tail -> argmax 0
+    assert out.token_ids == [2, 2, 0]
+    for _ in range(20):  # sampled rows never leave the allowed set
+        s = Sampler()(logits[:1], [state(temperature=1.0, allowed_token_ids=[3, 4])])
+        assert s.token_ids[0] in (3, 4)
