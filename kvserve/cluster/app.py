@@ -42,6 +42,8 @@ class ClusterOptions:
     served_model_name: str | None = None
     api_key: str | None = None
     max_queue_len: int | None = None
+    # build_app's chat and HTTP-guard options (chat_template, max_request_body_bytes...)
+    http_options: dict[str, Any] = field(default_factory=dict)
     max_ongoing_requests: int = 256
     stats_period_s: float = 0.5
     health_check_period_s: float = 1.0
@@ -100,5 +102,6 @@ def build_application(opts: ClusterOptions) -> Any:
         opts.served_model_name,
         opts.api_key,
         opts.max_queue_len,
+        opts.http_options,
     )
     return ingress

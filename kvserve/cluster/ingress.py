@@ -28,6 +28,7 @@ class KVServeIngress:
         served_model_name: str | None = None,
         api_key: str | None = None,
         max_queue_len: int | None = None,
+        http_options: dict[str, Any] | None = None,
     ) -> None:
         from kvserve.model.loader import DEFAULT_MODEL_NAME, load_tokenizer
 
@@ -37,6 +38,7 @@ class KVServeIngress:
         self._served_model_name = served_model_name
         self._api_key = api_key
         self._max_queue_len = max_queue_len
+        self._http_options = dict(http_options or {})
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         from kvserve.entrypoints.openai_server import build_app
@@ -46,6 +48,7 @@ class KVServeIngress:
             api_key=self._api_key,
             served_model_name=self._served_model_name,
             max_queue_len=self._max_queue_len,
+            **self._http_options,
         )
         client = self.client
 

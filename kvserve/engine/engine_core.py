@@ -164,6 +164,13 @@ class EngineCore:
                 f"in [0, {self.vocab_size})",
                 param="logit_bias",
             )
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"stop_token_ids names token id {bad[0]}, past the vocabulary: token ids must "
+                f"be in [0, {self.vocab_size})",
+                param="stop_token_ids",
+            )
         if params.structured_outputs is not None:
             try:
                 self.grammar_compiler.check(params.structured_outputs)

@@ -21,6 +21,8 @@ from tqdm.auto import tqdm
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.entrypoints.chat.prompt import ChatPromptBuilder
+from kvserve.entrypoints.chat.template import load_chat_template
 from kvserve.request import RequestError, SamplingParams
 
 Message = dict[str, str]
@@ -31,10 +33,15 @@ class LLM:
     (``max_num_batched_tokens=256``, ``scheduler_policy="separated"``, ...); unknown names
     raise TypeError, bad values ValueError."""
 
-    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, chat_template: str | None = None, **engine_options: Any
+    ) -> None:
         config = build_engine_config(model=model, **engine_options)
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.tokenizer
+        # ``chat_template``: a template's text or a .jinja file (default: the model's).
+        template = load_chat_template(chat_template) if chat_template is not None else None
+        self.chat_builder = ChatPromptBuilder(self.tokenizer, template=template)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -76,7 +83,12 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the chat template to one conversation (or a list of them) and generate.
+
+        The same renderer as the server (``kvserve.entrypoints.chat.prompt``): the
+        template runs in the Jinja sandbox, and special-token strings inside message
+        text are tokenized as plain text. Raises ValueError for messages the template
+        refuses."""
         conversations: list[Sequence[Message]]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
@@ -85,11 +97,11 @@ class LLM:
         texts: list[str | None] = []
         token_lists: list[list[int]] = []
         for conv in conversations:
-            text = self.tokenizer.apply_chat_template(
-                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt
+            prompt = self.chat_builder.build(
+                [dict(m) for m in conv], add_generation_prompt=add_generation_prompt
             )
-            texts.append(text)
-            token_lists.append(self.tokenizer.encode(text, add_special_tokens=False))
+            texts.append(prompt.text)
+            token_lists.append(prompt.token_ids)
         return self._run(texts, token_lists, sampling_params, use_tqdm, None)
 
     # ------------------------------------------------------------------ internals

@@ -404,6 +404,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 20})
     add_generation_prompt: bool = True
+    # A request's own template: refused (400) unless --trust-request-chat-template.
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = Field(default=None, json_schema_extra={"maxItems": 0})
     tool_choice: Annotated[Any, WithJsonSchema({})] = None
@@ -482,6 +484,8 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -31,6 +31,14 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.engine.client import DeltaStream, EngineClient
 from kvserve.engine.outputs import RequestDelta
+from kvserve.entrypoints.chat.prompt import (
+    ChatPrompt,
+    ChatPromptBuilder,
+    ChatPromptError,
+    TemplateError,
+)
+from kvserve.entrypoints.chat.render_pool import RenderBusyError
+from kvserve.entrypoints.chat.template import TemplateTimeoutError
 from kvserve.entrypoints.openai_errors import APIError, bad_request, request_error_to_api
 from kvserve.entrypoints.openai_protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -46,6 +54,7 @@ from kvserve.entrypoints.openai_render import (
     usage,
 )
 from kvserve.entrypoints.token_texts import TokenTexts
+from kvserve.entrypoints.workers import CpuPool
 from kvserve.request import RequestError, SamplingParams
 
 RETRY_AFTER_S = 1
@@ -151,12 +160,20 @@ class OpenAIServing:
         *,
         served_model_name: str,
         max_queue_len: int | None = None,
+        chat: ChatPromptBuilder | None = None,
+        cpu: CpuPool | None = None,
+        chat_threads: CpuPool | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
         self.max_queue_len = max_queue_len
         self.token_texts = TokenTexts(engine.tokenizer)
+        # Chat prompts (template, sandbox, safe tokenization) and the threads that
+        # keep tokenization and rendering off the event loop.
+        self.chat = chat if chat is not None else ChatPromptBuilder(engine.tokenizer)
+        self.cpu = cpu if cpu is not None else CpuPool(4, "kvserve-cpu")
+        self.chat_threads = chat_threads if chat_threads is not None else self.cpu
 
     # ------------------------------------------------------------------ common
     def check_model(self, model: str | None) -> None:
@@ -180,18 +197,21 @@ class OpenAIServing:
         before any is queued. Returns one stream per sample, prompt by prompt.
         Refusals become APIError naming the request's field (``names``: engine field
         -> request field)."""
-        requests = []
-        try:
-            for i, (text, ids, params) in enumerate(inputs):
-                requests.append(
-                    self.engine.make_request(
-                        ids,
-                        params,
-                        request_id=req_id if len(inputs) == 1 else f"{req_id}-{i}",
-                        prompt=text,
-                        cache_salt=cache_salt,
-                    )
+
+        def make_all() -> list[Any]:
+            return [
+                self.engine.make_request(
+                    ids,
+                    params,
+                    request_id=req_id if len(inputs) == 1 else f"{req_id}-{i}",
+                    prompt=text,
+                    cache_salt=cache_salt,
                 )
+                for i, (text, ids, params) in enumerate(inputs)
+            ]
+
+        try:  # validation walks every token id: off the event loop
+            requests = await self.cpu.run(make_all)
         except RequestError as e:
             raise request_error_to_api(e, names) from None
         streams: list[DeltaStream] = []
@@ -252,12 +272,12 @@ class OpenAIServing:
         inputs: list[tuple[str | None, list[int], SamplingParams]] = []
         echo_texts: list[str] = []
         prompt_ids: list[list[int]] = []
-        for prompt in req.prompts():
-            if isinstance(prompt, str):
-                text: str | None = prompt
-                ids = list(self.tokenizer.encode(prompt))
-            else:
-                text, ids = None, prompt
+        prompts = req.prompts()
+        # A completion prompt is the client's whole prompt: special-token strings in it
+        # are special tokens, as in vLLM (chat messages are not: see chat.prompt).
+        encoded = await self.cpu.run(self.encode_prompts, prompts)
+        for prompt, ids in zip(prompts, encoded, strict=True):
+            text = prompt if isinstance(prompt, str) else None
             max_tokens = 1 if req.echo_only else req.max_tokens  # echo only: one unused token
             if max_tokens is None:
                 # Never below 1, so that a too-long prompt is refused for its length.
@@ -267,8 +287,8 @@ class OpenAIServing:
             params = dataclasses.replace(params, prompt_logprobs=req.engine_prompt_logprobs)
             inputs.append((text, ids, params))
             prompt_ids.append(ids)
-            if req.echo:
-                echo_texts.append(text if text is not None else str(self.tokenizer.decode(ids)))
+        if req.echo:
+            echo_texts = await self.cpu.run(self._echo_texts, prompts, prompt_ids)
         req_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(req_id, inputs, req.cache_salt, req.param_names("max_tokens"))
         num_samples = inputs[0][2].num_samples
@@ -285,29 +305,71 @@ class OpenAIServing:
             count_outputs=not req.echo_only,
         )
 
+    def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of completion prompts (strings encoded, id lists copied). Blocking."""
+        return [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in prompts]
+
+    def _echo_texts(self, prompts: list[str | list[int]], ids: list[list[int]]) -> list[str]:
+        """The echoed text of each prompt (id prompts decoded; out-of-vocabulary ids
+        are refused by ``submit``, so they decode to nothing here). Blocking."""
+        vocab = self.engine.vocab_size
+        return [
+            p
+            if isinstance(p, str)
+            else str(self.tokenizer.decode(i))
+            if all(0 <= t < vocab for t in i)
+            else ""
+            for p, i in zip(prompts, ids, strict=True)
+        ]
+
     # ------------------------------------------------------------------ chat
-    def render_chat(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        messages = [m.as_template_dict() for m in req.messages]
+    async def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> ChatPrompt:
+        """The chat prompt (``ChatPromptBuilder.build`` on a worker thread); its
+        refusals as APIError: 400 (template refused, too slow, not allowed), 503 when
+        every render worker is busy."""
         try:
-            text = str(
-                self.tokenizer.apply_chat_template(
-                    messages,
-                    tokenize=False,
-                    add_generation_prompt=req.add_generation_prompt,
-                    **(req.chat_template_kwargs or {}),
-                )
+            return await self.chat_threads.run(
+                self.chat.build,
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
             )
-        except Exception as e:  # jinja errors raised by the template itself
-            raise bad_request(
-                f"the model's chat template refused these messages: {e}", param="messages"
+        except ChatPromptError as e:
+            raise bad_request(str(e), param=e.param, code=e.code) from None
+        except RenderBusyError as e:
+            raise APIError(
+                503,
+                str(e),
+                type="server_error",
+                code="chat_template_busy",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from None
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+        except TemplateTimeoutError as e:
+            raise bad_request(str(e), param="messages", code="chat_template_timeout") from None
+        except TemplateError as e:
+            raise bad_request(str(e), param="messages", code="chat_template_error") from None
 
     async def start_chat(self, req: ChatCompletionRequest) -> Generation:
         """Validate and queue the conversation."""
         self.check_model(req.model)
         req.check()
-        text, ids = self.render_chat(req)
+        prompt = await self.render_chat(
+            [m.as_template_dict() for m in req.messages],
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template=req.chat_template,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+        text, ids = prompt.text, prompt.token_ids
         max_tokens, max_param = req.requested_max_tokens
         params = req.sampling_params(max_tokens, req.num_logprobs, max_tokens_param=max_param)
         req_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -22,6 +22,7 @@ on the event loop. Thread-safe.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -97,16 +98,12 @@ class _Worker:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
-                try:
+                with contextlib.suppress(OSError):
                     stream.close()
-                except OSError:
-                    pass
 
 
 class RenderPool:

@@ -34,7 +34,9 @@ class SafeTokenizer:
         self.tokenizer = tokenizer
         specials = sorted(_special_strings(tokenizer), key=len, reverse=True)
         self.special_strings: tuple[str, ...] = tuple(specials)
-        self._special_re = re.compile("|".join(re.escape(s) for s in specials)) if specials else None
+        self._special_re = (
+            re.compile("|".join(re.escape(s) for s in specials)) if specials else None
+        )
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._plain: Any = None
         self._lock = threading.Lock()
