@@ -1,7 +1,8 @@
 """What the HTTP layer checks before a request body reaches a route.
 
-- :class:`BodyGuardMiddleware` (ASGI): on every request with a body (POST, PUT,
-  PATCH) the ``Content-Type`` must be JSON (``application/json`` or ``*/*+json``),
+- :class:`BodyGuardMiddleware` (ASGI): on every request to a JSON route
+  (``is_json_route(method, path)``: the app's POST routes) the ``Content-Type``
+  must be JSON (``application/json`` or ``*/*+json``),
   else **415**: a browser page can only send ``text/plain``, form or multipart
   bodies cross-site without a CORS preflight, so refusing them keeps a server
   without an API key from being driven by any web page its users visit. The body
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -32,7 +34,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserve.entrypoints.openai_errors import APIError, bad_request
 
 MAX_JSON_DEPTH = 128
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_TYPE = re.compile(r"^application/(?:[\w.+-]+\+)?json$")
 
@@ -54,14 +55,22 @@ def _error_response(err: APIError, headers: dict[str, str] | None = None) -> JSO
 class BodyGuardMiddleware:
     """See the module docstring. Requests without a body pass through untouched."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        is_json_route: Callable[[str, str], bool] | None = None,
+    ) -> None:
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.is_json_route = is_json_route or (lambda method, path: method == "POST")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") not in _BODY_METHODS:
+        if scope["type"] != "http" or not self.is_json_route(
+            scope.get("method", ""), scope.get("path", "")
+        ):  # other methods and routes: the router answers (405, 404) without a body
             await self.app(scope, receive, send)
             return
         content_type = b""

@@ -160,7 +160,18 @@ def build_app(
     body_limit = max_request_body_bytes or default_max_body_bytes(
         max_len, async_engine.max_num_seqs
     )
-    app.add_middleware(BodyGuardMiddleware, max_body_bytes=body_limit)
+    post_paths: set[str] = set()
+
+    def is_json_route(method: str, path: str) -> bool:
+        if not post_paths:  # every POST route takes JSON (read once routes exist)
+            post_paths.update(
+                str(getattr(r, "path", ""))
+                for r in app.routes
+                if "POST" in getattr(r, "methods", ())
+            )
+        return method == "POST" and path in post_paths
+
+    app.add_middleware(BodyGuardMiddleware, max_body_bytes=body_limit, is_json_route=is_json_route)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     add_cors(app, allowed_origins)
@@ -250,6 +261,12 @@ def build_app(
                 'send exactly one of "prompt" (a string) or "messages" (a chat); for example '
                 '{"prompt": "Hello"}',
                 param="prompt",
+            )
+        if req.messages is not None and not req.messages:
+            raise bad_request(
+                "messages is empty: send at least one message; for example "
+                '{"messages": [{"role": "user", "content": "Hello"}]}',
+                param="messages",
             )
         if req.prompt is not None:
             # As /v1/completions sees a prompt: special-token strings are special tokens.

@@ -78,7 +78,7 @@ def render_in_process(job: dict[str, Any]) -> list[str]:
             add_generation_prompt=bool(job.get("add_generation_prompt", True)),
             special_tokens=job.get("special_tokens") or {},
             max_chars=int(job.get("max_chars", 64 * 1024 * 1024)),
-            **(job.get("kwargs") or {}),
+            variables=job.get("kwargs") or {},
         )
         for messages in job["variants"]
     ]

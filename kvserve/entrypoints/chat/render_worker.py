@@ -45,7 +45,7 @@ def _answer(job: dict[str, Any]) -> dict[str, Any]:
                 add_generation_prompt=bool(job.get("add_generation_prompt", True)),
                 special_tokens=job.get("special_tokens") or {},
                 max_chars=int(job.get("max_chars", 64 * 1024 * 1024)),
-                **(job.get("kwargs") or {}),
+                variables=job.get("kwargs") or {},
             )
             for messages in job["variants"]
         ]

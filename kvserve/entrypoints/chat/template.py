@@ -178,21 +178,26 @@ def _compile(text: str) -> jinja2.Template:
 def render_template(
     template: str,
     messages: list[dict[str, Any]],
+    /,
     *,
     tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     special_tokens: dict[str, str] | None = None,
     max_chars: int = 64 * 1024 * 1024,
+    variables: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> str:
     """Render ``template`` over ``messages`` in the sandbox and return the text.
 
     ``tools`` is passed as the template's ``tools`` (None: undefined-free ``None``);
-    ``special_tokens`` are HF's ``bos_token``/``eos_token``/... variables; ``kwargs``
-    are extra template variables (``enable_thinking``...) and may not use a
-    :data:`RESERVED_NAMES` name. Raises :class:`TemplateError` for a template that
+    ``special_tokens`` are HF's ``bos_token``/``eos_token``/... variables;
+    ``variables`` (a request's ``chat_template_kwargs``: always pass client data
+    here, never as ``**kwargs``, so it cannot set this function's own options) and
+    ``kwargs`` are extra template variables (``enable_thinking``...) and may not use
+    a :data:`RESERVED_NAMES` name. Raises :class:`TemplateError` for a template that
     does not compile, refuses the inputs (``raise_exception``, a sandbox violation,
     any error it raises) or renders more than ``max_chars`` characters."""
+    kwargs = {**(variables or {}), **kwargs}
     bad = sorted(k for k in kwargs if k in RESERVED_NAMES or not str(k).isidentifier())
     if bad:
         raise TemplateError(
@@ -200,7 +205,7 @@ def render_template(
             "template (messages, tools and add_generation_prompt are request fields)"
         )
     compiled = _compile(template)
-    variables: dict[str, Any] = {
+    names: dict[str, Any] = {
         **(special_tokens or {}),
         **kwargs,
         "messages": messages,
@@ -210,7 +215,7 @@ def render_template(
     pieces: list[str] = []
     size = 0
     try:
-        for piece in compiled.generate(**variables):
+        for piece in compiled.generate(**names):
             size += len(piece)
             if size > max_chars:
                 raise TemplateError(
