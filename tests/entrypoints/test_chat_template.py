@@ -126,7 +126,9 @@ def test_render_pool_kills_a_runaway_template_and_recovers() -> None:
             pool.render({"template": spin, "variants": [[]]})
         assert time.monotonic() - t0 < 30  # bounded (1 s + a worker start), not minutes
         assert pool.num_killed == 1
-        ok = pool.render({"template": "{{ messages[0]['content'] }}", "variants": [[{"content": "a"}]]})
+        ok = pool.render(
+            {"template": "{{ messages[0]['content'] }}", "variants": [[{"content": "a"}]]}
+        )
         assert ok == ["a"]
     finally:
         pool.close()

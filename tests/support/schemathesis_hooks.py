@@ -22,6 +22,8 @@ CROSS_FIELD_RULES = [
     ("min_tokens", "invalid_value"),  # min_tokens <= max_tokens
     ("structured_outputs", "invalid_value"),
     ("response_format", "invalid_value"),
+    # a template variable holding a special-token string (data, never control tokens)
+    ("chat_template_kwargs", "invalid_value"),
 ]
 
 
