@@ -271,8 +271,9 @@ def build_app(
         if req.prompt is not None:
             # As /v1/completions sees a prompt: special-token strings are special tokens.
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = await cpu.run(
-                lambda: list(tok.encode(req.prompt, add_special_tokens=add_special))
+            ids = await cpu.run_unless_small(
+                len(req.prompt),
+                lambda: list(tok.encode(req.prompt, add_special_tokens=add_special)),
             )
         else:
             prompt = await serving.render_chat(
@@ -286,7 +287,9 @@ def build_app(
                 build = getattr(tok, "build_inputs_with_special_tokens", None)
                 ids = list(build(ids)) if build is not None else ids
         token_strs = (
-            await cpu.run(tok.convert_ids_to_tokens, ids) if req.return_token_strs else None
+            await cpu.run_unless_small(len(ids), tok.convert_ids_to_tokens, ids)
+            if req.return_token_strs
+            else None
         )
         return {
             "count": len(ids),
@@ -307,7 +310,9 @@ def build_app(
                 'for example "tokens": [1, 2, 3]',
                 param="tokens",
             )
-        return {"prompt": await cpu.run(async_engine.tokenizer.decode, req.tokens)}
+        tokens = req.tokens
+        text = await cpu.run_unless_small(len(tokens), async_engine.tokenizer.decode, tokens)
+        return {"prompt": text}
 
     return app
 

@@ -211,7 +211,8 @@ class OpenAIServing:
             ]
 
         try:  # validation walks every token id: off the event loop
-            requests = await self.cpu.run(make_all)
+            size = sum(len(ids) for _, ids, _ in inputs)
+            requests = await self.cpu.run_unless_small(size, make_all)
         except RequestError as e:
             raise request_error_to_api(e, names) from None
         streams: list[DeltaStream] = []
@@ -275,7 +276,8 @@ class OpenAIServing:
         prompts = req.prompts()
         # A completion prompt is the client's whole prompt: special-token strings in it
         # are special tokens, as in vLLM (chat messages are not: see chat.prompt).
-        encoded = await self.cpu.run(self.encode_prompts, prompts)
+        size = sum(len(p) for p in prompts)
+        encoded = await self.cpu.run_unless_small(size, self.encode_prompts, prompts)
         for prompt, ids in zip(prompts, encoded, strict=True):
             text = prompt if isinstance(prompt, str) else None
             max_tokens = 1 if req.echo_only else req.max_tokens  # echo only: one unused token
@@ -288,7 +290,10 @@ class OpenAIServing:
             inputs.append((text, ids, params))
             prompt_ids.append(ids)
         if req.echo:
-            echo_texts = await self.cpu.run(self._echo_texts, prompts, prompt_ids)
+            size = sum(len(i) for i in prompt_ids)
+            echo_texts = await self.cpu.run_unless_small(
+                size, self._echo_texts, prompts, prompt_ids
+            )
         req_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(req_id, inputs, req.cache_salt, req.param_names("max_tokens"))
         num_samples = inputs[0][2].num_samples

@@ -19,6 +19,9 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# Inputs below this many characters / token ids are handled on the event loop.
+INLINE_LIMIT = 4096
+
 
 class CpuPool:
     """``await pool.run(fn, *args, **kwargs)``: ``fn`` on one of ``max_workers``
@@ -30,6 +33,14 @@ class CpuPool:
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    async def run_unless_small(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` inline when ``size`` (characters or token ids of its input) is
+        below :data:`INLINE_LIMIT` (tens of microseconds: cheaper than a thread hop,
+        which matters for a burst of short requests), else on a pool thread."""
+        if size < INLINE_LIMIT:
+            return fn(*args)
+        return await self.run(fn, *args)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
