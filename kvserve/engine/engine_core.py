@@ -406,7 +406,9 @@ class EngineCore:
         sched = self.scheduler
         return EngineStats(
             num_requests_running=sched.num_running,
-            num_requests_waiting=sched.num_waiting,
+            # Parked for KV from a prefill peer (decode role): blocks held, nothing
+            # computed yet - waiting, as vLLM counts them, not invisible.
+            num_requests_waiting=sched.num_waiting + len(sched.waiting_for_remote),
             kv_cache_usage_perc=kv.usage,
             num_active_blocks=kv.num_active_blocks,
             num_reclaimable_blocks=kv.num_reclaimable_blocks,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -311,8 +312,40 @@ class OpenAIServing:
         )
 
     def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        """Token ids of completion prompts (strings encoded, id lists copied). Blocking."""
+        """Token ids of completion prompts (strings encoded, id lists copied); a string
+        too long to fit ``max_model_len`` whatever its tokens is refused untokenized
+        (:attr:`max_prompt_chars`). Blocking."""
+        limit = self.max_prompt_chars
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) and limit is not None and len(p) > limit:
+                max_len = self.engine.max_model_len
+                raise request_error_to_api(
+                    RequestError(
+                        f"prompt {i} has {len(p)} characters, more than the {max_len} tokens "
+                        f"max_model_len allows (no token of this model is longer than "
+                        f"{limit // max_len} characters): shorten the prompt",
+                        param="prompt",
+                        code="context_length_exceeded",
+                    ),
+                    {},
+                )
         return [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in prompts]
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """Characters past which a prompt cannot fit ``max_model_len`` tokens: the
+        longest vocabulary entry x ``max_model_len``, for tokenizers without a
+        normalizer (which could drop characters; byte-level BPE such as the default
+        model's has none, and its entries are at least as long as their text).
+        None when no such bound holds."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            return None
+        try:
+            longest = max(len(k) for k in self.tokenizer.get_vocab())
+        except Exception:  # a tokenizer without a vocabulary dict: no bound
+            return None
+        return max(longest, 1) * self.engine.max_model_len
 
     def _echo_texts(self, prompts: list[str | list[int]], ids: list[list[int]]) -> list[str]:
         """The echoed text of each prompt (id prompts decoded; out-of-vocabulary ids

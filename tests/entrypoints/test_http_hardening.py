@@ -282,3 +282,27 @@ def test_openapi_limits_and_security(tokenizer: Any, default_server: tuple[str, 
         assert "bearer" in doc["components"]["securitySchemes"]
         assert doc["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}]
         assert "security" not in doc["paths"]["/health"]["get"]
+
+
+def test_requests_waiting_for_remote_kv_count_as_waiting(tokenizer: Any) -> None:
+    """A decode-role request parked for its prompt's KV is neither running nor
+    scheduled-waiting in the scheduler's queues; /metrics counts it as waiting."""
+    from kvserve.request import SamplingParams
+
+    core, _ = fake_engine(tokenizer)
+    request = core.make_request([5, 6, 7], SamplingParams(max_tokens=2), request_id="parked")
+    core.scheduler.waiting_for_remote[request.req_id] = request
+    assert core.stats().num_requests_waiting == 1 and core.stats().num_requests_running == 0
+
+
+def test_a_prompt_too_long_in_characters_is_refused_before_tokenizing(
+    default_server: tuple[str, Any],
+) -> None:
+    url, _ = default_server
+    # 256 tokens max; no token of the default model is longer than 81 characters
+    r = httpx.post(url + "/v1/completions", json={"prompt": "a" * (81 * 256 + 1)})
+    err = _error(r, 400)
+    assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
+    ok = httpx.post(url + "/v1/completions", json={"prompt": "a " * 100, "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+    _idle(url)

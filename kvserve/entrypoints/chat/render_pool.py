@@ -152,6 +152,9 @@ class RenderPool:
                 if self._closed:
                     raise RenderBusyError("the server is shutting down")
                 worker = self._idle.pop() if self._idle else _Worker(self.memory_bytes)
+            if worker.proc.poll() is not None:  # died while idle (killed from outside)
+                worker.kill()
+                worker = _Worker(self.memory_bytes)
             try:
                 answer = worker.call(payload, self.timeout_s)
             except TimeoutError:
