@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import time
@@ -356,7 +357,18 @@ async def _respond(
     )
     if choices is None:
         return Response(status_code=499)
-    return JSONResponse(serving.response(gen, choices))
+    if len(choices) <= 16:
+        return JSONResponse(serving.response(gen, choices))
+    # Many choices (a batch of prompts): build and encode the body off the event loop.
+    body = await serving.cpu.run(lambda: _json_bytes(serving.response(gen, choices)))
+    return Response(body, media_type="application/json")
+
+
+def _json_bytes(content: Any) -> bytes:
+    """What ``JSONResponse`` sends, encoded by the caller's thread."""
+    return json.dumps(
+        content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
 
 
 async def _until_disconnect(

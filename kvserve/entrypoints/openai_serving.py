@@ -59,6 +59,8 @@ from kvserve.entrypoints.workers import CpuPool
 from kvserve.request import RequestError, SamplingParams
 
 RETRY_AFTER_S = 1
+# Per-prompt work on the event loop yields after this many prompts of one request.
+YIELD_EVERY = 32
 
 
 # --------------------------------------------------------------------- streams
@@ -222,6 +224,8 @@ class OpenAIServing:
                 # One queue-length check per HTTP request: a batch is admitted whole.
                 max_waiting = self.max_queue_len if i == 0 else None
                 streams += await self.engine.submit_samples(request, max_waiting=max_waiting)
+                if i % YIELD_EVERY == YIELD_EVERY - 1:
+                    await asyncio.sleep(0)  # a batch of 1,000 prompts: let /health in
         except BaseException as e:
             for s in streams:
                 s.abort()
@@ -279,7 +283,9 @@ class OpenAIServing:
         # are special tokens, as in vLLM (chat messages are not: see chat.prompt).
         size = sum(len(p) for p in prompts)
         encoded = await self.cpu.run_unless_small(size, self.encode_prompts, prompts)
-        for prompt, ids in zip(prompts, encoded, strict=True):
+        for k, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
+            if k % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)  # bounded event-loop slices for big batches
             text = prompt if isinstance(prompt, str) else None
             max_tokens = 1 if req.echo_only else req.max_tokens  # echo only: one unused token
             if max_tokens is None:
