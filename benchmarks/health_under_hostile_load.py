@@ -76,7 +76,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run(url: str, legacy: bool, body_mb: int) -> dict[str, Any]:
+def run(url: str, legacy: bool, body_mb: int, window_s: float) -> dict[str, Any]:
     results: dict[str, Any] = {}
 
     def post(name: str, path: str, body: bytes) -> None:
@@ -114,7 +114,8 @@ def run(url: str, legacy: bool, body_mb: int) -> dict[str, Any]:
         client.get(url + "/health")
         for t in loads:
             t.start()
-        while any(t.is_alive() for t in loads):
+        end = time.monotonic() + window_s
+        while any(t.is_alive() for t in loads) and time.monotonic() < end:
             t0 = time.perf_counter()
             client.get(url + "/health")
             latencies.append(time.perf_counter() - t0)
@@ -138,6 +139,9 @@ def main() -> int:
     parser.add_argument("--legacy", action="store_true", help="a server without the new flags")
     parser.add_argument("--body-limit-default", action="store_true")
     parser.add_argument("--body-mb", type=int, default=20)
+    parser.add_argument(
+        "--window-s", type=float, default=600, help="stop sampling /health after this long"
+    )
     args = parser.parse_args()
     proc = None
     url = args.url
@@ -150,7 +154,7 @@ def main() -> int:
         log = Path(f"/tmp/health_bench_{os.getpid()}.log")
         proc, url = _start(args.repo, flags, log)
     try:
-        out = run(url, args.legacy, args.body_mb)
+        out = run(url, args.legacy, args.body_mb, args.window_s)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
