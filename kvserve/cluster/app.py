@@ -43,6 +43,8 @@ class ClusterOptions:
     api_key: str | None = None
     max_queue_len: int | None = None
     min_healthy_replicas: int | None = None  # None: all of them
+    # build_app's chat and HTTP-guard options (chat_template, max_request_body_bytes...)
+    http_options: dict[str, Any] = field(default_factory=dict)
     max_ongoing_requests: int = 256
     stats_period_s: float = 0.5
     health_check_period_s: float = 1.0
@@ -108,5 +110,6 @@ def build_application(opts: ClusterOptions) -> Any:
         opts.api_key,
         opts.max_queue_len,
         opts.min_healthy_replicas or opts.num_replicas,
+        opts.http_options,
     )
     return ingress

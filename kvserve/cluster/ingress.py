@@ -31,6 +31,7 @@ class KVServeIngress:
         api_key: str | None = None,
         max_queue_len: int | None = None,
         min_healthy_replicas: int = 1,
+        http_options: dict[str, Any] | None = None,
     ) -> None:
         import asyncio
 
@@ -48,6 +49,7 @@ class KVServeIngress:
         self._served_model_name = served_model_name
         self._api_key = api_key
         self._max_queue_len = max_queue_len
+        self._http_options = dict(http_options or {})
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         from kvserve.entrypoints.openai_server import build_app
@@ -57,6 +59,7 @@ class KVServeIngress:
             api_key=self._api_key,
             served_model_name=self._served_model_name,
             max_queue_len=self._max_queue_len,
+            **self._http_options,
         )
         client = self.client
 

@@ -26,6 +26,8 @@ from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.offline_compat import chat_message, split_prompts, vllm_logprobs
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.engine.vllm_compat import generation_defaults, translate_vllm_options
+from kvserve.entrypoints.chat.prompt import ChatPromptBuilder
+from kvserve.entrypoints.chat.template import load_chat_template
 from kvserve.entrypoints.token_texts import TokenTexts
 from kvserve.request import RequestError, SamplingParams
 
@@ -44,6 +46,7 @@ class LLM:
         *,
         seed: int | None = None,
         generation_config: str | None = "auto",
+        chat_template: str | None = None,
         **engine_options: Any,
     ) -> None:
         """vLLM's GPU options (``tensor_parallel_size=1``, ``gpu_memory_utilization``,
@@ -52,7 +55,8 @@ class LLM:
         notices are logged). ``seed``: requests without a seed draw theirs from one
         generator seeded with it (same prompts in the same order: same outputs).
         ``generation_config``: the source of :meth:`get_default_sampling_params`
-        (``auto``: the model's generation_config.json; ``vllm``: none; a folder)."""
+        (``auto``: the model's generation_config.json; ``vllm``: none; a folder).
+        ``chat_template``: a template's text or a .jinja file (default: the model's)."""
         options, notices = translate_vllm_options({"model": model, **engine_options})
         for notice in notices:
             logger.info("%s", notice)
@@ -64,6 +68,11 @@ class LLM:
             generation_config, getattr(self.engine.loaded, "model_dir", None)
         )
         self._texts: TokenTexts | None = None
+        template = load_chat_template(chat_template) if chat_template is not None else None
+        # The offline caller is the operator: a per-call chat_template is theirs to pass.
+        self.chat_builder = ChatPromptBuilder(
+            self.tokenizer, template=template, trust_request_template=True
+        )
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults (vLLM's)."""
@@ -113,11 +122,15 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template (the model's, or ``chat_template``, a Jinja string)
-        to one conversation (or a list of them) and generate. ``tools`` (OpenAI's
-        function tools) and ``chat_template_kwargs`` go to the template; content may
-        be a list of text parts. The output is the model's text (parse calls from it
-        with ``kvserve.entrypoints.chat.tool_parsers``)."""
+        """Apply the chat template (the model's, the ``LLM``'s, or ``chat_template``, a
+        Jinja string) to one conversation (or a list of them) and generate. ``tools``
+        (OpenAI's function tools) and ``chat_template_kwargs`` go to the template;
+        content may be a list of text parts. The same renderer as the server
+        (``kvserve.entrypoints.chat.prompt``): the template runs in the Jinja sandbox,
+        and special-token strings inside message text are tokenized as plain text.
+        The output is the model's text (parse calls from it with
+        ``kvserve.entrypoints.chat.tool_parsers``). Raises ValueError for messages the
+        template refuses."""
         conversations: list[Sequence[Message]]
         if messages and isinstance(messages[0], dict):
             conversations = [messages]  # type: ignore[list-item]
@@ -127,16 +140,15 @@ class LLM:
         token_lists: list[list[int]] = []
         for c, conv in enumerate(conversations):
             rendered = [chat_message(m, f"messages[{c}][{j}]") for j, m in enumerate(conv)]
-            text = self.tokenizer.apply_chat_template(
+            prompt = self.chat_builder.build(
                 rendered,
                 tools=tools,
-                chat_template=chat_template,
-                tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}),
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
             )
-            texts.append(text)
-            token_lists.append(self.tokenizer.encode(text, add_special_tokens=False))
+            texts.append(prompt.text)
+            token_lists.append(prompt.token_ids)
         return self._run(texts, token_lists, sampling_params, use_tqdm, None)
 
     # ------------------------------------------------------------------ internals

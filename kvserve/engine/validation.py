@@ -7,7 +7,7 @@ scale-out ingress (:class:`kvserve.cluster.remote_engine.RemoteEngine`).
       max_tokens    prompt + max_tokens <= max_model_len (when set)
       n / best_of   at most max_num_seqs samples (they run together)
       logit_bias    every id in [0, vocab_size)
-      allowed_token_ids  every id in [0, vocab_size)
+      allowed_token_ids, stop_token_ids  every id in [0, vocab_size)
       structured    compiles (GrammarCompiler.check): a bad or unsatisfiable
                     schema/regex/grammar is refused here, never inside a step
 
@@ -73,6 +73,13 @@ def validate_request(
             f"logit_bias names token id {bad[0]}, outside the vocabulary: token ids must be "
             f"in [0, {limits.vocab_size})",
             param="logit_bias",
+        )
+    bad = [t for t in params.stop_token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise RequestError(
+            f"stop_token_ids names token id {bad[0]}, outside the vocabulary: token ids must "
+            f"be in [0, {limits.vocab_size})",
+            param="stop_token_ids",
         )
     outside = [t for t in params.allowed_token_ids or () if not 0 <= t < limits.vocab_size]
     if outside:

@@ -52,10 +52,10 @@ def run(args: argparse.Namespace) -> int:
     )
     tok = engine.tokenizer
     if args.chat:
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
-        )
-        ids = tok.encode(text, add_special_tokens=False)
+        from kvserve.entrypoints.chat.prompt import ChatPromptBuilder
+
+        prompt = ChatPromptBuilder(tok).build([{"role": "user", "content": args.prompt}])
+        ids = prompt.token_ids
     else:
         ids = tok.encode(args.prompt)
     try:

@@ -26,6 +26,10 @@ class APIError(Exception):
         code: str | int | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        # A message or param may quote client text: lone surrogates in it are escaped
+        # (``\\ud800``) so that the body can always be encoded as UTF-8.
+        message = _encodable(message)
+        param = _encodable(param) if param is not None else None
         super().__init__(message)
         self.status_code = status_code
         self.message = message
@@ -43,6 +47,10 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
+
+
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:

@@ -524,6 +524,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 20})
     add_generation_prompt: bool = True
+    # A request's own template: refused (400) unless --trust-request-chat-template.
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[Any, WithJsonSchema(_TOOLS_SCHEMA)] = None
     tool_choice: Annotated[Any, WithJsonSchema({})] = None
@@ -605,6 +607,8 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -17,7 +17,15 @@ Rules this module keeps:
   401 wrong or missing API key (``/v1/*``, ``/tokenize``, ``/detokenize`` when a key
   is configured; ``/health`` and ``/metrics`` stay open, as in vLLM); 404 unknown
   model or route; 429 + ``Retry-After`` when a request's sequences do not fit the
-  queue (``max_queue_len``); 503 + ``Retry-After`` while shutting down.
+  queue (``max_queue_len``); 503 + ``Retry-After`` while shutting down; 413 for a
+  body over ``max_request_body_bytes`` and 415 for a body that is not JSON
+  (``http_guard``, before the body is read).
+- Nothing CPU-heavy runs on the event loop: JSON parsing, tokenization, chat
+  rendering (in worker processes, ``chat.render_pool``) and detokenization run on
+  worker threads (``workers.CpuPool``).
+- Chat templates are the operator's (``chat_template``; a request's own only with
+  ``trust_request_chat_template``); message text never forges control tokens
+  (``chat.prompt``). CORS headers only for ``allowed_origins``.
 - A client that disconnects (mid-stream or while waiting for a non-streamed answer)
   has its requests aborted in the engine at once, which frees their KV blocks.
 """
@@ -43,6 +51,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.engine.client import EngineClient
+from kvserve.entrypoints.chat.prompt import ChatPromptBuilder
+from kvserve.entrypoints.chat.render_pool import DEFAULT_TIMEOUT_S, RenderPool
 from kvserve.entrypoints.extras import (
     alias_metrics,
     asset,
@@ -50,6 +60,12 @@ from kvserve.entrypoints.extras import (
     ignored_fields,
     ignored_header,
     model_card,
+)
+from kvserve.entrypoints.http_guard import (
+    BodyGuardMiddleware,
+    add_cors,
+    default_max_body_bytes,
+    parse_json_body,
 )
 from kvserve.entrypoints.openai_errors import APIError, bad_request, validation_error_to_api
 from kvserve.entrypoints.openai_protocol import (
@@ -61,6 +77,7 @@ from kvserve.entrypoints.openai_protocol import (
 from kvserve.entrypoints.openai_serving import Generation, OpenAIServing, abort_all
 from kvserve.entrypoints.openapi_doc import openapi_document
 from kvserve.entrypoints.responses import ResponsesRequest, start_response
+from kvserve.entrypoints.workers import CpuPool
 from kvserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
@@ -83,6 +100,11 @@ def build_app(
     sampling_defaults: dict[str, Any] | None = None,
     max_logprobs: int = 20,
     log_requests: bool = False,
+    chat_template: str | None = None,
+    trust_request_chat_template: bool = False,
+    chat_template_timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_request_body_bytes: int | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``async_engine`` (an ``AsyncEngine``, or the scale-out
     ingress's ``RemoteEngine``: anything with :class:`~kvserve.engine.client.EngineClient`).
@@ -97,6 +119,12 @@ def build_app(
     Retry-After (None: no limit); ``max_prompts_per_request``: more prompts in one
     request is a 400 (None: no limit); see ``kvserve.engine.admission``. The engine thread starts with the
     app's lifespan (or at the first request); lifespan shutdown stops it.
+
+    ``chat_template``: the template text (``chat.template.load_chat_template`` reads
+    ``--chat-template``; None: the tokenizer's own). ``trust_request_chat_template``
+    lets requests bring their own. ``chat_template_timeout_s`` bounds one render.
+    ``max_request_body_bytes`` (None: ``http_guard.default_max_body_bytes``) answers
+    413 past it. ``allowed_origins``: CORS origins (None: no CORS headers).
     """
     if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 0):
         raise ValueError(
@@ -104,6 +132,19 @@ def build_app(
             "limit (for example: max_queue_len=64)"
         )
     served = served_model_name or async_engine.model_name
+    max_len = async_engine.max_model_len
+    render_pool = RenderPool(num_workers=2, timeout_s=chat_template_timeout_s)
+    chat = ChatPromptBuilder(
+        async_engine.tokenizer,
+        template=chat_template,
+        render=render_pool.render,
+        trust_request_template=trust_request_chat_template,
+        max_chars=max(1 << 20, 64 * max_len),
+    )
+    # Chat builds wait on render workers (at most 2 at a time; the rest queue in
+    # RenderPool): their own threads, so a slow template never holds up tokenization.
+    cpu = CpuPool(4, "kvserve-cpu")
+    chat_threads = CpuPool(4, "kvserve-chat")
     serving = OpenAIServing(
         async_engine,
         served_model_name=served,
@@ -115,29 +156,60 @@ def build_app(
         sampling_defaults=sampling_defaults,
         max_logprobs=max_logprobs,
         log_requests=log_requests,
+        chat=chat,
+        cpu=cpu,
+        chat_threads=chat_threads,
     )
     started = time.time()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
-        yield
-        await async_engine.shutdown()
+        await cpu.run(render_pool.warm)
+        try:
+            yield
+        finally:
+            await async_engine.shutdown()
+            render_pool.close()
+            cpu.shutdown()
+            chat_threads.shutdown()
 
     app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.async_engine = async_engine
     app.state.serving = serving
+    app.state.render_pool = render_pool
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = openapi_document(
-                vocab_size=async_engine.vocab_size, max_num_seqs=async_engine.max_num_seqs
+                vocab_size=async_engine.vocab_size,
+                max_model_len=max_len,
+                api_key_required=bool(api_key),
+                trust_request_chat_template=trust_request_chat_template,
             )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    # Outermost last: CORS, then the API key, then the body guard (so a request
+    # without the key is refused before its body is read).
+    body_limit = max_request_body_bytes or default_max_body_bytes(
+        max_len, async_engine.max_num_seqs
+    )
+    post_paths: set[str] = set()
+
+    def is_json_route(method: str, path: str) -> bool:
+        if not post_paths:  # every POST route takes JSON (read once routes exist)
+            post_paths.update(
+                str(getattr(r, "path", ""))
+                for r in app.routes
+                if "POST" in getattr(r, "methods", ())
+            )
+        return method == "POST" and path in post_paths
+
+    app.add_middleware(BodyGuardMiddleware, max_body_bytes=body_limit, is_json_route=is_json_route)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    add_cors(app, allowed_origins)
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(APIError)
@@ -221,19 +293,19 @@ def build_app(
     # ------------------------------------------------------------------ generation
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest)
+        req = await _parse(request, CompletionRequest, cpu)
         gen = await serving.start_completion(req)
         return await _respond(request, serving, gen, req.stream, ignored_fields(req))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest)
+        req = await _parse(request, ChatCompletionRequest, cpu)
         gen = await serving.start_chat(req)
         return await _respond(request, serving, gen, req.stream, ignored_fields(req))
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        req = await _parse(request, ResponsesRequest)
+        req = await _parse(request, ResponsesRequest, cpu)
         run = await start_response(serving, req)
         headers = ignored_header(ignored_fields(req))
         if req.stream:
@@ -246,7 +318,7 @@ def build_app(
     # ------------------------------------------------------------------ tokenizer
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, TokenizeRequest)
+        req = await _parse(request, TokenizeRequest, cpu)
         serving.check_model(req.model)
         tok = async_engine.tokenizer
         if (req.prompt is None) == (req.messages is None):
@@ -255,17 +327,35 @@ def build_app(
                 '{"prompt": "Hello"}',
                 param="prompt",
             )
-        if req.prompt is not None:
-            add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = list(tok.encode(req.prompt, add_special_tokens=add_special))
-        else:
-            chat = ChatCompletionRequest(
-                messages=req.messages or [], add_generation_prompt=req.add_generation_prompt
+        if req.messages is not None and not req.messages:
+            raise bad_request(
+                "messages is empty: send at least one message; for example "
+                '{"messages": [{"role": "user", "content": "Hello"}]}',
+                param="messages",
             )
-            text, ids = serving.render_chat(chat)
-            if req.add_special_tokens:
-                ids = list(tok.encode(text, add_special_tokens=True))
-        token_strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        if req.prompt is not None:
+            # As /v1/completions sees a prompt: special-token strings are special tokens.
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await cpu.run_unless_small(
+                len(req.prompt),
+                lambda: list(tok.encode(req.prompt, add_special_tokens=add_special)),
+            )
+        else:
+            prompt = await serving.render_chat(
+                [m.as_template_dict() for m in req.messages or []],
+                add_generation_prompt=req.add_generation_prompt,
+                chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+            )
+            ids = prompt.token_ids
+            if req.add_special_tokens:  # BOS/EOS around the ids, never a re-tokenization
+                build = getattr(tok, "build_inputs_with_special_tokens", None)
+                ids = list(build(ids)) if build is not None else ids
+        token_strs = (
+            await cpu.run_unless_small(len(ids), tok.convert_ids_to_tokens, ids)
+            if req.return_token_strs
+            else None
+        )
         return {
             "count": len(ids),
             "max_model_len": async_engine.max_model_len,
@@ -275,7 +365,7 @@ def build_app(
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, DetokenizeRequest)
+        req = await _parse(request, DetokenizeRequest, cpu)
         serving.check_model(req.model)
         vocab = async_engine.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -285,41 +375,35 @@ def build_app(
                 'for example "tokens": [1, 2, 3]',
                 param="tokens",
             )
-        return {"prompt": async_engine.tokenizer.decode(req.tokens)}
+        tokens = req.tokens
+        text = await cpu.run_unless_small(len(tokens), async_engine.tokenizer.decode, tokens)
+        return {"prompt": text}
 
     return app
 
 
 # ---------------------------------------------------------------------- helpers
-async def _parse(request: Request, model: type[M]) -> M:
+# Bodies up to this size are parsed on the event loop (a thread hop costs more).
+_INLINE_PARSE_BYTES = 64 * 1024
+
+
+async def _parse(request: Request, model: type[M], cpu: CpuPool) -> M:
+    """The body as ``model`` (``http_guard.parse_json_body`` then strict
+    validation), on a worker thread unless it is small; 400 in OpenAI's shape."""
     raw = await request.body()
-    try:
-        data = json.loads(raw, parse_float=_json_number)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(
-            f"the request body is not valid JSON ({e}): send a JSON object, for example "
-            '{"prompt": "Hello", "max_tokens": 16}',
-            code="invalid_json",
-        ) from None
-    if not isinstance(data, dict):
-        raise bad_request(
-            f"the request body must be a JSON object, got {type(data).__name__}: for example "
-            '{"prompt": "Hello", "max_tokens": 16}',
-            code="invalid_json",
-        )
+    if len(raw) <= _INLINE_PARSE_BYTES:
+        return _validate(raw, model)
+    return await cpu.run(_validate, raw, model)
+
+
+def _validate(raw: bytes, model: type[M]) -> M:
+    data = parse_json_body(raw)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error_to_api(e) from None
-
-
-def _json_number(text: str) -> float | int:
-    """A JSON number with a fraction or exponent: an int when it is integral (JSON
-    Schema counts ``2.0`` as an integer, so the strict models accept it as one)."""
-    value = float(text)
-    if value.is_integer() and abs(value) < 2**63:
-        return int(value)
-    return value
+    except RecursionError:
+        raise bad_request("the request body nests too deeply", code="invalid_json") from None
 
 
 T = TypeVar("T")
@@ -343,7 +427,18 @@ async def _respond(
     )
     if choices is None:
         return Response(status_code=499)
-    return JSONResponse(serving.response(gen, choices), headers=headers)
+    if len(choices) <= 16:
+        return JSONResponse(serving.response(gen, choices), headers=headers)
+    # Many choices (a batch of prompts): build and encode the body off the event loop.
+    body = await serving.cpu.run(lambda: _json_bytes(serving.response(gen, choices)))
+    return Response(body, media_type="application/json", headers=headers)
+
+
+def _json_bytes(content: Any) -> bytes:
+    """What ``JSONResponse`` sends, encoded by the caller's thread."""
+    return json.dumps(
+        content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
 
 
 async def _until_disconnect(

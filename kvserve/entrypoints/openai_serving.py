@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -33,6 +34,14 @@ from kvserve.engine.async_engine import (
 )
 from kvserve.engine.client import DeltaStream, EngineClient
 from kvserve.engine.outputs import RequestDelta
+from kvserve.entrypoints.chat.prompt import (
+    ChatPrompt,
+    ChatPromptBuilder,
+    ChatPromptError,
+    TemplateError,
+)
+from kvserve.entrypoints.chat.render_pool import RenderBusyError
+from kvserve.entrypoints.chat.template import TemplateTimeoutError
 from kvserve.entrypoints.chat.tools import TOOL_PARAM_NAMES, ToolOutput, plan_tools
 from kvserve.entrypoints.openai_errors import APIError, bad_request, request_error_to_api
 from kvserve.entrypoints.openai_protocol import (
@@ -49,6 +58,7 @@ from kvserve.entrypoints.openai_render import (
     usage,
 )
 from kvserve.entrypoints.token_texts import TokenTexts
+from kvserve.entrypoints.workers import CpuPool
 from kvserve.request import RequestError, SamplingParams
 
 RETRY_AFTER_S = 1
@@ -70,6 +80,10 @@ class SeedSource:
         if self._rng is None or params.seed is not None:
             return params
         return dataclasses.replace(params, seed=self._rng.getrandbits(63))
+
+
+# Per-prompt work on the event loop yields after this many prompts of one request.
+YIELD_EVERY = 32
 
 
 # --------------------------------------------------------------------- streams
@@ -181,6 +195,9 @@ class OpenAIServing:
         sampling_defaults: dict[str, Any] | None = None,
         max_logprobs: int = 20,
         log_requests: bool = False,
+        chat: ChatPromptBuilder | None = None,
+        cpu: CpuPool | None = None,
+        chat_threads: CpuPool | None = None,
     ) -> None:
         """``tool_parser`` + ``enable_auto_tool_choice``: read tool calls out of the
         text for ``tool_choice: "auto"`` (``chat/tools.py``); ``default_seed``: the
@@ -200,6 +217,11 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.max_queue_len = max_queue_len
         self.token_texts = TokenTexts(engine.tokenizer)
+        # Chat prompts (template, sandbox, safe tokenization) and the threads that
+        # keep tokenization and rendering off the event loop.
+        self.chat = chat if chat is not None else ChatPromptBuilder(engine.tokenizer)
+        self.cpu = cpu if cpu is not None else CpuPool(4, "kvserve-cpu")
+        self.chat_threads = chat_threads if chat_threads is not None else self.cpu
 
     # ------------------------------------------------------------------ common
     def check_model(self, model: str | None) -> None:
@@ -223,22 +245,26 @@ class OpenAIServing:
         before any is queued. Returns one stream per sample, prompt by prompt.
         Refusals become APIError naming the request's field (``names``: engine field
         -> request field)."""
-        requests = []
         for _, ids, params in inputs:
             self.check_logprobs(params, names)
             if self.log_requests:
                 logger.info("request %s: %d prompt tokens, params %s", req_id, len(ids), params)
-        try:
-            for i, (text, ids, params) in enumerate(inputs):
-                requests.append(
-                    self.engine.make_request(
-                        ids,
-                        params,
-                        request_id=req_id if len(inputs) == 1 else f"{req_id}-{i}",
-                        prompt=text,
-                        cache_salt=cache_salt,
-                    )
+
+        def make_all() -> list[Any]:
+            return [
+                self.engine.make_request(
+                    ids,
+                    params,
+                    request_id=req_id if len(inputs) == 1 else f"{req_id}-{i}",
+                    prompt=text,
+                    cache_salt=cache_salt,
                 )
+                for i, (text, ids, params) in enumerate(inputs)
+            ]
+
+        try:  # validation walks every token id: off the event loop
+            size = sum(len(ids) for _, ids, _ in inputs)
+            requests = await self.cpu.run_unless_small(size, make_all)
         except RequestError as e:
             raise request_error_to_api(e, names) from None
         streams: list[DeltaStream] = []
@@ -320,12 +346,15 @@ class OpenAIServing:
         inputs: list[tuple[str | None, list[int], SamplingParams]] = []
         echo_texts: list[str] = []
         prompt_ids: list[list[int]] = []
-        for prompt in req.prompts():
-            if isinstance(prompt, str):
-                text: str | None = prompt
-                ids = list(self.tokenizer.encode(prompt))
-            else:
-                text, ids = None, prompt
+        prompts = req.prompts()
+        # A completion prompt is the client's whole prompt: special-token strings in it
+        # are special tokens, as in vLLM (chat messages are not: see chat.prompt).
+        size = sum(len(p) for p in prompts)
+        encoded = await self.cpu.run_unless_small(size, self.encode_prompts, prompts)
+        for k, (prompt, ids) in enumerate(zip(prompts, encoded, strict=True)):
+            if k % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)  # bounded event-loop slices for big batches
+            text = prompt if isinstance(prompt, str) else None
             max_tokens = 1 if req.echo_only else req.max_tokens  # echo only: one unused token
             if max_tokens is None:
                 # Never below 1, so that a too-long prompt is refused for its length.
@@ -341,8 +370,11 @@ class OpenAIServing:
             params = self.seeds.fill(params)
             inputs.append((text, ids, params))
             prompt_ids.append(ids)
-            if req.echo:
-                echo_texts.append(text if text is not None else str(self.tokenizer.decode(ids)))
+        if req.echo:
+            size = sum(len(i) for i in prompt_ids)
+            echo_texts = await self.cpu.run_unless_small(
+                size, self._echo_texts, prompts, prompt_ids
+            )
         req_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self.submit(req_id, inputs, req.cache_salt, req.param_names("max_tokens"))
         num_samples = inputs[0][2].num_samples
@@ -359,26 +391,91 @@ class OpenAIServing:
             count_outputs=not req.echo_only,
         )
 
-    # ------------------------------------------------------------------ chat
-    def render_chat(
-        self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
-    ) -> tuple[str, list[int]]:
-        messages = [m.as_template_dict() for m in req.messages]
-        try:
-            text = str(
-                self.tokenizer.apply_chat_template(
-                    messages,
-                    tools=tools,
-                    tokenize=False,
-                    add_generation_prompt=req.add_generation_prompt,
-                    **(req.chat_template_kwargs or {}),
+    def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of completion prompts (strings encoded, id lists copied); a string
+        too long to fit ``max_model_len`` whatever its tokens is refused untokenized
+        (:attr:`max_prompt_chars`). Blocking."""
+        limit = self.max_prompt_chars
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) and limit is not None and len(p) > limit:
+                max_len = self.engine.max_model_len
+                raise request_error_to_api(
+                    RequestError(
+                        f"prompt {i} has {len(p)} characters, more than the {max_len} tokens "
+                        f"max_model_len allows (no token of this model is longer than "
+                        f"{limit // max_len} characters): shorten the prompt",
+                        param="prompt",
+                        code="context_length_exceeded",
+                    ),
+                    {},
                 )
+        return [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in prompts]
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """Characters past which a prompt cannot fit ``max_model_len`` tokens: the
+        longest vocabulary entry x ``max_model_len``, for tokenizers without a
+        normalizer (which could drop characters; byte-level BPE such as the default
+        model's has none, and its entries are at least as long as their text).
+        None when no such bound holds."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            return None
+        try:
+            longest = max(len(k) for k in self.tokenizer.get_vocab())
+        except Exception:  # a tokenizer without a vocabulary dict: no bound
+            return None
+        return max(longest, 1) * self.engine.max_model_len
+
+    def _echo_texts(self, prompts: list[str | list[int]], ids: list[list[int]]) -> list[str]:
+        """The echoed text of each prompt (id prompts decoded; out-of-vocabulary ids
+        are refused by ``submit``, so they decode to nothing here). Blocking."""
+        vocab = self.engine.vocab_size
+        return [
+            p
+            if isinstance(p, str)
+            else str(self.tokenizer.decode(i))
+            if all(0 <= t < vocab for t in i)
+            else ""
+            for p, i in zip(prompts, ids, strict=True)
+        ]
+
+    # ------------------------------------------------------------------ chat
+    async def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> ChatPrompt:
+        """The chat prompt (``ChatPromptBuilder.build`` on a worker thread); its
+        refusals as APIError: 400 (template refused, too slow, not allowed), 503 when
+        every render worker is busy."""
+        try:
+            return await self.chat_threads.run(
+                self.chat.build,
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
             )
-        except Exception as e:  # jinja errors raised by the template itself
-            raise bad_request(
-                f"the model's chat template refused these messages: {e}", param="messages"
+        except ChatPromptError as e:
+            raise bad_request(str(e), param=e.param, code=e.code) from None
+        except RenderBusyError as e:
+            raise APIError(
+                503,
+                str(e),
+                type="server_error",
+                code="chat_template_busy",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from None
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+        except TemplateTimeoutError as e:
+            raise bad_request(str(e), param="messages", code="chat_template_timeout") from None
+        except TemplateError as e:
+            raise bad_request(str(e), param="messages", code="chat_template_error") from None
 
     async def start_chat(self, req: ChatCompletionRequest) -> Generation:
         """Validate and queue the conversation."""
@@ -391,7 +488,14 @@ class OpenAIServing:
             tool_parser=self.tool_parser,
             auto_enabled=self.enable_auto_tool_choice,
         )
-        text, ids = self.render_chat(req, plan.template_tools)
+        prompt = await self.render_chat(
+            [m.as_template_dict() for m in req.messages],
+            tools=plan.template_tools,
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template=req.chat_template,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+        text, ids = prompt.text, prompt.token_ids
         max_tokens, max_param = req.requested_max_tokens
         params = req.sampling_params(
             max_tokens,

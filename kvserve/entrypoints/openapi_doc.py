@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from kvserve.entrypoints.chat.template import RESERVED_NAMES
 from kvserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,6 +34,7 @@ from kvserve.entrypoints.openai_protocol import (
     TokenizeRequest,
 )
 from kvserve.entrypoints.responses import ResponsesRequest
+from kvserve.request import MAX_SAMPLES
 
 REF = "#/components/schemas/{model}"
 
@@ -180,6 +182,8 @@ _ERRORS = {
     "400": _error("Bad request: the message says what to change and `param` names the field"),
     "401": _error("Missing or wrong API key (when the server has one)"),
     "404": _error("Unknown model"),
+    "413": _error("The body is larger than the server's --max-request-body-bytes"),
+    "415": _error("The body is not JSON (send Content-Type: application/json)"),
     "503": _error("Overloaded (`Retry-After`) or shutting down"),
 }
 
@@ -216,11 +220,21 @@ def _get(summary: str, ok: dict[str, Any] | None, codes: tuple[str, ...]) -> dic
 
 
 def openapi_document(
-    *, vocab_size: int, max_num_seqs: int, title: str = "kvserve", version: str = "0.1.0"
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    api_key_required: bool = False,
+    trust_request_chat_template: bool = False,
+    title: str = "kvserve",
+    version: str = "0.1.0",
 ) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the server (see the module docstring): token ids
-    below ``vocab_size``, ``n``/``best_of`` at most ``max_num_seqs`` (the samples of
-    one request run at once)."""
+    below ``vocab_size``; ``max_tokens``/``max_completion_tokens`` at most
+    ``max_model_len - 1`` (a prompt has at least one token); ``n``/``best_of`` at
+    most ``MAX_SAMPLES``, the limit ``SamplingParams`` enforces; the bearer security
+    scheme, applied to the ``/v1``, ``/tokenize`` and ``/detokenize`` operations,
+    only when ``api_key_required``; a request ``chat_template`` (top level or in
+    ``chat_template_kwargs``) only when ``trust_request_chat_template``."""
     models: list[type[BaseModel]] = [
         CompletionRequest,
         ChatCompletionRequest,
@@ -236,7 +250,15 @@ def openapi_document(
         ("CompletionRequest", "best_of"),
         ("ChatCompletionRequest", "n"),
     ):
-        schemas[name]["properties"][field]["maximum"] = max_num_seqs
+        schemas[name]["properties"][field]["maximum"] = MAX_SAMPLES
+    for name, field in (
+        ("CompletionRequest", "max_tokens"),
+        ("ChatCompletionRequest", "max_tokens"),
+        ("ChatCompletionRequest", "max_completion_tokens"),
+    ):
+        schemas[name]["properties"][field]["maximum"] = max(max_model_len - 1, 1)
+    for name in ("ChatCompletionRequest", "TokenizeRequest"):
+        _chat_template_fields(schemas[name]["properties"], trust_request_chat_template)
     schemas["Error"] = _ERROR
     paths = {
         "/v1/completions": _post(
@@ -281,15 +303,42 @@ def openapi_document(
             (),
         ),
     }
+    components: dict[str, Any] = {"schemas": schemas}
+    if api_key_required:
+        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in paths.items():
+            if any(path == p or path.startswith(p + "/") for p in _PROTECTED):
+                for op in item.values():
+                    op["security"] = [{"bearer": []}]
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
         "paths": paths,
-        "components": {
-            "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
+        "components": components,
     }
+
+
+_PROTECTED = ("/v1", "/tokenize", "/detokenize")  # openai_server.PROTECTED_PREFIXES
+
+
+def _chat_template_fields(props: dict[str, Any], trusted: bool) -> None:
+    """``chat_template_kwargs`` keys are names that do not shadow the template's own
+    variables; ``chat_template`` (field or key) only on a trusting server."""
+    reserved = sorted(RESERVED_NAMES - ({"chat_template"} if trusted else set()))
+    if not trusted:
+        props.pop("chat_template", None)
+    kwargs = props.get("chat_template_kwargs")
+    if kwargs is not None:
+        kwargs.clear()
+        kwargs.update(
+            {
+                "type": ["object", "null"],
+                "propertyNames": {
+                    "pattern": "^[A-Za-z_][A-Za-z0-9_]*$",
+                    "not": {"enum": reserved},
+                },
+            }
+        )
 
 
 def _limit_token_ids(schemas: dict[str, Any], vocab_size: int) -> None:

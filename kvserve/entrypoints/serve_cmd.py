@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -86,6 +87,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         default=None,
         help="the model name clients send (default: the model's own name)",
+    )
+    hardening = parser.add_argument_group("chat templates and request limits (docs/security.md)")
+    hardening.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|STRING",
+        help="the chat template: a .jinja file or the template text (default: the model's own)",
+    )
+    hardening.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat_template (default: refused with 400; a "
+        "template is code, so only for trusted clients)",
+    )
+    hardening.add_argument(
+        "--chat-template-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a chat template render past this is stopped and answered 400 (default 5)",
+    )
+    hardening.add_argument(
+        "--max-request-body-bytes",
+        type=_non_negative_int,
+        default=None,
+        help="answer 413 for larger bodies (default: max(8 MiB, 64 x max_model_len x "
+        "max_num_seqs))",
+    )
+    hardening.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=None,
+        metavar="ORIGIN",
+        help="send CORS headers for these origins ('*' for any; default: none, so browsers "
+        "keep other sites' pages from reading answers)",
     )
     parser.add_argument(
         "--graceful-shutdown-timeout",
@@ -153,6 +189,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vllm_flags.add_arguments(parser)
 
 
+def http_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``build_app`` keyword arguments of the chat/limits flags; raises ValueError
+    (with the fix) for a template that cannot be read or compiled."""
+    from kvserve.entrypoints.chat.template import TemplateError, load_chat_template
+
+    out: dict[str, Any] = {
+        "trust_request_chat_template": bool(args.trust_request_chat_template),
+        "max_request_body_bytes": args.max_request_body_bytes or None,
+        "allowed_origins": args.allowed_origins or None,
+    }
+    if args.chat_template is not None:
+        try:
+            out["chat_template"] = load_chat_template(args.chat_template)
+        except TemplateError as e:
+            raise ValueError(f"--chat-template: {e}") from None
+    if args.chat_template_timeout is not None:
+        if not args.chat_template_timeout > 0:
+            raise ValueError(
+                f"--chat-template-timeout must be > 0 seconds, got {args.chat_template_timeout}"
+            )
+        out["chat_template_timeout_s"] = args.chat_template_timeout
+    return out
+
+
 def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
     """``--replicas N``: the Ray Serve app (``kvserve.cluster``, imported only here)."""
     if args.prefill_replicas is not None or args.decode_replicas is not None:
@@ -214,6 +274,7 @@ def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             api_key=api_key,
             max_queue_len=args.max_queue_len,
             min_healthy_replicas=args.min_healthy_replicas,
+            http_options=http_options_from_args(args),
         )
     except (ValueError, TypeError) as e:
         print(f"kvserve serve: {e}", file=sys.stderr)
@@ -238,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_replicas(args, api_key)
     t0 = time.perf_counter()
     try:
+        http_options = http_options_from_args(args)
         options, notices = vllm_flags.engine_options(args, engine_kwargs_from_args(args))
         for notice in notices:
             logger.info("%s", notice)
@@ -308,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
             sampling_defaults=defaults,
             max_logprobs=args.max_logprobs,
             log_requests=args.log_requests,
+            **http_options,
         )
     logger.info(
         "loaded %s in %.1f s (dtype=%s, attention=%s, max_model_len=%d, %d KV blocks, "

@@ -62,7 +62,7 @@ def test_openapi_documents_bodies_and_statuses(live_url: str) -> None:
 def test_schemathesis_all_checks(live_url: str, tmp_path: Path) -> None:
     """``st run --checks all`` against the live server (positive and negative data,
     coverage and fuzzing phases), ``positive_data_acceptance`` narrowed as the module
-    docstring says (``support/schemathesis_hooks.py``)."""
+    docstring says (``support/schemathesis_hooks.py``), and a response-time limit."""
     env = dict(os.environ)
     env["SCHEMATHESIS_HOOKS"] = "support.schemathesis_hooks"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")])
@@ -80,6 +80,9 @@ def test_schemathesis_all_checks(live_url: str, tmp_path: Path) -> None:
         os.environ.get("KVSERVE_SCHEMATHESIS_SEED", "13"),
         "--workers",
         "1",
+        # every answer, refusals included, well within a second on the fake runner
+        "--max-response-time",
+        os.environ.get("KVSERVE_SCHEMATHESIS_MAX_RESPONSE_S", "5"),
         "--report-dir",
         str(tmp_path),
     ]

@@ -34,6 +34,8 @@ CROSS_FIELD_RULES = [
     # /v1/responses items: shapes the item schema's anyOf lets through (e.g. a
     # message with both "type": "function_call" and a role)
     ("input", "invalid_value"),
+    # a template variable holding a special-token string (data, never control tokens)
+    ("chat_template_kwargs", "invalid_value"),
 ]
 
 
