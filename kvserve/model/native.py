@@ -43,6 +43,7 @@ _SOURCES = [
         "fused_ops.cpp",
         "sampling.cpp",
         "linear_panels.cpp",
+        "linear_quant.cpp",
     )
 ]
 _HEADERS = [_CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources
