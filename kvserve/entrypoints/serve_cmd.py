@@ -205,7 +205,10 @@ def run(args: argparse.Namespace) -> int:
             from kvserve.model.loader import load_model
 
             loaded = load_model(
-                config.model.model, dtype=config.model.dtype, device=config.model.device
+                config.model.model,
+                dtype=config.model.dtype,
+                device=config.model.device,
+                quantization=config.model.quantization,
             )
             connector = build_connector(
                 kv_config,
