@@ -292,13 +292,12 @@ class LlamaForCausalLM(nn.Module):
         if quant is None:
             return F.embedding(input_ids, self.embed_tokens)
         dtype = self.embed_tokens.dtype
-        if self._qkernel is not None and dtype in (torch.float32, torch.bfloat16):
-            if len(quant) == 1:
-                return self._qkernel.embed(quant[0], input_ids, dtype)
-        full = torch.cat([q.dequantize() for q in quant]) if len(quant) > 1 else None
-        if full is not None:
-            return F.embedding(input_ids, full).to(dtype)
-        return quant[0].dequantize()[input_ids].to(dtype)
+        native = self._qkernel is not None and dtype in (torch.float32, torch.bfloat16)
+        if native and len(quant) == 1:
+            assert self._qkernel is not None
+            return self._qkernel.embed(quant[0], input_ids, dtype)
+        full = torch.cat([q.dequantize() for q in quant])  # the portable reference
+        return F.embedding(input_ids, full).to(dtype)
 
     def weight_formats(self) -> str:
         """``"float"``, or the quantized formats run, e.g. ``"q4_1+q8_0"``."""

@@ -547,9 +547,7 @@ def load_model(
     )
 
 
-def _quantize_at_load(
-    tensors: Iterator[tuple[str, Any]], mode: str
-) -> Iterator[tuple[str, Any]]:
+def _quantize_at_load(tensors: Iterator[tuple[str, Any]], mode: str) -> Iterator[tuple[str, Any]]:
     """Quantize float 2-D linear, embedding and lm_head weights (already quantized ones
     pass through): ``int8`` -> q8_0 everywhere; ``int4`` -> 4-bit layers (see
     INT4_ZERO_POINT) with an int8 embedding / lm_head, as llama.cpp's 4-bit files do."""
