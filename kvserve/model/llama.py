@@ -160,6 +160,7 @@ class LlamaForCausalLM(nn.Module):
             assert param is not None
             if isinstance(value, QuantWeight):
                 value = [value]
+            shape: tuple[int, ...]
             if isinstance(value, list):
                 shape = (sum(v.n for v in value), value[0].k)
             else:
