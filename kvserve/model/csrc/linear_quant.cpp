@@ -303,8 +303,13 @@ inline void panel_vnni_tile(const uint8_t* wp, int64_t nb, int zero, const Quant
     for (int r = 0; r < MR; ++r) {
       const int64_t row = row0 + r;
       const int32_t* q = reinterpret_cast<const int32_t*>(a.q.data() + row * K + b * kBlock);
-      __m512i is = _mm512_setzero_si512();
-      for (int c = 0; c < 8; ++c) is = _mm512_dpbusd_epi32(is, w[c], _mm512_set1_epi32(q[c]));
+      // two dependency chains (integer sums: exact in any order)
+      __m512i is = _mm512_setzero_si512(), is1 = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        is = _mm512_dpbusd_epi32(is, w[c], _mm512_set1_epi32(q[c]));
+        is1 = _mm512_dpbusd_epi32(is1, w[c + 4], _mm512_set1_epi32(q[c + 4]));
+      }
+      is = _mm512_add_epi32(is, is1);
       const float dx = a.d[row * nb + b];
       const __m512 ddx = _mm512_mul_ps(d, _mm512_set1_ps(dx));
       if (MIN) {
