@@ -249,6 +249,9 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             max_queue_len=args.max_queue_len,
         )
+    from kvserve.model.memory import memory_report
+
+    logger.info("resident memory: %s", memory_report(engine).describe())
     logger.info(
         "loaded %s in %.1f s (dtype=%s, attention=%s, max_model_len=%d, %d KV blocks, "
         "kv-role %s); serving on http://%s:%d%s",
