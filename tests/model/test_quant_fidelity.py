@@ -126,3 +126,27 @@ def test_decode_row_independent_of_batch(quant_model, loaded_model) -> None:  # 
         alone = decode([3])
         batched = decode(list(range(n_seqs)))
     assert torch.equal(alone[0], batched[3])
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantize_at_load_tracks_float(mode: str, tmp_path, default_model_dir, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A float HF folder quantized at load (bias and untied lm_head included)."""
+    from test_model_vs_hf import make_tiny_model  # type: ignore[import-not-found]
+
+    from kvserve.model.loader import load_model
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "model"
+    folder.mkdir()
+    make_tiny_model("llama-bias-tied", folder, default_model_dir)
+    ref = load_model(str(folder), dtype="float32", quantization="auto")
+    assert ref.quantization == "float", "auto keeps a float checkpoint in float"
+    q = load_model(str(folder), dtype="float32", quantization=mode)
+    assert q.quantization == ("q8_0" if mode == "int8" else "q4_1+q8_0")
+    assert q.fingerprint != ref.fingerprint
+    ids = list(range(5, 69))
+    got, want = _prefill_logits(q.model, ids), _prefill_logits(ref.model, ids)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < (0.05 if mode == "int8" else 0.3), rel
+    with pytest.raises(ValueError, match="invalid quantization"):
+        load_model(str(folder), dtype="float32", quantization="int3")
