@@ -66,8 +66,8 @@ _META_FORMAT_VERSION = 1  # config + tokenizer only folders of quantized GGUF ru
 
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 # int4 at load: group-wise 4-bit with a zero point (q4_1) rather than symmetric (q4_0):
-# measured on float weights (see
-# docs/quantization.md for the numbers).
+# relative reconstruction error 0.090 vs 0.126 on SmolLM2's (near-float, Q8_0)
+# embedding table (benchmarks/quant_fidelity.py; docs/quantization.md).
 INT4_ZERO_POINT = True
 _META_FILE = "kvserve_meta.json"
 
