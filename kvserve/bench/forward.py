@@ -255,7 +255,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvserve.model.loader import load_model
+    from kvserve.model.loader import load_model, resolve_model
 
     global _CLOCK
     _CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -272,7 +272,10 @@ def run(args: argparse.Namespace) -> int:
     tokens_needed = max(max(args.prefill_lens), max_batch * (args.context + args.decode_steps + 4))
     num_blocks = 2 + 2 * -(-tokens_needed // args.block_size)
     kv = _KvserveDriver(loaded, args.block_size, args.kv_segment_size, num_blocks)
-    hf = None if args.no_hf else _HfDriver(loaded.model_dir, loaded.dtype)
+    # HF runs the float weights: the dequantized folder (a quantized GGUF run's own
+    # folder holds no weights)
+    hf_dir = loaded.model_dir if loaded.quantization == "float" else resolve_model(args.model)
+    hf = None if args.no_hf else _HfDriver(hf_dir, loaded.dtype)
     results: dict[str, Any] = {
         "model": args.model,
         "dtype": str(loaded.dtype).removeprefix("torch."),
