@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import uvicorn
 
@@ -161,9 +162,19 @@ def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             )
         build_engine_config(**options)
         if not args.ray_address:  # fail fast on a bad --model (and convert it once, here)
-            from kvserve.model.loader import DEFAULT_MODEL_NAME, resolve_model
+            from kvserve.model.loader import (
+                DEFAULT_MODEL_NAME,
+                gguf_source,
+                resolve_gguf_metadata,
+                resolve_model,
+            )
 
-            resolve_model(options.get("model") or DEFAULT_MODEL_NAME)
+            model_name = options.get("model") or DEFAULT_MODEL_NAME
+            gguf = gguf_source(model_name)
+            if gguf is not None and options.get("quantization", "auto") != "none":
+                resolve_gguf_metadata(gguf, Path(model_name).stem)  # runs quantized
+            else:
+                resolve_model(model_name)
         opts = ClusterOptions(
             num_replicas=n,
             threads_per_replica=threads,
