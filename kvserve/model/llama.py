@@ -29,7 +29,7 @@ from kvserve.model.linear import FastLinear, mkldnn_linear_works
 from kvserve.model.native import PagedAttentionKernel, get_kernel
 from kvserve.model.quant.formats import QuantWeight
 from kvserve.model.quant.kernel import QuantKernel, get_quant_kernel
-from kvserve.model.quant.linear import QuantLinear
+from kvserve.model.quant.linear import QuantEmbedding, QuantLinear
 
 Linear = FastLinear | QuantLinear
 
@@ -97,6 +97,7 @@ class LlamaForCausalLM(nn.Module):
         self._native: PagedAttentionKernel | None = None
         self._ops: list[_LayerOps] = []
         self._qkernel: QuantKernel | None = None
+        self._embed_quant: QuantEmbedding | None = None
         self._lm_head: Linear | None = None
         # quantized weights by parameter name ("embed_tokens", "lm_head", "layers.3.qkv_proj"):
         # their nn.Parameter is then an empty placeholder of the model dtype
@@ -276,6 +277,9 @@ class LlamaForCausalLM(nn.Module):
                     down=lins[3],
                 )
             )
+        emb = self._quant.get("embed_tokens")
+        dt = self.embed_tokens.dtype
+        self._embed_quant = None if emb is None else QuantEmbedding(emb, dt, qkernel)
         head = self._quant.get("embed_tokens" if self.lm_head is None else "lm_head")
         if head is not None:
             self._lm_head = QuantLinear(head, None, qkernel)
@@ -289,16 +293,9 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, hidden] in the model dtype (dequantized rows when the
         embedding is quantized)."""
-        quant = self._quant.get("embed_tokens")
-        if quant is None:
+        if self._embed_quant is None:
             return F.embedding(input_ids, self.embed_tokens)
-        dtype = self.embed_tokens.dtype
-        native = self._qkernel is not None and dtype in (torch.float32, torch.bfloat16)
-        if native and len(quant) == 1:
-            assert self._qkernel is not None
-            return self._qkernel.embed(quant[0], input_ids, dtype)
-        full = torch.cat([q.dequantize() for q in quant])  # the portable reference
-        return F.embedding(input_ids, full).to(dtype)
+        return self._embed_quant(input_ids)
 
     def weight_formats(self) -> str:
         """``"float"``, or the quantized formats run, e.g. ``"q4_1+q8_0"``."""

@@ -119,3 +119,19 @@ def test_quantizers_reconstruct() -> None:
         assert err < tol, (q.fmt.name, float(err))
     assert quantize_4bit(w, True).fmt == Q4_1 and quantize_4bit(w, False).fmt == Q4_0
     assert quantize_symmetric8(w).fmt == Q8_0
+
+
+def test_quant_ops_trace_as_opaque_operators(kernel) -> None:  # type: ignore[no-untyped-def]
+    """Compiled graphs (fullgraph) see QuantEmbedding / QuantLinear as single operators."""
+    from kvserve.model.quant.linear import QuantEmbedding
+
+    table = _random_weight("q8_0", 64, 96, 12)
+    emb = QuantEmbedding([table], torch.float32, kernel)
+    lin = QuantLinear([_random_weight("q4_1", 48, 96, 13)], None, kernel)
+
+    def fn(ids: torch.Tensor) -> torch.Tensor:
+        return lin(emb(ids)) * 2
+
+    ids = torch.tensor([1, 5, 63])
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(ids), fn(ids))

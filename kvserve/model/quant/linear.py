@@ -4,6 +4,8 @@ one opaque ``kvserve::fast_linear`` operator)."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kvserve.model import linear as _linear
@@ -70,3 +72,48 @@ class QuantLinear:
             b = None if self.bias is None else self.bias[off : off + p.n]
             self.kernel.linear(x, p, b, out=out[:, off : off + p.n])
         return out
+
+
+class QuantEmbedding:
+    """Rows of a quantized [vocab, hidden] table (one or more row blocks), dequantized
+    to ``dtype``; one opaque ``kvserve::quant_embed`` operator in compiled graphs."""
+
+    __slots__ = ("__weakref__", "dtype", "handle", "kernel", "parts")
+
+    def __init__(
+        self, parts: list[QuantWeight], dtype: torch.dtype, kernel: QuantKernel | None
+    ) -> None:
+        self.parts = parts
+        self.dtype = dtype
+        self.kernel = kernel
+        self.handle = next(_linear._handles)
+        _EMBEDDINGS[self.handle] = self
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.kvserve.quant_embed(ids, self.handle, self.parts[0].k)
+        return self.eager(ids)
+
+    def eager(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64 in [0, vocab) -> [T, hidden] in ``dtype``."""
+        native = self.kernel is not None and self.dtype in (torch.float32, torch.bfloat16)
+        if native and len(self.parts) == 1:
+            assert self.kernel is not None
+            return self.kernel.embed(self.parts[0], ids, self.dtype)
+        full = torch.cat([q.dequantize() for q in self.parts])  # the portable reference
+        return torch.nn.functional.embedding(ids, full).to(self.dtype)
+
+
+_EMBEDDINGS: weakref.WeakValueDictionary[int, QuantEmbedding] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("kvserve::quant_embed", mutates_args=())
+def quant_embed_op(ids: torch.Tensor, handle: int, hidden: int) -> torch.Tensor:
+    """``QuantEmbedding`` number ``handle`` as an operator compiled graphs keep opaque.
+    Rule: the embedding is alive."""
+    return _EMBEDDINGS[handle].eager(ids)
+
+
+@quant_embed_op.register_fake
+def _(ids: torch.Tensor, handle: int, hidden: int) -> torch.Tensor:
+    return ids.new_empty(ids.shape[0], hidden, dtype=_EMBEDDINGS[handle].dtype)
