@@ -54,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    bf16 = load_model(DEFAULT_MODEL_NAME, dtype="bfloat16")
+    bf16 = load_model(DEFAULT_MODEL_NAME, dtype="bfloat16", quantization="none")
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(DEFAULT_MODEL_NAME)).eval()
     tok = bf16.tokenizer
     prompts = [tok(t)["input_ids"] for t in TEXTS]
@@ -83,7 +83,7 @@ def main() -> None:
         f"max |logit error|: {max_err:.3f}; mean |logit error|: {sum(mean_errs) / len(mean_errs):.4f}"
     )
 
-    llm = LLM(dtype="bfloat16", max_model_len=2048)
+    llm = LLM(dtype="bfloat16", quantization="none", max_model_len=2048)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     same_tokens = total = identical = 0

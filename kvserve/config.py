@@ -244,6 +244,8 @@ class ModelConfig:
 
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"  # bfloat16 where the CPU has native bf16, else float32
+    # auto: run a quantized GGUF quantized; none: dequantize; int8/int4: quantize at load
+    quantization: str = "auto"
     device: str = "cpu"
     max_model_len: int | None = None  # None: min(model's context, 8192)
     compile: bool = False  # decode steps as torch.compile graphs, one per decode bucket

@@ -41,7 +41,8 @@ def loaded_model(default_model_dir):
     """kvserve's default model in fp32 on CPU, loaded once per session."""
     from kvserve.model.loader import DEFAULT_MODEL_NAME, load_model
 
-    return load_model(DEFAULT_MODEL_NAME, dtype="float32")  # parity tests pin float32
+    # parity tests pin float32 dequantized weights
+    return load_model(DEFAULT_MODEL_NAME, dtype="float32", quantization="none")
 
 
 @pytest.fixture(scope="session")

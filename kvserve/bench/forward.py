@@ -172,6 +172,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode attention grid: comma-separated native,portable, or none to skip "
         "(default: %(default)s)",
     )
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        help="weights of the main run: auto (default: a GGUF's quantized tensors as they "
+        "are), none, int8 or int4",
+    )
+    parser.add_argument(
+        "--weight-formats",
+        default="",
+        help="also decode at --decode-batches with each of these comma-separated "
+        "quantization values (e.g. none,auto), against the memory-bandwidth limit",
+    )
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
@@ -331,13 +343,13 @@ def _timed(fn: Callable[[], Any]) -> float:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvserve.model.loader import load_model
+    from kvserve.model.loader import load_model, resolve_model
 
     global _CLOCK
     _CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, dtype=args.dtype)
+    loaded = load_model(args.model, dtype=args.dtype, quantization=args.quantization)
     vocab = int(loaded.hf_config.vocab_size)
     gen = torch.Generator().manual_seed(0)
 
@@ -352,10 +364,14 @@ def run(args: argparse.Namespace) -> int:
     )
     num_blocks = 2 + 2 * -(-tokens_needed // args.block_size)
     kv = _KvserveDriver(loaded, args.block_size, args.kv_segment_size, num_blocks)
-    hf = None if args.no_hf else _HfDriver(loaded.model_dir, loaded.dtype)
+    # HF runs the float weights: the dequantized folder (a quantized GGUF run's own
+    # folder holds no weights)
+    hf_dir = loaded.model_dir if loaded.quantization == "float" else resolve_model(args.model)
+    hf = None if args.no_hf else _HfDriver(hf_dir, loaded.dtype)
     results: dict[str, Any] = {
         "model": args.model,
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "weights": loaded.quantization,
         "threads": torch.get_num_threads(),
         "clock": args.clock,
         "load_average_1m": os.getloadavg()[0],
@@ -436,6 +452,28 @@ def run(args: argparse.Namespace) -> int:
             clock=_CLOCK,
         )
 
+    formats = [f for f in args.weight_formats.split(",") if f]
+    if formats:
+        from kvserve.bench.weight_formats import decode_rows, read_bandwidth_gb_s
+
+        bw = read_bandwidth_gb_s(_CLOCK)
+        rows: list[dict[str, Any]] = []
+        for quant in formats:
+            fmt_loaded = load_model(args.model, dtype=args.dtype, quantization=quant)
+            rows += decode_rows(
+                fmt_loaded,
+                quant,
+                lambda m: _KvserveDriver(m, args.block_size, args.kv_segment_size, num_blocks),
+                args.decode_batches,
+                args.context,
+                args.decode_steps,
+                bw,
+                _CLOCK,
+                prompts,
+            )
+            del fmt_loaded
+        results["weight_formats"] = {"read_bandwidth_gb_s": bw, "rows": rows}
+
     _print_table(results)
     if args.json:
         with open(args.json, "w") as f:
@@ -451,7 +489,8 @@ def _print_table(r: dict[str, Any]) -> None:
         return format(x, fmt) if x is not None else "-"
 
     print(
-        f"kvserve bench forward: model={r['model']} dtype={r['dtype']} threads={r['threads']} "
+        f"kvserve bench forward: model={r['model']} dtype={r['dtype']} weights={r['weights']} "
+        f"threads={r['threads']} "
         f"clock={r['clock']} (medians)"
     )
     print(f"{'measure':<28}{'kvserve':>12}{'HF':>12}{'kv/HF':>9}{'of FLOP limit':>15}")
@@ -490,6 +529,10 @@ def _print_table(r: dict[str, Any]) -> None:
         scale = dec[32]["kvserve_tok_s"] / dec[1]["kvserve_tok_s"]
         print(f"kvserve decode tok/s, batch 32 / batch 1: {scale:.1f}x (target >= 8x)")
     print(f"decode context: {r['context']} prompt tokens per request")
+    if "weight_formats" in r:
+        from kvserve.bench.weight_formats import print_rows
+
+        print_rows(r["weight_formats"]["rows"], r["weight_formats"]["read_bandwidth_gb_s"])
     if "attention" in r:
         from kvserve.bench.attention_bench import print_attention_table
 

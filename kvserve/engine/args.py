@@ -43,6 +43,13 @@ OPTIONS: tuple[_Option, ...] = (
         "auto (default: bfloat16 where the CPU has avx512_bf16/AMX, else float32), "
         "float32, bfloat16 or float16",
     ),
+    _Option(
+        "quantization",
+        "model",
+        str,
+        "auto (default: run a GGUF's Q4_0/Q4_1/Q8_0 weights as they are), none (dequantize "
+        "to the model dtype), int8 or int4 (quantize a float checkpoint at load)",
+    ),
     _Option("device", "model", str, "torch device, default cpu"),
     _Option(
         "compile",

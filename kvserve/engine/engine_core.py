@@ -93,7 +93,10 @@ class EngineCore:
             from kvserve.model.loader import load_model
 
             loaded = load_model(
-                config.model.model, dtype=config.model.dtype, device=config.model.device
+                config.model.model,
+                dtype=config.model.dtype,
+                device=config.model.device,
+                quantization=config.model.quantization,
             )
         config = with_max_model_len(config, loaded.max_model_len)
         self.config = config

@@ -44,10 +44,13 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.engine.engine_core import EngineCore
 
     engine = EngineCore(config)
+    from kvserve.model.memory import memory_report
+
     print(
         f"kvserve generate: {engine.model_name} "
         f"(dtype={engine.loaded.dtype_name}, "
-        f"attention={engine.runner.attention_backend})",
+        f"attention={engine.runner.attention_backend}); "
+        f"resident memory: {memory_report(engine).describe()}",
         file=sys.stderr,
     )
     tok = engine.tokenizer

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -262,9 +263,19 @@ def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             )
         build_engine_config(**options)
         if not args.ray_address:  # fail fast on a bad --model (and convert it once, here)
-            from kvserve.model.loader import DEFAULT_MODEL_NAME, resolve_model
+            from kvserve.model.loader import (
+                DEFAULT_MODEL_NAME,
+                gguf_source,
+                resolve_gguf_metadata,
+                resolve_model,
+            )
 
-            resolve_model(options.get("model") or DEFAULT_MODEL_NAME)
+            model_name = options.get("model") or DEFAULT_MODEL_NAME
+            gguf = gguf_source(model_name)
+            if gguf is not None and options.get("quantization", "auto") != "none":
+                resolve_gguf_metadata(gguf, Path(model_name).stem)  # runs quantized
+            else:
+                resolve_model(model_name)
         opts = ClusterOptions(
             num_replicas=n,
             threads_per_replica=threads,
@@ -313,7 +324,10 @@ def run(args: argparse.Namespace) -> int:
             from kvserve.model.loader import load_model
 
             loaded = load_model(
-                config.model.model, dtype=config.model.dtype, device=config.model.device
+                config.model.model,
+                dtype=config.model.dtype,
+                device=config.model.device,
+                quantization=config.model.quantization,
             )
             connector = build_connector(
                 kv_config,
@@ -372,6 +386,9 @@ def run(args: argparse.Namespace) -> int:
             log_requests=args.log_requests,
             **http_options,
         )
+    from kvserve.model.memory import memory_report
+
+    logger.info("resident memory: %s", memory_report(engine).describe())
     logger.info(
         "loaded %s in %.1f s (dtype=%s, attention=%s, max_model_len=%d, %d KV blocks, "
         "kv-role %s); serving on http://%s:%d%s",

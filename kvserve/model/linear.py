@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -145,7 +145,14 @@ class FastLinear:
 
 
 _handles = itertools.count()
-_LINEARS: weakref.WeakValueDictionary[int, FastLinear] = weakref.WeakValueDictionary()
+
+
+class _EagerLinear(Protocol):
+    def eager(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+# FastLinear and QuantLinear (kvserve.model.quant.linear) by handle
+_LINEARS: weakref.WeakValueDictionary[int, _EagerLinear] = weakref.WeakValueDictionary()
 
 
 @torch.library.custom_op("kvserve::fast_linear", mutates_args=())

@@ -15,6 +15,7 @@ For speed the layers are plain functions over fused weights (``qkv_proj`` =
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,17 +27,22 @@ from kvserve.model.arch import ModelArchConfig  # noqa: F401  (re-exported)
 from kvserve.model.attention import AttentionMetadata, native_attention, paged_attention
 from kvserve.model.linear import FastLinear, mkldnn_linear_works
 from kvserve.model.native import PagedAttentionKernel, get_kernel
+from kvserve.model.quant.formats import QuantWeight
+from kvserve.model.quant.kernel import QuantKernel, get_quant_kernel
+from kvserve.model.quant.linear import QuantEmbedding, QuantLinear
+
+Linear = FastLinear | QuantLinear
 
 
 @dataclass
 class _LayerOps:
     input_layernorm: torch.Tensor
-    qkv: FastLinear
+    qkv: Linear
     qk_norm: torch.Tensor | None
-    o: FastLinear
+    o: Linear
     post_attention_layernorm: torch.Tensor
-    gate_up: FastLinear
-    down: FastLinear
+    gate_up: Linear
+    down: Linear
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,7 +96,12 @@ class LlamaForCausalLM(nn.Module):
         self._rope_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # [n, D/2] cos, sin
         self._native: PagedAttentionKernel | None = None
         self._ops: list[_LayerOps] = []
-        self._lm_head: FastLinear | None = None
+        self._qkernel: QuantKernel | None = None
+        self._embed_quant: QuantEmbedding | None = None
+        self._lm_head: Linear | None = None
+        # quantized weights by parameter name ("embed_tokens", "lm_head", "layers.3.qkv_proj"):
+        # their nn.Parameter is then an empty placeholder of the model dtype
+        self._quant: dict[str, list[QuantWeight]] = {}
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -100,71 +111,112 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(
         self,
-        tensors: Iterable[tuple[str, torch.Tensor]],
+        tensors: Iterable[tuple[str, torch.Tensor | QuantWeight]],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         fast_kernels: bool = True,
     ) -> None:
         """Copy HF-named tensors into the fused parameters, then :meth:`prepare`.
 
-        Raises ValueError listing missing or unexpected tensors (e.g. an MoE layer),
-        so a wrong checkpoint never runs silently.
+        A tensor may be a :class:`QuantWeight` (2-D weights only): it is kept quantized
+        and runs as a :class:`QuantLinear` (fused q/k/v or gate/up parts of different
+        formats stay separate row blocks; a fused weight mixing float and quantized parts
+        is dequantized). Raises ValueError listing missing or unexpected tensors (e.g.
+        an MoE layer), so a wrong checkpoint never runs silently.
         """
         c = self.config
         src = dict(tensors)
         used: set[str] = set()
+        self._quant = {}
 
-        def take(name: str) -> torch.Tensor:
+        def take(name: str) -> torch.Tensor | QuantWeight:
             if name not in src:
                 raise ValueError(f"checkpoint lacks tensor {name!r} needed by {c.architecture}")
             used.add(name)
             return src[name]
 
-        def put(param: nn.Parameter | None, value: torch.Tensor, name: str) -> None:
-            assert param is not None
-            if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(
-                    f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
-                )
-            param.data = value.to(device=device, dtype=dtype).contiguous()
+        def dense(name: str) -> torch.Tensor:
+            value = take(name)
+            return value.dequantize() if isinstance(value, QuantWeight) else value
 
-        put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-        put(self.norm, take("model.norm.weight"), "model.norm.weight")
+        def cat(values: list[torch.Tensor | QuantWeight]) -> torch.Tensor | list[QuantWeight]:
+            quant = [v for v in values if isinstance(v, QuantWeight)]
+            if len(quant) < len(values):
+                plain = [v.dequantize() if isinstance(v, QuantWeight) else v for v in values]
+                return torch.cat(plain, 0)
+            parts: list[QuantWeight] = []
+            for v in quant:  # neighbours of one format become one block
+                if parts and parts[-1].fmt == v.fmt:
+                    parts[-1] = QuantWeight.cat([parts[-1], v])
+                else:
+                    parts.append(v)
+            return parts
+
+        def put(
+            param: nn.Parameter | None,
+            value: torch.Tensor | QuantWeight | list[QuantWeight],
+            name: str,
+            key: str | None = None,
+        ) -> None:
+            assert param is not None
+            if isinstance(value, QuantWeight):
+                value = [value]
+            shape: tuple[int, ...]
+            if isinstance(value, list):
+                shape = (sum(v.n for v in value), value[0].k)
+            else:
+                shape = tuple(value.shape)
+            if tuple(param.shape) != shape:
+                raise ValueError(
+                    f"tensor {name!r} has shape {shape}, expected {tuple(param.shape)}"
+                )
+            if isinstance(value, list):
+                assert key is not None, f"{name} cannot be quantized"
+                self._quant[key] = value
+                param.data = torch.empty(0, param.shape[1], device=device, dtype=dtype)
+            else:
+                param.data = value.to(device=device, dtype=dtype).contiguous()
+
+        embed = take("model.embed_tokens.weight")
+        put(self.embed_tokens, embed, "model.embed_tokens.weight", "embed_tokens")
+        put(self.norm, dense("model.norm.weight"), "model.norm.weight")
         if self.lm_head is not None:
-            put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
+            put(self.lm_head, take("lm_head.weight"), "lm_head.weight", "lm_head")
         else:
             used.add("lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            put(layer.input_layernorm, take(p + "input_layernorm.weight"), p + "input_layernorm")
+            q = f"layers.{i}."
+            put(layer.input_layernorm, dense(p + "input_layernorm.weight"), p + "input_layernorm")
             put(
                 layer.post_attention_layernorm,
-                take(p + "post_attention_layernorm.weight"),
+                dense(p + "post_attention_layernorm.weight"),
                 p + "post_attention_layernorm",
             )
-            qkv = [take(f"{a}{x}_proj.weight") for x in "qkv"]
-            put(layer.qkv_proj, torch.cat(qkv, 0), a + "qkv_proj")
+            qkv = cat([take(f"{a}{x}_proj.weight") for x in "qkv"])
+            put(layer.qkv_proj, qkv, a + "qkv_proj", q + "qkv_proj")
             if c.qkv_bias:
                 put(
                     layer.qkv_bias,
-                    torch.cat([take(f"{a}{x}_proj.bias") for x in "qkv"]),
+                    torch.cat([dense(f"{a}{x}_proj.bias") for x in "qkv"]),
                     a + "qkv_bias",
                 )
-            put(layer.o_proj, take(a + "o_proj.weight"), a + "o_proj.weight")
+            put(layer.o_proj, take(a + "o_proj.weight"), a + "o_proj.weight", q + "o_proj")
             if c.o_bias:
-                put(layer.o_bias, take(a + "o_proj.bias"), a + "o_proj.bias")
+                put(layer.o_bias, dense(a + "o_proj.bias"), a + "o_proj.bias")
             if c.qk_norm:
-                qn, kn = take(a + "q_norm.weight"), take(a + "k_norm.weight")
+                qn, kn = dense(a + "q_norm.weight"), dense(a + "k_norm.weight")
                 norm = torch.cat([qn.expand(c.num_heads, -1), kn.expand(c.num_kv_heads, -1)])
                 put(layer.qk_norm, norm, a + "qk_norm")
-            gate_up = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-            put(layer.gate_up_proj, gate_up, m + "gate_up_proj")
-            put(layer.down_proj, take(m + "down_proj.weight"), m + "down_proj.weight")
+            gate_up = cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+            put(layer.gate_up_proj, gate_up, m + "gate_up_proj", q + "gate_up_proj")
+            down = take(m + "down_proj.weight")
+            put(layer.down_proj, down, m + "down_proj.weight", q + "down_proj")
             if c.mlp_bias:
-                gu_bias = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
+                gu_bias = torch.cat([dense(m + "gate_proj.bias"), dense(m + "up_proj.bias")])
                 put(layer.gate_up_bias, gu_bias, m + "gate_up_bias")
-                put(layer.down_bias, take(m + "down_proj.bias"), m + "down_proj.bias")
+                put(layer.down_bias, dense(m + "down_proj.bias"), m + "down_proj.bias")
         unexpected = sorted(
             k for k in src if k not in used and not k.endswith("rotary_emb.inv_freq")
         )
@@ -188,8 +240,10 @@ class LlamaForCausalLM(nn.Module):
         pack = fast and self.embed_tokens.device.type == "cpu"
         pack = pack and mkldnn_linear_works(self.embed_tokens.dtype)
         native = get_kernel() if fast and self.embed_tokens.device.type == "cpu" else None
-        for layer in self.layers:
-            lins = []
+        qkernel = get_quant_kernel() if native is not None else None
+        self._qkernel = qkernel
+        for li, layer in enumerate(self.layers):
+            lins: list[Linear] = []
             for name, bias in (
                 ("qkv_proj", layer.qkv_bias),
                 ("o_proj", layer.o_bias),
@@ -197,6 +251,10 @@ class LlamaForCausalLM(nn.Module):
                 ("down_proj", layer.down_bias),
             ):
                 param = getattr(layer, name)
+                quant = self._quant.get(f"layers.{li}.{name}")
+                if quant is not None:
+                    lins.append(QuantLinear(quant, None if bias is None else bias.data, qkernel))
+                    continue
                 lin = FastLinear(
                     param.data,
                     None if bias is None else bias.data,
@@ -219,11 +277,66 @@ class LlamaForCausalLM(nn.Module):
                     down=lins[3],
                 )
             )
-        self._lm_head = FastLinear(
-            self.lm_head_weight.data, None, fast=fast, pack=pack, native=native
-        )
+        emb = self._quant.get("embed_tokens")
+        dt = self.embed_tokens.dtype
+        self._embed_quant = None if emb is None else QuantEmbedding(emb, dt, qkernel)
+        head = self._quant.get("embed_tokens" if self.lm_head is None else "lm_head")
+        if head is not None:
+            self._lm_head = QuantLinear(head, None, qkernel)
+        else:
+            self._lm_head = FastLinear(
+                self.lm_head_weight.data, None, fast=fast, pack=pack, native=native
+            )
         usable = native is not None and PagedAttentionKernel.supports(self.embed_tokens.dtype)
         self._native = native if usable and not self.config.qk_norm else None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, hidden] in the model dtype (dequantized rows when the
+        embedding is quantized)."""
+        if self._embed_quant is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        return self._embed_quant(input_ids)
+
+    def weight_formats(self) -> str:
+        """``"float"``, or the quantized formats run, e.g. ``"q4_1+q8_0"``."""
+        names = sorted({q.fmt.name for parts in self._quant.values() for q in parts})
+        return "+".join(names) if names else "float"
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any weight runs quantized."""
+        return bool(self._quant)
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight copy the model holds: parameters, quantized panels and
+        the kernels' packed copies (the resident weight memory)."""
+        seen: set[int] = set()
+        total = 0
+
+        def add(t: torch.Tensor | None) -> None:
+            nonlocal total
+            if t is None:
+                return
+            key = t.untyped_storage().data_ptr()
+            if key in seen or t.device.type == "meta":
+                return
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+
+        for p in self.parameters():
+            add(p.data)
+        for parts in self._quant.values():
+            for q in parts:
+                add(q.data)
+        lins: list[Linear] = [x for o in self._ops for x in (o.qkv, o.o, o.gate_up, o.down)]
+        if self._lm_head is not None:
+            lins.append(self._lm_head)
+        for lin in lins:
+            if isinstance(lin, FastLinear):
+                for t in (lin.wt, lin.packed, lin.panels, lin.weight):
+                    with contextlib.suppress(RuntimeError, NotImplementedError):
+                        add(t)
+        return total
 
     @property
     def uses_native_layers(self) -> bool:
@@ -300,7 +413,7 @@ class LlamaForCausalLM(nn.Module):
         half = d // 2
         cos, sin = self.rope_cos_sin(positions)  # [T, 1, D]
 
-        x = F.embedding(input_ids, self.embed_tokens)  # [T, hidden]
+        x = self.embed(input_ids)  # [T, hidden]
         for ops, kv_cache in zip(self._ops, kv_caches, strict=True):
             y = F.rms_norm(x, hidden, ops.input_layernorm, eps)
             qkv = ops.qkv(y)  # [T, (H + 2Hk) * D]
@@ -338,7 +451,7 @@ class LlamaForCausalLM(nn.Module):
         eps = c.rms_norm_eps
         cos, sin = self._rope_tables(positions)
         seqs, tables, seg = meta.native.seqs, meta.native.block_tables, meta.kv_segment_size
-        residual = F.embedding(input_ids, self.embed_tokens).float()  # [T, hidden] fp32
+        residual = self.embed(input_ids).float()  # [T, hidden] fp32
         pending: torch.Tensor | None = None  # the last sublayer's output, not yet added
         for ops, kv_cache in zip(self._ops, kv_caches, strict=True):
             y = nk.add_rms_norm(residual, pending, ops.input_layernorm, eps)

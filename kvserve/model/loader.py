@@ -64,6 +64,13 @@ SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 _CONVERTED_FORMAT_VERSION = 2
+_META_FORMAT_VERSION = 1  # config + tokenizer only folders of quantized GGUF runs
+
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+# int4 at load: group-wise 4-bit with a zero point (q4_1) rather than symmetric (q4_0):
+# relative reconstruction error 0.090 vs 0.126 on SmolLM2's (near-float, Q8_0)
+# embedding table (benchmarks/quant_fidelity.py; docs/quantization.md).
+INT4_ZERO_POINT = True
 _META_FILE = "kvserve_meta.json"
 
 
@@ -105,6 +112,18 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
     )
 
 
+def gguf_source(name_or_path: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file a model name or path runs from, or None for a Hugging Face folder
+    (and for names that :func:`resolve_model` rejects)."""
+    name = os.fspath(name_or_path)
+    if name in NAMED_MODELS:
+        return _named_gguf_path(name)
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.resolve()
+    return None
+
+
 def _named_gguf_path(name: str) -> Path:
     package, filename = NAMED_MODELS[name]
     spec = importlib.util.find_spec(package)
@@ -124,7 +143,8 @@ def _check_hf_folder(path: Path) -> None:
     missing = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
-    if not list(path.glob("*.safetensors")):
+    # a metadata-only folder of a GGUF run (resolve_gguf_metadata) has no weights
+    if not list(path.glob("*.safetensors")) and not (path / _META_FILE).is_file():
         missing.append("*.safetensors")
     if missing:
         raise ValueError(
@@ -229,6 +249,73 @@ def _convert_gguf_cached(gguf_path: Path, cache_name: str) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def resolve_gguf_metadata(gguf_path: Path, cache_name: str) -> Path:
+    """A cached folder with only config.json, tokenizer files, generation_config.json
+    and ``kvserve_meta.json`` (the GGUF file's digest) for running the file's weights
+    as they are: no weights are written. Same locking and atomic rename as the
+    dequantized conversion."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in cache_name)
+    st = gguf_path.stat()
+    ident = f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|meta{_META_FORMAT_VERSION}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    target = cache_dir() / "models" / f"{safe}-meta-{key}"
+    if (target / _META_FILE).is_file():
+        return target
+    with _file_lock(cache_dir() / "models" / f".{target.name}.lock"):
+        if (target / _META_FILE).is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp.chmod(0o755)
+        try:
+            _write_gguf_metadata(gguf_path, tmp)
+            if target.exists():
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_gguf_metadata(gguf_path: Path, out_dir: Path) -> None:
+    arch = gguf_architecture(gguf_path)
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {str(gguf_path)!r} has architecture {arch!r}; supported GGUF "
+            f"architectures are {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    folder, name = gguf_path.parent, gguf_path.name
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    except (ValueError, NotImplementedError, KeyError, OSError) as e:
+        raise ValueError(f"cannot read GGUF file {str(gguf_path)!r}: {e}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    config = hf_config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    config["dtype"] = "float32"
+    archs = config.get("architectures") or [_MODEL_TYPE_ARCHITECTURES.get(config["model_type"], "")]
+    config["architectures"] = archs
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    GenerationConfig.from_model_config(hf_config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    meta = {
+        "format_version": _META_FORMAT_VERSION,
+        "source": str(gguf_path),
+        "source_architecture": arch,
+        "weights_sha256": _weights_digest([gguf_path]),
+        "weights": "gguf",
+    }
+    (out_dir / _META_FILE).write_text(json.dumps(meta, indent=2))
 
 
 def gguf_architecture(gguf_path: Path) -> str:
@@ -379,6 +466,7 @@ class LoadedModel:
     name: str
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    quantization: str = "float"  # weight formats run: "float" or e.g. "q4_1+q8_0"
 
     @property
     def vocab_size(self) -> int:
@@ -429,43 +517,98 @@ def _eos_token_ids(folder: Path, hf_config: PretrainedConfig, tokenizer: Any) ->
 
 
 def load_model(
-    model: str = DEFAULT_MODEL_NAME, dtype: str = "auto", device: str = "cpu"
+    model: str = DEFAULT_MODEL_NAME,
+    dtype: str = "auto",
+    device: str = "cpu",
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Load a model by name, GGUF path or HF folder onto ``device`` in ``dtype``.
 
-    Raises ValueError for unknown names, missing files, unreadable GGUF files,
-    unsupported architectures or dtypes; never downloads anything.
+    ``quantization``: ``auto`` runs a GGUF file's Q4_0/Q4_1/Q8_0 tensors as they are
+    (other tensor types dequantized, that tensor in float) and a float checkpoint in
+    float; ``none`` dequantizes everything (the float32 conversion of the GGUF, as
+    before quantized execution existed); ``int8`` / ``int4`` also quantize a float
+    checkpoint's linear weights at load (group-wise, 32 per group; see
+    docs/quantization.md). Quantized weights need the CPU. Raises ValueError for
+    unknown names, missing files, unreadable GGUF files, unsupported architectures,
+    dtypes or quantization values; never downloads anything.
     """
     from kvserve.model.llama import LlamaForCausalLM, ModelArchConfig
 
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"invalid quantization {quantization!r}: use one of "
+            f"{', '.join(QUANTIZATION_CHOICES)} (for example: quantization='auto')"
+        )
     torch_dtype = parse_dtype(dtype, device)
-    folder = resolve_model(model)
+    if quantization != "none" and torch.device(device).type != "cpu":
+        if quantization != "auto":
+            raise ValueError(
+                f"quantization={quantization!r} runs on the CPU only; use device='cpu' "
+                f"or quantization='none'"
+            )
+        quantization = "none"
+    gguf_path = gguf_source(model) if quantization != "none" else None
+    if gguf_path is not None:
+        folder = resolve_gguf_metadata(gguf_path, Path(os.fspath(model)).stem)
+    else:
+        folder = resolve_model(model)
     hf_config = load_hf_config(folder)
     arch = ModelArchConfig.from_hf_config(hf_config)
     tokenizer = load_tokenizer(folder)
     dev = torch.device(device)
 
+    tensors: Iterator[tuple[str, Any]]
+    if gguf_path is not None:
+        from kvserve.model.quant.gguf import read_tensors
+
+        tensors = read_tensors(gguf_path, arch.num_heads, arch.num_kv_heads)
+    else:
+        tensors = _iter_safetensors(folder)
+    if quantization in ("int8", "int4"):
+        tensors = _quantize_at_load(tensors, quantization)
+
     with torch.device("meta"):
         net = LlamaForCausalLM(arch)
     net = net.to_empty(device=dev)
-    net.load_weights(_iter_safetensors(folder), dtype=torch_dtype, device=dev)
+    net.load_weights(tensors, dtype=torch_dtype, device=dev)
     net.eval().requires_grad_(False)
 
     dtype_name = str(torch_dtype).removeprefix("torch.")
+    weights_tag = net.weight_formats()
+    fp_dtype = dtype_name if weights_tag == "float" else f"{dtype_name}/w:{weights_tag}"
     return LoadedModel(
         model=net,
         tokenizer=tokenizer,
         hf_config=hf_config,
         model_dir=folder,
         fingerprint=_fingerprint(
-            weights_digest(folder), dtype_name, arch.rope_settings(), arch.architecture
+            weights_digest(folder), fp_dtype, arch.rope_settings(), arch.architecture
         ),
         eos_token_ids=_eos_token_ids(folder, hf_config, tokenizer),
         max_model_len=arch.max_model_len,
         name=os.fspath(model),
         dtype=torch_dtype,
         device=dev,
+        quantization=weights_tag,
     )
+
+
+def _quantize_at_load(tensors: Iterator[tuple[str, Any]], mode: str) -> Iterator[tuple[str, Any]]:
+    """Quantize float 2-D linear, embedding and lm_head weights (already quantized ones
+    pass through): ``int8`` -> q8_0 everywhere; ``int4`` -> 4-bit layers (see
+    INT4_ZERO_POINT) with an int8 embedding / lm_head, as llama.cpp's 4-bit files do."""
+    from kvserve.model.quant.formats import quantize_4bit, quantize_symmetric8
+
+    for name, value in tensors:
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] % 32 == 0:
+            linear = name.endswith("_proj.weight")
+            table = name in ("model.embed_tokens.weight", "lm_head.weight")
+            if linear and mode == "int4":
+                value = quantize_4bit(value, zero_point=INT4_ZERO_POINT)
+            elif linear or table:
+                value = quantize_symmetric8(value)
+        yield name, value
 
 
 def _iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -45,6 +45,7 @@ _SOURCES = [
         "sampling.cpp",
         "linear_panels.cpp",
         "prefill_vec.cpp",
+        "linear_quant.cpp",
     )
 ]
 _HEADERS = [_CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources

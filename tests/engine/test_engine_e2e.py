@@ -123,7 +123,8 @@ CONFIGS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_matches_hf(name: str, prompts, hf_reference) -> None:
-    llm = LLM(max_model_len=4096, dtype="float32", **CONFIGS[name])  # parity pins float32
+    # parity pins float32 dequantized weights
+    llm = LLM(max_model_len=4096, dtype="float32", quantization="none", **CONFIGS[name])
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outs, hf_reference, strict=True)):

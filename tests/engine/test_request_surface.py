@@ -25,7 +25,13 @@ PROMPT = (
 @pytest.fixture(scope="module")
 def llm(single_thread_torch: None) -> LLM:
     # 64-token steps: longer prompts are computed in chunks
-    return LLM(dtype="float32", max_model_len=1024, num_kv_blocks=256, max_num_batched_tokens=64)
+    return LLM(
+        dtype="float32",
+        quantization="none",  # HF logprob parity pins float32 dequantized
+        max_model_len=1024,
+        num_kv_blocks=256,
+        max_num_batched_tokens=64,
+    )
 
 
 class _CountingRunner:

@@ -20,7 +20,7 @@ TEXT = (
 def test_bf16_logits_track_hf_float32(hf_model, loaded_model, backend: str) -> None:
     from kvserve.model.loader import DEFAULT_MODEL_NAME, load_model
 
-    bf16 = load_model(DEFAULT_MODEL_NAME, dtype="bfloat16")
+    bf16 = load_model(DEFAULT_MODEL_NAME, dtype="bfloat16", quantization="none")
     model = bf16.model
     assert model.embed_tokens.dtype == torch.bfloat16
     ids = loaded_model.tokenizer(TEXT * 12)["input_ids"][:300]

@@ -57,9 +57,9 @@ def test_loaded_model_fields(loaded_model) -> None:
 
 
 def test_fingerprint_is_stable_and_depends_on_dtype(loaded_model) -> None:
-    again = load_model(DEFAULT_MODEL_NAME, dtype="float32")
+    again = load_model(DEFAULT_MODEL_NAME, dtype="float32", quantization="none")
     assert again.fingerprint == loaded_model.fingerprint
-    bf16 = load_model(DEFAULT_MODEL_NAME, dtype="bfloat16")
+    bf16 = load_model(DEFAULT_MODEL_NAME, dtype="bfloat16", quantization="none")
     assert bf16.fingerprint != loaded_model.fingerprint
     assert bf16.model.embed_tokens.dtype == torch.bfloat16
 

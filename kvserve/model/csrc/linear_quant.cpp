@@ -1,0 +1,482 @@
+// Quantized linear layers: y[M, N] = x[M, K] @ W^T (+ bias) with W in 4- or 8-bit
+// blocks of 32 along K (GGUF's Q4_0, Q4_1 and Q8_0, and formats repacked into them),
+// plus the quantized embedding gather (kvs_quant_embed).
+//
+// Weight layout ("panels", made once at load by kvserve/model/quant/formats.py):
+// columns in panels of 16, each panel a contiguous run of K/32 blocks; a block holds
+//   bits 4: 4 chunks of 64 bytes; chunk c, byte 4*col + t: low nibble = u[col][4c + t],
+//           high nibble = u[col][16 + 4c + t];
+//   bits 8: 8 chunks of 64 bytes; chunk r, byte 4*col + t = u[col][4r + t];
+// then fp16 d[16] and, for formats with a minimum, fp16 m[16]. A weight is
+//   w = d * (u - zero)   (symmetric formats: Q4_0 zero 8, Q8_0 zero 128)
+//   w = d * u + m        (formats with a minimum: Q4_1).
+// Each 64-byte chunk is one vpdpbusd operand: 16 columns x 4 consecutive k.
+//
+// Activations are quantized per row and per block of 32 to int8 (d_x = amax / 127,
+// q = round-to-nearest-even(x / d_x)), as llama.cpp's q8 blocks. A block's dot product
+// is then exact in int32: isum = sum u * q (vpdpbusd: u unsigned, q signed), and
+//   acc += float(isum - zero * sum(q)) * (d * d_x)       (symmetric)
+//   acc += float(isum) * (d * d_x);  acc += m * (d_x * sum(q))   (with minimum)
+// in fp32 FMAs, blocks in order. DETERMINISM: every row's accumulation is that one
+// sequence at any M and any row tiling (the integer part is exact, the float part has
+// one order), so a row's output does not depend on the other rows of the call, and the
+// AVX512-VNNI, AVX2 and scalar paths give bitwise equal results.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+#include "kvs_common.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 16;   // columns per panel
+constexpr int64_t kBlock = 32;  // k per block
+constexpr int64_t kRowTile = 8;
+constexpr int64_t kRowChunk = 64;  // rows whose quantized activations stay in cache per pass
+
+struct Format {
+  int bits;
+  int zero;
+  bool has_min;
+};
+
+// fmt codes shared with kvserve/model/quant/formats.py
+inline bool format_of(int code, Format* f) {
+  switch (code) {
+    case 0: *f = {4, 0, true}; return true;     // Q4_1 (and anything with d, m per 32)
+    case 1: *f = {4, 8, false}; return true;    // Q4_0
+    case 2: *f = {8, 128, false}; return true;  // Q8_0 (stored u = q + 128)
+    case 3: *f = {8, 0, true}; return true;     // 8-bit unsigned with minimum (Q5_K repack)
+    default: return false;
+  }
+}
+
+inline int64_t block_bytes(const Format& f) {
+  return f.bits * 64 + 32 + (f.has_min ? 32 : 0);
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {
+    if (mant == 0) {
+      u = sign;
+    } else {  // subnormal: normalize
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400u) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      mant &= 0x3ffu;
+      u = sign | (exp << 23) | (mant << 13);
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else {
+    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Quantized activations of a call: per row, nb blocks of 32 int8, d_x and sum(q).
+struct QuantAct {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> s;
+  int64_t nb = 0;
+};
+
+template <typename T>
+void quantize_row(const T* x, int64_t nb, int8_t* q, float* d, int32_t* s) {
+  for (int64_t b = 0; b < nb; ++b) {
+    float v[kBlock];
+    float amax = 0.0f;
+    for (int j = 0; j < kBlock; ++j) {
+      v[j] = kvs::to_f32(x[b * kBlock + j]);
+      amax = std::fmax(amax, std::fabs(v[j]));
+    }
+    const float db = amax / 127.0f;
+    const float id = db > 0.0f ? 1.0f / db : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < kBlock; ++j) {
+      // nearbyint: round to nearest even under the default rounding mode, as cvtps2dq
+      const int32_t qi = static_cast<int32_t>(std::nearbyint(v[j] * id));
+      q[b * kBlock + j] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    d[b] = db;
+    s[b] = sum;
+  }
+}
+
+void quantize_activations(const void* x, int64_t xs, int64_t rows, int64_t K, int dtype,
+                          QuantAct* a, int threads) {
+  a->nb = K / kBlock;
+  a->q.resize(static_cast<size_t>(rows * K));
+  a->d.resize(static_cast<size_t>(rows * a->nb));
+  a->s.resize(static_cast<size_t>(rows * a->nb));
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
+  for (int64_t r = 0; r < rows; ++r) {
+    int8_t* q = a->q.data() + r * K;
+    float* d = a->d.data() + r * a->nb;
+    int32_t* s = a->s.data() + r * a->nb;
+    if (dtype == 0) {
+      quantize_row(static_cast<const float*>(x) + r * xs, a->nb, q, d, s);
+    } else {
+      quantize_row(static_cast<const kvs::bf16_t*>(x) + r * xs, a->nb, q, d, s);
+    }
+  }
+}
+
+// ----------------------------------------------------------------- scalar (portable)
+
+// Unsigned weight value of column col, k-offset j within a block.
+inline int weight_u(const uint8_t* blk, int bits, int col, int j) {
+  const int quad = j / 4, t = j % 4;
+  if (bits == 4) {
+    const uint8_t byte = blk[64 * (quad % 4) + 4 * col + t];
+    return quad < 4 ? (byte & 0x0f) : (byte >> 4);
+  }
+  return blk[64 * quad + 4 * col + t];
+}
+
+void panel_scalar(const Format& f, const uint8_t* wp, int64_t nb, const QuantAct& a, int64_t r0,
+                  int64_t nrows, int64_t K, float* acc /* [nrows][16] */) {
+  const int64_t bb = block_bytes(f);
+  for (int64_t r = 0; r < nrows; ++r) {
+    for (int c = 0; c < kCols; ++c) acc[r * kCols + c] = 0.0f;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wp + b * bb;
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(blk + f.bits * 64);
+    const uint16_t* mh = dh + 16;
+    for (int64_t r = 0; r < nrows; ++r) {
+      const int8_t* q = a.q.data() + (r0 + r) * K + b * kBlock;
+      const float dx = a.d[(r0 + r) * nb + b];
+      const int32_t sq = a.s[(r0 + r) * nb + b];
+      for (int c = 0; c < kCols; ++c) {
+        int32_t isum = 0;
+        for (int j = 0; j < kBlock; ++j) isum += weight_u(blk, f.bits, c, j) * q[j];
+        const float d = half_to_float(dh[c]);
+        float& o = acc[r * kCols + c];
+        if (f.has_min) {
+          o = std::fma(static_cast<float>(isum), d * dx, o);
+          o = std::fma(half_to_float(mh[c]), dx * static_cast<float>(sq), o);
+        } else {
+          o = std::fma(static_cast<float>(isum - f.zero * sq), d * dx, o);
+        }
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------- AVX2
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Same arithmetic as panel_scalar, 8 columns per ymm: the 16-bit products of
+// maddubs could saturate for 8-bit weights, so bytes widen to 16 bits and madd sums
+// pairs into int32 (exact).
+void panel_avx2(const Format& f, const uint8_t* wp, int64_t nb, const QuantAct& a, int64_t r0,
+                int64_t nrows, int64_t K, float* acc) {
+  const int64_t bb = block_bytes(f);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int64_t r0t = 0; r0t < nrows; r0t += 4) {
+    const int64_t nr = nrows - r0t < 4 ? nrows - r0t : 4;
+    __m256 o[4][2];
+    for (int r = 0; r < 4; ++r) o[r][0] = o[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = wp + b * bb;
+      // w[quad][half]: 8 columns x 4 bytes of quad `quad`, columns 8*half..
+      __m256i w[8][2];
+      for (int quad = 0; quad < 8; ++quad) {
+        for (int h = 0; h < 2; ++h) {
+          if (f.bits == 4) {
+            const __m256i v = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(blk + 64 * (quad % 4) + 32 * h));
+            w[quad][h] = quad < 4 ? _mm256_and_si256(v, low4)
+                                  : _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          } else {
+            w[quad][h] =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * quad + 32 * h));
+          }
+        }
+      }
+      const __m128i* dh = reinterpret_cast<const __m128i*>(blk + f.bits * 64);
+      const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(dh));
+      const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(dh + 1));
+      __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+      if (f.has_min) {
+        m0 = _mm256_cvtph_ps(_mm_loadu_si128(dh + 2));
+        m1 = _mm256_cvtph_ps(_mm_loadu_si128(dh + 3));
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t row = r0 + r0t + r;
+        const int8_t* q = a.q.data() + row * K + b * kBlock;
+        const float dx = a.d[row * nb + b];
+        const int32_t sq = a.s[row * nb + b];
+        __m256i is[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int quad = 0; quad < 8; ++quad) {
+          int32_t x4;
+          std::memcpy(&x4, q + 4 * quad, 4);
+          const __m256i xb = _mm256_set1_epi32(x4);
+          const __m256i xlo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(xb));  // 4 bytes x 4
+          for (int h = 0; h < 2; ++h) {
+            const __m256i wl = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w[quad][h]));
+            const __m256i wh = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w[quad][h], 1));
+            // pairs of 16-bit products -> int32: lanes (col, t0+t1), (col, t2+t3)
+            const __m256i pl = _mm256_madd_epi16(wl, xlo);  // cols 0-3 of the half
+            const __m256i ph = _mm256_madd_epi16(wh, xlo);  // cols 4-7
+            // add adjacent int32 pairs -> one int32 per column (order: cols 0,1,4,5,2,3,6,7)
+            const __m256i s = _mm256_hadd_epi32(pl, ph);
+            is[h] = _mm256_add_epi32(is[h], s);
+          }
+        }
+        for (int h = 0; h < 2; ++h) {
+          // undo hadd's lane order: [c0 c1 c4 c5 | c2 c3 c6 c7] -> [c0..c7]
+          __m256i v = _mm256_permute4x64_epi64(is[h], 0xd8);  // [c0 c1 c2 c3 | c4 c5 c6 c7]
+          const __m256 d = h ? d1 : d0;
+          const __m256 ddx = _mm256_mul_ps(d, _mm256_set1_ps(dx));
+          if (f.has_min) {
+            o[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), ddx, o[r][h]);
+            o[r][h] = _mm256_fmadd_ps(h ? m1 : m0, _mm256_set1_ps(dx * static_cast<float>(sq)),
+                                      o[r][h]);
+          } else {
+            v = _mm256_sub_epi32(v, _mm256_set1_epi32(f.zero * sq));
+            o[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), ddx, o[r][h]);
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      _mm256_storeu_ps(acc + (r0t + r) * kCols, o[r][0]);
+      _mm256_storeu_ps(acc + (r0t + r) * kCols + 8, o[r][1]);
+    }
+  }
+}
+#endif
+
+// ----------------------------------------------------------------- AVX512-VNNI
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+template <int BITS, bool MIN, int MR>
+inline void panel_vnni_tile(const uint8_t* wp, int64_t nb, int zero, const QuantAct& a,
+                            int64_t row0, int64_t K, float* acc) {
+  constexpr int64_t bb = BITS * 64 + 32 + (MIN ? 32 : 0);
+  __m512 o[MR];
+  for (int r = 0; r < MR; ++r) o[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wp + b * bb;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * bb), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * bb + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * bb + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * bb + 192), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * bb + 256), _MM_HINT_T0);
+    if (BITS == 8 || MIN) {
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 4 * bb + 320), _MM_HINT_T0);
+    }
+    __m512i w[8];
+    if (BITS == 4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(blk + 64 * c);
+        w[c] = _mm512_and_si512(v, low4);
+        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(blk + 64 * c);
+    }
+    const __m256i* dh = reinterpret_cast<const __m256i*>(blk + BITS * 64);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(dh));
+    __m512 m = _mm512_setzero_ps();
+    if (MIN) m = _mm512_cvtph_ps(_mm256_loadu_si256(dh + 1));
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = row0 + r;
+      const int32_t* q = reinterpret_cast<const int32_t*>(a.q.data() + row * K + b * kBlock);
+      // two dependency chains (integer sums: exact in any order)
+      __m512i is = _mm512_setzero_si512(), is1 = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        is = _mm512_dpbusd_epi32(is, w[c], _mm512_set1_epi32(q[c]));
+        is1 = _mm512_dpbusd_epi32(is1, w[c + 4], _mm512_set1_epi32(q[c + 4]));
+      }
+      is = _mm512_add_epi32(is, is1);
+      const float dx = a.d[row * nb + b];
+      const __m512 ddx = _mm512_mul_ps(d, _mm512_set1_ps(dx));
+      if (MIN) {
+        o[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), ddx, o[r]);
+        const float sx = dx * static_cast<float>(a.s[row * nb + b]);
+        o[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx), o[r]);
+      } else {
+        is = _mm512_sub_epi32(is, _mm512_set1_epi32(zero * a.s[row * nb + b]));
+        o[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), ddx, o[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc + r * kCols, o[r]);
+}
+
+template <int BITS, bool MIN>
+void panel_vnni(const uint8_t* wp, int64_t nb, int zero, const QuantAct& a, int64_t r0,
+                int64_t nrows, int64_t K, float* acc) {
+  int64_t r = 0;
+  for (; r + kRowTile <= nrows; r += kRowTile) {
+    panel_vnni_tile<BITS, MIN, kRowTile>(wp, nb, zero, a, r0 + r, K, acc + r * kCols);
+  }
+  float* o = acc + r * kCols;
+  const int64_t row = r0 + r;
+  switch (nrows - r) {
+    case 1: panel_vnni_tile<BITS, MIN, 1>(wp, nb, zero, a, row, K, o); break;
+    case 2: panel_vnni_tile<BITS, MIN, 2>(wp, nb, zero, a, row, K, o); break;
+    case 3: panel_vnni_tile<BITS, MIN, 3>(wp, nb, zero, a, row, K, o); break;
+    case 4: panel_vnni_tile<BITS, MIN, 4>(wp, nb, zero, a, row, K, o); break;
+    case 5: panel_vnni_tile<BITS, MIN, 5>(wp, nb, zero, a, row, K, o); break;
+    case 6: panel_vnni_tile<BITS, MIN, 6>(wp, nb, zero, a, row, K, o); break;
+    case 7: panel_vnni_tile<BITS, MIN, 7>(wp, nb, zero, a, row, K, o); break;
+    default: break;
+  }
+}
+
+void panel_vnni_dispatch(const Format& f, const uint8_t* wp, int64_t nb, const QuantAct& a,
+                         int64_t r0, int64_t nrows, int64_t K, float* acc) {
+  if (f.bits == 4 && f.has_min) {
+    panel_vnni<4, true>(wp, nb, f.zero, a, r0, nrows, K, acc);
+  } else if (f.bits == 4) {
+    panel_vnni<4, false>(wp, nb, f.zero, a, r0, nrows, K, acc);
+  } else if (f.has_min) {
+    panel_vnni<8, true>(wp, nb, f.zero, a, r0, nrows, K, acc);
+  } else {
+    panel_vnni<8, false>(wp, nb, f.zero, a, r0, nrows, K, acc);
+  }
+}
+constexpr bool kHaveVnni = true;
+#else
+constexpr bool kHaveVnni = false;
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool kHaveAvx2 = true;
+#else
+constexpr bool kHaveAvx2 = false;
+#endif
+
+template <typename T>
+void store_cols(const float* acc, const float* bias, int64_t n0, int64_t nvalid, T* out) {
+  for (int64_t c = 0; c < nvalid; ++c) {
+    const float v = bias != nullptr ? acc[c] + bias[n0 + c] : acc[c];
+    kvs::from_f32(v, out + n0 + c);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0: none; bit 0: scalar; bit 1: AVX2; bit 2: AVX512-VNNI (compiled in and usable).
+int kvs_linear_quant_paths() {
+  int p = 1;
+  if (kHaveAvx2) p |= 2;
+  if (kHaveVnni) p |= 4;
+  return p;
+}
+
+// y[rows, n] = x[rows, K] @ W^T + bias. x: float32 (x_dtype 0) or bfloat16 (1), row
+// stride xs elements, last dim contiguous; w: the panel layout above for format code
+// fmt with ceil(n / 16) panels of K / 32 blocks (K a multiple of 32); bias: n fp32 or
+// null; out: out_dtype 0/1, row stride os. path: 0 best available, 1 scalar, 2 AVX2,
+// 3 AVX512-VNNI. Returns 0, or -1 for a bad format/K/path.
+int kvs_linear_quant(const void* x, int64_t xs, int64_t rows, int64_t K, int x_dtype,
+                     const uint8_t* w, int fmt, int64_t n, const float* bias, void* out,
+                     int64_t os, int out_dtype, int path, int threads) {
+  Format f;
+  if (!format_of(fmt, &f) || K % kBlock != 0 || rows < 0) return -1;
+  if (path == 0) path = kHaveVnni ? 3 : (kHaveAvx2 ? 2 : 1);
+  if ((path == 3 && !kHaveVnni) || (path == 2 && !kHaveAvx2) || path < 1 || path > 3) return -1;
+  if (rows == 0 || n == 0) return 0;
+  QuantAct a;
+  quantize_activations(x, xs, rows, K, x_dtype, &a, threads);
+  const int64_t nb = K / kBlock;
+  const int64_t panel_bytes = nb * block_bytes(f);
+  const int64_t panels = (n + kCols - 1) / kCols;
+  const int64_t chunks = (rows + kRowChunk - 1) / kRowChunk;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> acc(static_cast<size_t>(kRowChunk * kCols));
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      for (int64_t p = 0; p < panels; ++p) {
+        const int64_t r0 = ch * kRowChunk;
+        const int64_t nr = rows - r0 < kRowChunk ? rows - r0 : kRowChunk;
+        const uint8_t* wp = w + p * panel_bytes;
+        switch (path) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+          case 3: panel_vnni_dispatch(f, wp, nb, a, r0, nr, K, acc.data()); break;
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+          case 2: panel_avx2(f, wp, nb, a, r0, nr, K, acc.data()); break;
+#endif
+          default: panel_scalar(f, wp, nb, a, r0, nr, K, acc.data()); break;
+        }
+        const int64_t n0 = p * kCols;
+        const int64_t nvalid = n - n0 < kCols ? n - n0 : kCols;
+        for (int64_t r = 0; r < nr; ++r) {
+          const float* src = acc.data() + r * kCols;
+          if (out_dtype == 0) {
+            store_cols(src, bias, n0, nvalid, static_cast<float*>(out) + (r0 + r) * os);
+          } else {
+            store_cols(src, bias, n0, nvalid, static_cast<kvs::bf16_t*>(out) + (r0 + r) * os);
+          }
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+// out[t, :] = row ids[t] of W (the [n, K] matrix of the panels), dequantized:
+// d * (u - zero) or d * u + m in fp32, stored as out_dtype (0 fp32, 1 bf16), row
+// stride K. Rule: every id in [0, n). Returns 0, or -1 for a bad format/K.
+int kvs_quant_embed(const uint8_t* w, int fmt, int64_t n, int64_t K, const int64_t* ids,
+                    int64_t count, void* out, int out_dtype, int threads) {
+  Format f;
+  if (!format_of(fmt, &f) || K % kBlock != 0) return -1;
+  (void)n;
+  const int64_t nb = K / kBlock;
+  const int64_t bb = block_bytes(f);
+#pragma omp parallel for num_threads(threads) schedule(static) if (count >= 8)
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t id = ids[t];
+    const int64_t p = id / kCols;
+    const int col = static_cast<int>(id % kCols);
+    const uint8_t* wp = w + p * nb * bb;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = wp + b * bb;
+      const uint16_t* dh = reinterpret_cast<const uint16_t*>(blk + f.bits * 64);
+      const float d = half_to_float(dh[col]);
+      const float m = f.has_min ? half_to_float(dh[16 + col]) : 0.0f;
+      for (int j = 0; j < kBlock; ++j) {
+        const int u = weight_u(blk, f.bits, col, j);
+        const float v = f.has_min ? d * static_cast<float>(u) + m
+                                  : d * static_cast<float>(u - f.zero);
+        const int64_t o = t * K + b * kBlock + j;
+        if (out_dtype == 0) {
+          static_cast<float*>(out)[o] = v;
+        } else {
+          kvs::from_f32(v, static_cast<kvs::bf16_t*>(out) + o);
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,176 @@
+"""Read a GGUF file's tensors as they are: quantized blocks become
+:class:`~kvserve.model.quant.formats.QuantWeight` panels (repacked once, in memory,
+never through a float copy on disk); float tensors become torch tensors; tensor types
+without a kernel here are dequantized to float32 (that one tensor runs in float).
+
+Names are mapped onto the Hugging Face names ``LlamaForCausalLM.load_weights``
+expects, and llama.cpp's row order of q/k in llama-architecture files (permuted for its
+RoPE) is undone, as transformers' GGUF loader does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve.model.quant.formats import (
+    BLOCK,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    U8_MIN,
+    QuantWeight,
+    quantize_symmetric8,
+)
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_SKIPPED = ("rope_freqs",)  # RoPE frequencies come from the config, as in transformers
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+_QK_K = 256  # values per K-quant super-block
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for
+    tensors kvserve does not load (RoPE frequency tables); ValueError for unknown ones."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _SKIPPED:
+        return None
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{suffix}"
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama-family counterpart")
+
+
+def _from_blocks(raw: np.ndarray, type_name: str, n: int, k: int) -> QuantWeight:
+    """Raw GGUF rows [n, row_bytes] of Q4_0 / Q4_1 / Q8_0 -> panels."""
+    nb = k // BLOCK
+    if type_name == "Q8_0":
+        b = torch.from_numpy(np.array(raw).reshape(n, nb, 34))
+        d = b[:, :, :2].contiguous().view(torch.float16).view(n, nb)
+        q = b[:, :, 2:].contiguous().view(torch.int8).to(torch.int16)
+        return QuantWeight.pack((q + 128).to(torch.uint8).view(n, k), d, None, Q8_0, "gguf:Q8_0")
+    size = 20 if type_name == "Q4_1" else 18
+    b = torch.from_numpy(np.array(raw).reshape(n, nb, size))
+    d = b[:, :, :2].contiguous().view(torch.float16).view(n, nb)
+    m = b[:, :, 2:4].contiguous().view(torch.float16).view(n, nb) if size == 20 else None
+    qs = b[:, :, size - 16 :]
+    u = torch.cat([qs & 15, qs >> 4], -1).view(n, k)  # byte j: value j (low), j + 16 (high)
+    fmt = Q4_1 if size == 20 else Q4_0
+    return QuantWeight.pack(u, d, m, fmt, f"gguf:{type_name}")
+
+
+def _from_kquant(raw: np.ndarray, type_name: str, n: int, k: int) -> QuantWeight:
+    """Raw Q4_K / Q5_K / Q6_K rows -> panels.
+
+    Q4_K and Q5_K (super-blocks of 256: eight 32-value sub-blocks with 6-bit scale and
+    min, ``w = d * sc * q - dmin * m``) keep their integer values: each sub-block's
+    ``d * sc`` and ``-dmin * m`` become its fp16 d and m (q4_1 / u8_min; rounding those
+    products to fp16 changes a weight by at most 2**-12 of its block's scale). Q6_K
+    (16-value groups with int8 scales) is dequantized and requantized to q8_0.
+    """
+    from gguf import GGMLQuantizationType
+    from gguf.quants import Q4_K, dequantize
+
+    if k % _QK_K:
+        raise ValueError(f"{type_name} rows need a multiple of {_QK_K} values, got {k}")
+    if type_name == "Q6_K":
+        arr = dequantize(np.array(raw), GGMLQuantizationType.Q6_K).astype(np.float32)
+        q = quantize_symmetric8(torch.from_numpy(arr).reshape(n, k))
+        q.source = "gguf:Q6_K"
+        return q
+    blocks = np.array(raw).reshape(-1, raw.shape[-1] // (k // _QK_K))  # [n * k/256, bytes]
+    nsb = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nsb, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [nsb, 8] each
+    if type_name == "Q4_K":
+        qs = blocks[:, 16:144].reshape(nsb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(
+            1, 1, 2, 1
+        )
+        u = (qs & np.uint8(15)).reshape(nsb, 8, 32)
+        fmt = Q4_1
+    else:  # Q5_K: 4 high bits of 32 values per byte of qh, then the low nibbles
+        qh, qs = blocks[:, 16:48], blocks[:, 48:176]
+        ql = qs.reshape(nsb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+        hi = qh.reshape(nsb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        u = (ql & np.uint8(15)).reshape(nsb, 8, 32) | ((hi & np.uint8(1)) << np.uint8(4))
+        fmt = U8_MIN
+    d_eff = torch.from_numpy((d * sc.astype(np.float32)).astype(np.float16)).reshape(n, k // 32)
+    m_eff = torch.from_numpy((-(dmin * mn.astype(np.float32))).astype(np.float16))
+    ut = torch.from_numpy(np.ascontiguousarray(u)).reshape(n, k)
+    return QuantWeight.pack(ut, d_eff, m_eff.reshape(n, k // 32), fmt, f"gguf:{type_name}")
+
+
+def _unpermute_index(n: int, heads: int) -> torch.Tensor:
+    """Rows of a llama.cpp-permuted q/k weight in HF order (transformers'
+    ``reverse_permute_weights`` applied to the row indices)."""
+    idx = torch.arange(n)
+    return idx.view(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
+
+
+def read_tensors(
+    path: Path,
+    num_heads: int,
+    num_kv_heads: int,
+    keep_quantized: bool = True,
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """(HF name, tensor) for every tensor of the GGUF file at ``path``.
+
+    ``keep_quantized``: Q4_0/Q4_1/Q8_0 tensors come as QuantWeight; otherwise (and for
+    every other quantized type) as float32 dequantized by the gguf package.
+    """
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    arch_field = reader.fields["general.architecture"]
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        type_name = t.tensor_type.name
+        shape = [int(s) for s in reversed(t.shape.tolist())]  # GGUF lists ne0 (k) first
+        value: torch.Tensor | QuantWeight
+        if type_name in ("F32", "F16", "BF16"):
+            arr = np.asarray(t.data)
+            if type_name == "BF16":
+                value = torch.from_numpy(arr.copy()).view(torch.bfloat16).float()
+            else:
+                value = torch.from_numpy(arr.astype(np.float32))
+            value = value.reshape(shape)
+        elif keep_quantized and type_name in NATIVE_TYPES[:3] and len(shape) == 2:
+            value = _from_blocks(np.asarray(t.data), type_name, shape[0], shape[1])
+        elif keep_quantized and type_name in NATIVE_TYPES and len(shape) == 2:
+            value = _from_kquant(np.asarray(t.data), type_name, shape[0], shape[1])
+        else:
+            arr = dequantize(np.asarray(t.data), t.tensor_type)
+            value = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = num_heads if ".q_proj." in name else num_kv_heads
+            index = _unpermute_index(shape[0], heads)
+            value = value.select_rows(index) if isinstance(value, QuantWeight) else value[index]
+        yield name, value

@@ -1,0 +1,119 @@
+"""``QuantLinear``: a linear layer over quantized weights, behind the same seam as
+:class:`~kvserve.model.linear.FastLinear` (call it with x [M, K]; compiled graphs see
+one opaque ``kvserve::fast_linear`` operator)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from kvserve.model import linear as _linear
+from kvserve.model.quant.formats import QuantWeight, reference_linear
+from kvserve.model.quant.kernel import QuantKernel
+
+
+class QuantLinear:
+    """``y = x @ W^T + b`` with W given as one or more row blocks (``parts``, e.g. a
+    fused qkv whose q, k and v came in different formats), each a :class:`QuantWeight`.
+
+    With ``kernel`` (the native library) every M runs ``kvs_linear_quant`` (int8
+    activations, VNNI dot products): one reduction order per row, so a row's result
+    does not depend on the other rows of the step. Without it the PyTorch reference
+    runs (same arithmetic, fp64 sums). Output dtype = x's dtype.
+    """
+
+    __slots__ = ("__weakref__", "bias", "handle", "kernel", "n", "parts", "offsets")
+
+    def __init__(
+        self,
+        parts: list[QuantWeight],
+        bias: torch.Tensor | None,
+        kernel: QuantKernel | None,
+    ) -> None:
+        if not parts or any(p.k != parts[0].k for p in parts):
+            raise ValueError("QuantLinear needs parts with one input size")
+        self.parts = parts
+        self.offsets = []
+        n = 0
+        for p in parts:
+            self.offsets.append(n)
+            n += p.n
+        self.n = n
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.kernel = kernel
+        self.handle = next(_linear._handles)
+        _linear._LINEARS[self.handle] = self
+
+    @property
+    def out_features(self) -> int:
+        return self.n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.kvserve.fast_linear(x, self.handle, self.n)
+        return self.eager(x)
+
+    def eager(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32/bfloat16 -> [M, n] in x's dtype."""
+        if self.kernel is None or x.dtype not in (torch.float32, torch.bfloat16):
+            out = torch.cat([reference_linear(x, p) for p in self.parts], 1)
+            if self.bias is not None:
+                out = out + self.bias
+            return out.to(x.dtype)
+        if len(self.parts) == 1:
+            return self.kernel.linear(x, self.parts[0], self.bias)
+        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        for p, off in zip(self.parts, self.offsets, strict=True):
+            b = None if self.bias is None else self.bias[off : off + p.n]
+            self.kernel.linear(x, p, b, out=out[:, off : off + p.n])
+        return out
+
+
+class QuantEmbedding:
+    """Rows of a quantized [vocab, hidden] table (one or more row blocks), dequantized
+    to ``dtype``; one opaque ``kvserve::quant_embed`` operator in compiled graphs."""
+
+    __slots__ = ("__weakref__", "dtype", "handle", "kernel", "parts")
+
+    def __init__(
+        self, parts: list[QuantWeight], dtype: torch.dtype, kernel: QuantKernel | None
+    ) -> None:
+        self.parts = parts
+        self.dtype = dtype
+        self.kernel = kernel
+        self.handle = next(_linear._handles)
+        _EMBEDDINGS[self.handle] = self
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.kvserve.quant_embed(ids, self.handle, self.parts[0].k)
+        return self.eager(ids)
+
+    def eager(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64 in [0, vocab) -> [T, hidden] in ``dtype``."""
+        native = self.kernel is not None and self.dtype in (torch.float32, torch.bfloat16)
+        if native and len(self.parts) == 1:
+            assert self.kernel is not None
+            return self.kernel.embed(self.parts[0], ids, self.dtype)
+        full = torch.cat([q.dequantize() for q in self.parts])  # the portable reference
+        return torch.nn.functional.embedding(ids, full).to(self.dtype)
+
+
+_EMBEDDINGS: weakref.WeakValueDictionary[int, QuantEmbedding] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("kvserve::quant_embed", mutates_args=())
+def quant_embed_op(ids: torch.Tensor, handle: int, hidden: int) -> torch.Tensor:
+    """``QuantEmbedding`` number ``handle`` as an operator compiled graphs keep opaque.
+    Rule: the embedding is alive."""
+    return _EMBEDDINGS[handle].eager(ids)
+
+
+@quant_embed_op.register_fake
+def _(ids: torch.Tensor, handle: int, hidden: int) -> torch.Tensor:
+    return ids.new_empty(ids.shape[0], hidden, dtype=_EMBEDDINGS[handle].dtype)
