@@ -35,6 +35,7 @@ from kvserve.request import Request, RequestStatus
 from kvserve.sched.base import DEFERRED, Scheduler, SchedulerState
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
+from kvserve.spec_decode.scheduling import fit_drafts
 
 # Past the ``prefill_budget_with_decodes`` bound a waiting prompt with at most this
 # many tokens left to compute still joins the step, whole, while the step budget has
@@ -66,7 +67,10 @@ class MixedScheduler(Scheduler):
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this step
-            num_tokens = chunk_size(request.num_tokens - request.num_computed_tokens, budget, cap)
+            num_tokens = chunk_size(
+                request.num_tokens_with_spec - request.num_computed_tokens, budget, cap
+            )
+            num_tokens = fit_drafts(self.kv_cache_manager, request, num_tokens)
             if num_tokens <= 0:
                 continue
             new_blocks = self._allocate_or_preempt(request, num_tokens, step)

@@ -144,7 +144,9 @@ class InputBatch:
             (single_ids if rows == 1 else prefill_ids).append(req_id)
         num_dummy = 0
         if so.decode_batch_size_padded is not None:
-            num_dummy = max(0, so.decode_batch_size_padded - len(single_ids))
+            # a decode step: every scheduled request is a decode (rows of 1, or
+            # 1 + drafts with speculative decoding); dummies pad the request count
+            num_dummy = max(0, so.decode_batch_size_padded - len(so.num_scheduled_tokens))
 
         input_ids: list[int] = []
         positions: list[int] = []
