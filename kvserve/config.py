@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal, TypeGuard
 
+from kvserve.spec_decode.config import SpeculativeConfig
+
 SchedulerPolicy = Literal["mixed", "separated"]
 HashAlgo = Literal["sha256", "builtin"]
 VALID_KV_SEGMENT_SIZES = (0, 512, 1024, 2048, 4096)
@@ -238,3 +240,5 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Speculative decoding (None: off); see kvserve.spec_decode.config.
+    speculative: SpeculativeConfig | None = None

@@ -454,4 +454,5 @@ def _model_runner(
         config.scheduler,
         compile=config.model.compile,
         grammar_compiler=grammar_compiler,
+        speculative_config=config.speculative,
     )
