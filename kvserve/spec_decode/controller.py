@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-PRIOR_ALPHA = 0.5  # acceptance assumed for a request not yet measured
+PRIOR_ALPHA = 0.6  # acceptance assumed for a request not yet measured
 PRIOR_WEIGHT = 2.0  # in positions: how fast measurements override the prior
 DECAY = 0.9  # per observation: recent acceptance counts more
 PROBE_EVERY = 16
