@@ -98,11 +98,11 @@ def main() -> None:
     print(f"dtype={args.dtype} context={ctx} threads={args.threads}; T(1,0)={base:.1f} ms")
     for b in batches:
         row = "  ".join(f"k={k}: {med[(b, k)]:7.1f} ms" for k in ks)
-        rhos = [
-            (med[(b, k)] - med[(b, 0)]) / (b * k) / base for k in ks if k and (b, 0) in med
-        ]
-        print(f"B={b:3d}  {row}   rho(per extra token / T(1,0)) = "
-              + ", ".join(f"{x:.3f}" for x in rhos))
+        rhos = [(med[(b, k)] - med[(b, 0)]) / (b * k) / base for k in ks if k and (b, 0) in med]
+        print(
+            f"B={b:3d}  {row}   rho(per extra token / T(1,0)) = "
+            + ", ".join(f"{x:.3f}" for x in rhos)
+        )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("random", "shared-prefix", "multi-turn", "long-doc", "interference")
+WORKLOADS = (
+    "random",
+    "shared-prefix",
+    "multi-turn",
+    "long-doc",
+    "interference",
+    "spec-edit",
+    "spec-code",
+    "spec-json",
+    "spec-quote",
+)
 PRESET_NAMES = ("prefix", "chunking", "policy", "throughput", "routing", "disagg")
 
 
@@ -333,7 +343,15 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvserve bench serve: {e}", file=sys.stderr)
         return 2
     cfg = run.config_json() | {"tokenizer": args.tokenizer}
-    report = build_report(run.results, run.duration_s, workload, slo, cfg, run.prefix_cache)
+    report = build_report(
+        run.results,
+        run.duration_s,
+        workload,
+        slo,
+        cfg,
+        run.prefix_cache,
+        spec_decode=run.spec_decode,
+    )
     paths = write_report(
         report, run.results, args.output, plots=not args.no_plots, title=args.workload
     )

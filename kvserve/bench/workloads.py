@@ -52,7 +52,16 @@ from typing import Any, Literal
 from kvserve.config import check_int
 
 WorkloadKind = Literal[
-    "random", "shared-prefix", "multi-turn", "long-doc", "interference", "multi-tenant"
+    "random",
+    "shared-prefix",
+    "multi-turn",
+    "long-doc",
+    "interference",
+    "multi-tenant",
+    "spec-edit",
+    "spec-code",
+    "spec-json",
+    "spec-quote",
 ]
 WORKLOAD_KINDS: tuple[str, ...] = (
     "random",
@@ -61,6 +70,11 @@ WORKLOAD_KINDS: tuple[str, ...] = (
     "long-doc",
     "interference",
     "multi-tenant",
+    # speculative decoding (kvserve.bench.spec_workloads): answers copy from the prompt
+    "spec-edit",
+    "spec-code",
+    "spec-json",
+    "spec-quote",
 )
 
 # Common short English words; almost all are a single BPE token with a leading space.
@@ -204,7 +218,7 @@ class WorkloadSpec:
         if self.kind in ("shared-prefix", "multi-tenant"):
             positive["prefix_len"] = ("--prefix-len 1024", self.prefix_len)
             positive["num_prefixes"] = ("--num-prefixes 4", self.num_prefixes)
-        if self.kind == "multi-turn":
+        if self.kind in ("multi-turn", "spec-quote"):
             positive["turns"] = ("--turns 4", self.turns)
         if self.kind == "long-doc":
             positive["num_docs"] = ("--num-docs 2", self.num_docs)
@@ -312,6 +326,13 @@ def build_workload(spec: WorkloadSpec, vocab: WordVocabulary | None = None) -> W
             doc = i % spec.num_docs
             turn = Turn(vocab.text(rng, spec.input_len), spec.input_len, spec.output_len)
             sessions.append(Session(i, docs[doc], spec.doc_len, (turn,), prefix_group=doc))
+    elif spec.kind.startswith("spec-"):
+        from kvserve.bench.spec_workloads import build_spec_sessions
+
+        sessions = build_spec_sessions(
+            spec.kind, spec.num_requests, spec.input_len, spec.output_len, spec.turns, rng
+        )
+        return Workload(spec, tuple(sessions), exact_lengths=False)
     else:  # interference
         for i in range(spec.num_decodes):
             turn = Turn(vocab.text(rng, spec.input_len), spec.input_len, spec.output_len)

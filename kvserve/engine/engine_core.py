@@ -410,6 +410,12 @@ class EngineCore:
             total_padding_tokens=sched.total_padding_tokens,
             scheduler_state=str(sched.state),
             num_failed_steps=self.num_failed_steps,
+            spec_decode_num_drafts=sched.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=sched.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=sched.spec_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(
+                sched.spec_stats.num_accepted_tokens_per_pos
+            ),
         )
 
     def check_no_leaks(self) -> None:

@@ -105,3 +105,8 @@ class EngineStats:
     total_padding_tokens: int = 0
     scheduler_state: str = "IDLE"
     num_failed_steps: int = 0
+    # speculative decoding (kvserve.spec_decode.metrics), cumulative
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()

@@ -61,7 +61,9 @@ def max_drafts(request: Request, max_model_len: int) -> int:
     return max(0, min(by_outputs, by_len))
 
 
-def rollback(request: Request, num_drafts: int, sampled: list[int], stats: SpecDecodingStats) -> None:
+def rollback(
+    request: Request, num_drafts: int, sampled: list[int], stats: SpecDecodingStats
+) -> None:
     """Before appending ``sampled``: undo the rejected drafts' computed tokens."""
     if len(sampled) > num_drafts + 1:
         raise RuntimeError(

@@ -204,7 +204,10 @@ class ModelRunner:
         batch = self.input_batch
         ids = [r for r in req_ids if batch.requests[r].sampling.params.structured_outputs is None]
         histories = [
-            History(batch.requests[r].sampling.prompt_token_ids, batch.requests[r].sampling.output_token_ids)
+            History(
+                batch.requests[r].sampling.prompt_token_ids,
+                batch.requests[r].sampling.output_token_ids,
+            )
             for r in ids
         ]
         out.spec_token_ids = self.spec_decoder.propose(ids, histories)

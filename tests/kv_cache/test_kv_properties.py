@@ -171,9 +171,7 @@ class KVMachine(RuleBasedStateMachine):
         accepted=st.integers(0, 9),
         bonus=st.integers(0, 3),
     )
-    def speculate(
-        self, data: st.DataObject, drafts: list[int], accepted: int, bonus: int
-    ) -> None:
+    def speculate(self, data: st.DataObject, drafts: list[int], accepted: int, bonus: int) -> None:
         """A decode verifies drafts: KV written for the token and every draft, then
         the rejected drafts rolled back and their blocks freed."""
         r = self._pick(data, self.admitted)

@@ -15,9 +15,8 @@ freed) and its cached blocks cover accepted tokens only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import random
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings

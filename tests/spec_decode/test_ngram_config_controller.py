@@ -66,8 +66,15 @@ def test_config_parses_vllm_spelling_and_refuses_bad_values():
         ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
         ({"method": "ngram"}, "num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
-          "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 5,
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_min",
+        ),
         ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ]:
@@ -111,6 +118,36 @@ def test_controller_keeps_only_near_sure_drafts_in_large_batches():
 
 
 def test_spec_decoder_leaves_out_empty_proposals():
-    dec = SpecDecoder(SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 2}))
+    dec = SpecDecoder(
+        SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 2})
+    )
     out = dec.propose(["a", "b"], [[1, 2, 1], [1, 2, 3]])
     assert out == {"a": [2, 1]}
+
+
+def test_spec_counters_from_metrics_text_and_the_run_delta():
+    from kvserve.bench.spec_metrics import parse_spec_counters, spec_delta
+    from kvserve.bench.workloads import WorkloadSpec, build_workload
+
+    text = (
+        "# TYPE kvserve:spec_decode_num_drafts counter\n"
+        'kvserve:spec_decode_num_drafts_total{model_name="m"} 10\n'
+        "# TYPE kvserve:spec_decode_num_draft_tokens counter\n"
+        'kvserve:spec_decode_num_draft_tokens_total{model_name="m"} 40\n'
+        "# TYPE kvserve:spec_decode_num_accepted_tokens counter\n"
+        'kvserve:spec_decode_num_accepted_tokens_total{model_name="m"} 30\n'
+        "# TYPE kvserve:spec_decode_num_accepted_tokens_per_pos counter\n"
+        'kvserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 9\n'
+        'kvserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 8\n'
+    )
+    after = parse_spec_counters(text)
+    assert after is not None and after["drafts"] == 10 and after["per_pos"] == {0: 9, 1: 8}
+    d = spec_delta(None, after)
+    assert d is not None and d["acceptance_rate"] == 0.75 and d["mean_acceptance_length"] == 4.0
+    assert d["acceptance_rate_per_pos"] == [0.9, 0.8]
+    assert parse_spec_counters("# nothing\n") is None
+    for kind in ("spec-edit", "spec-code", "spec-json", "spec-quote"):
+        w = build_workload(WorkloadSpec(kind=kind, num_requests=8, input_len=64, turns=2))
+        assert w.num_requests == 8
+        # the same seed gives the same workload
+        assert w == build_workload(WorkloadSpec(kind=kind, num_requests=8, input_len=64, turns=2))

@@ -28,7 +28,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 CONFIGS = {
     "mixed": {},
     "chunked_budget": {"max_num_batched_tokens": 24, "long_prefill_token_threshold": 8},
-    "separated": {"scheduler_policy": "separated", "max_num_seqs": 4, "num_seqs_buckets": (1, 2, 4)},
+    "separated": {
+        "scheduler_policy": "separated",
+        "max_num_seqs": 4,
+        "num_seqs_buckets": (1, 2, 4),
+    },
     "preempting": {"num_kv_blocks": 16, "max_num_batched_tokens": 64},
     "fixed_k_no_cache": {"enable_prefix_caching": False},
 }
@@ -81,7 +85,9 @@ def test_greedy_with_ngram_speculation_is_token_for_token_exact(
         assert engine.scheduler.num_preemptions > 0
 
 
-def test_seeded_sampling_is_the_same_with_and_without_speculation(loaded_model, single_thread_torch):
+def test_seeded_sampling_is_the_same_with_and_without_speculation(
+    loaded_model, single_thread_torch
+):
     params = SamplingParams(temperature=0.8, top_k=50, seed=1234, max_tokens=32, ignore_eos=True)
     base, _ = run(loaded_model, {}, None, params, rounds=1)
     spec_outs, engine = run(loaded_model, {}, NGRAM, params, rounds=1)

@@ -102,7 +102,9 @@ def test_seeded_rows_draw_what_sequential_decoding_draws():
     sequential = []
     outputs: list[int] = []
     for j in range(3):
-        st = SamplingRequestState(params=params, prompt_token_ids=[0], output_token_ids=list(outputs))
+        st = SamplingRequestState(
+            params=params, prompt_token_ids=[0], output_token_ids=list(outputs)
+        )
         tok = sampler(LOGITS[j : j + 1].clone(), [st]).token_ids[0]
         sequential.append(tok)
         outputs.append(tok)
