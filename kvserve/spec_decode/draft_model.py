@@ -55,9 +55,7 @@ class DraftModelProposer:
         self._reqs: dict[str, _DraftState] = {}
 
     @classmethod
-    def load(
-        cls, config: SpeculativeConfig, target: Any, cache_config: Any
-    ) -> DraftModelProposer:
+    def load(cls, config: SpeculativeConfig, target: Any, cache_config: Any) -> DraftModelProposer:
         """Load ``config.model`` (never from a hub) in ``config.draft_dtype`` (default:
         the target's dtype); refuse a model whose tokenizer differs from the target's.
         The draft's KV cache has as many blocks as ``cache_config`` gives the target

@@ -102,3 +102,19 @@ def test_stop_token_inside_accepted_drafts_ends_the_request(loaded_model, single
     base, _ = run(loaded_model, {}, None, params, rounds=1)
     spec_outs, _ = run(loaded_model, {}, NGRAM, params, rounds=1)
     assert spec_outs == base and all(len(v) == 7 for v in spec_outs.values())
+
+
+def test_draft_model_speculation_is_exact_with_its_own_kv_cache(loaded_model, greedy_reference):
+    # the default model as its own draft (the only model the tests may load): every
+    # greedy draft is accepted, and the output is the reference token for token
+    spec = {
+        "method": "draft_model",
+        "model": "smollm2-135m-instruct",
+        "num_speculative_tokens": 3,
+        "draft_dtype": "float32",
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs, engine = run(loaded_model, {"num_kv_blocks": 128}, spec, params)
+    assert outs == greedy_reference
+    stats = engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and stats.acceptance_rate > 0.9
