@@ -23,7 +23,7 @@ from typing import Any
 METHODS = ("ngram", "draft_model")
 # Cost model default (docs/speculative-decoding.md "Never worse"): on the default model
 # one more token in a decode step costs about this fraction of a one-token step.
-DEFAULT_STEP_COST_PER_TOKEN = 0.1
+DEFAULT_STEP_COST_PER_TOKEN = 0.15
 _KEYS = {
     "method",
     "num_speculative_tokens",
