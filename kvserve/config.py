@@ -12,6 +12,7 @@ from typing import Literal
 from kvserve.checks import check_int as check_int  # re-exported
 from kvserve.checks import config_error as config_error
 from kvserve.checks import is_int as is_int
+from kvserve.spec_decode.config import SpeculativeConfig
 
 SchedulerPolicy = Literal["mixed", "separated"]
 HashAlgo = Literal["sha256", "builtin"]
@@ -256,3 +257,5 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Speculative decoding (None: off); see kvserve.spec_decode.config.
+    speculative: SpeculativeConfig | None = None

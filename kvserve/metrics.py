@@ -12,7 +12,9 @@ Two kinds of series:
 - **Engine state** read at scrape time from a snapshot of ``EngineCore.stats()``
   that the engine thread refreshes after every step (``set_stats_source``): running
   and waiting requests, KV cache usage, active / reclaimable / empty blocks, prefix
-  cache queries and hits, preemptions, padding tokens, scheduler state.
+  cache queries and hits, preemptions, padding tokens, scheduler state, and the
+  speculative-decoding counters (vLLM's ``spec_decode_num_drafts``,
+  ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._per_pos``).
 
 Rules a caller must keep: the stats source must be cheap and thread-safe (it is
 called on the scrape thread); it returns an :class:`~kvserve.engine.outputs.EngineStats`.
@@ -92,6 +94,18 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "Padding tokens computed by the model (bucketed batches).",
     ),
     "num_failed_steps": ("num_failed_steps", "Engine steps whose model execution failed."),
+    "spec_decode_num_drafts": (
+        "spec_decode_num_drafts",
+        "Speculative decoding: proposals verified (one per request and step).",
+    ),
+    "spec_decode_num_draft_tokens": (
+        "spec_decode_num_draft_tokens",
+        "Speculative decoding: draft tokens verified.",
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "spec_decode_num_accepted_tokens",
+        "Speculative decoding: draft tokens accepted.",
+    ),
 }
 
 
@@ -115,6 +129,15 @@ class _EngineStateCollector(Collector):
             if stats is not None:
                 counter.add_metric([self.model_name], float(getattr(stats, key)))
             yield counter
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted at each draft position (0 = first).",
+            labels=["model_name", "position"],
+        )
+        if stats is not None:
+            for pos, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([self.model_name, str(pos)], float(n))
+        yield per_pos
         state = GaugeMetricFamily(
             PREFIX + "scheduler_state",
             "Scheduler state (1 for the current one), e.g. IDLE, ACTIVE_PREFILL, ACTIVE_DECODE.",

@@ -351,6 +351,9 @@ class Request:
         self.num_external_tokens = 0
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
+        # Draft tokens proposed for the next step (speculative decoding); set by the
+        # scheduler from the runner's proposals, never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
         self.stop_reason: int | str | None = None
         # Timing, seconds since the epoch (None until it happens).
         self.first_scheduled_time: float | None = None
@@ -397,6 +400,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """``num_tokens`` plus the draft tokens, which count only while the request is
+        in decode (its prompt done, only the last sampled token left to compute)."""
+        n = len(self.all_token_ids)
+        c = self.num_computed_tokens
+        if self.spec_token_ids and c == n - 1 and c >= len(self.prompt_token_ids):
+            return n + len(self.spec_token_ids)
+        return n
 
     @property
     def num_prompt_tokens(self) -> int:

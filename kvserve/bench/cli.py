@@ -33,6 +33,10 @@ WORKLOADS = (
     "interference",
     "chat-interference",
     "chat-multiturn",
+    "spec-edit",
+    "spec-code",
+    "spec-json",
+    "spec-quote",
 )
 PRESET_NAMES = (
     "prefix",
@@ -372,7 +376,15 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvserve bench serve: {e}", file=sys.stderr)
         return 2
     cfg = run.config_json() | {"tokenizer": args.tokenizer}
-    report = build_report(run.results, run.duration_s, workload, slo, cfg, run.prefix_cache)
+    report = build_report(
+        run.results,
+        run.duration_s,
+        workload,
+        slo,
+        cfg,
+        run.prefix_cache,
+        spec_decode=run.spec_decode,
+    )
     paths = write_report(
         report, run.results, args.output, plots=not args.no_plots, title=args.workload
     )

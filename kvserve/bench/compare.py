@@ -241,7 +241,14 @@ def _run_kvserve_variant(
     cfg = run.config_json() | {"variant": variant.name, "command": command, "startup_s": startup_s}
     cfg["threads"] = variant.threads
     report = build_report(
-        run.results, run.duration_s, workload, SLO(), cfg, run.prefix_cache, kind="compare"
+        run.results,
+        run.duration_s,
+        workload,
+        SLO(),
+        cfg,
+        run.prefix_cache,
+        kind="compare",
+        spec_decode=run.spec_decode,
     )
     report["summary"].update(transfer)
     write_report(report, run.results, out_dir, plots=opts.plots, title=variant.name)

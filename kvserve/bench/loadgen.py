@@ -29,6 +29,7 @@ from typing import Any, Literal
 import httpx
 
 from kvserve.bench.metrics import RequestResult, parse_prefix_cache_counters, prefix_cache_delta
+from kvserve.bench.spec_metrics import parse_spec_counters, spec_delta
 from kvserve.bench.workloads import Session, Workload, arrival_times, render_messages, render_prompt
 
 Endpoint = Literal["completions", "chat"]
@@ -95,6 +96,7 @@ class BenchRun:
     model: str
     prefix_cache: dict[str, Any] | None
     config: LoadConfig
+    spec_decode: dict[str, Any] | None = None  # kvserve.bench.spec_metrics.spec_delta
 
     def config_json(self) -> dict[str, Any]:
         d = asdict(self.config)
@@ -127,16 +129,17 @@ async def _resolve_model(client: httpx.AsyncClient, config: LoadConfig) -> str:
 
 async def _read_prefix_counters(
     client: httpx.AsyncClient, config: LoadConfig
-) -> dict[str, Any] | None:
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(prefix-cache counters, speculative-decoding counters) from ``/metrics``."""
     try:
         resp = await client.get(
             f"{config.root_url}/metrics", headers=_headers(config), timeout=10.0
         )
         if resp.status_code != 200:
-            return None
-        return parse_prefix_cache_counters(resp.text)
+            return None, None
+        return parse_prefix_cache_counters(resp.text), parse_spec_counters(resp.text)
     except (httpx.HTTPError, ValueError):
-        return None
+        return None, None
 
 
 def build_payload(
@@ -231,11 +234,18 @@ async def run_workload_async(workload: Workload, config: LoadConfig) -> BenchRun
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = await _resolve_model(client, config)
         await _warmup(client, config, model, workload)
-        before = await _read_prefix_counters(client, config)
+        before, spec_before = await _read_prefix_counters(client, config)
         results = await _run_sessions(client, config, model, workload)
         duration = max([r.end_time for r in results if not math.isnan(r.end_time)], default=0.0)
-        after = await _read_prefix_counters(client, config)
-    return BenchRun(results, duration, model, prefix_cache_delta(before, after), config)
+        after, spec_after = await _read_prefix_counters(client, config)
+    return BenchRun(
+        results,
+        duration,
+        model,
+        prefix_cache_delta(before, after),
+        config,
+        spec_decode=spec_delta(spec_before, spec_after),
+    )
 
 
 def run_workload(workload: Workload, config: LoadConfig) -> BenchRun:

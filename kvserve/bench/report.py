@@ -34,10 +34,12 @@ def build_report(
     config: dict[str, Any],
     prefix_cache: dict[str, Any] | None,
     kind: str = "serve",
+    spec_decode: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON-ready report of one run (layout in the module docstring)."""
     summary = summarize(results, duration_s, slo)
     summary["prefix_cache_hit_rate"] = prefix_cache["hit_rate"] if prefix_cache else None
+    summary["spec_decode_acceptance_rate"] = spec_decode["acceptance_rate"] if spec_decode else None
     return {
         "kind": kind,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -46,6 +48,7 @@ def build_report(
         "summary": summary,
         "by_tag": summarize_by_tag(results, duration_s, slo),
         "prefix_cache": prefix_cache,
+        "spec_decode": spec_decode,
         "requests": [r.to_json() for r in results],
     }
 
@@ -98,6 +101,18 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append(
             f"{'prefix cache hit rate (server):':<36}{_fmt(100 * s['prefix_cache_hit_rate'], 1)}%"
         )
+    spec = report.get("spec_decode")
+    if spec and spec.get("draft_tokens"):
+        lines.append(
+            f"{'spec decode acceptance rate:':<36}{_fmt(100 * spec['acceptance_rate'], 1)}%"
+            f"  (mean acceptance length {_fmt(spec['mean_acceptance_length'])})"
+        )
+        lines.append(
+            f"{'spec decode drafts / tokens / acc.:':<36}{int(spec['drafts'])} / "
+            f"{int(spec['draft_tokens'])} / {int(spec['accepted_tokens'])}"
+        )
+        per_pos = ", ".join(_fmt(x) for x in spec["acceptance_rate_per_pos"])
+        lines.append(f"{'spec decode acceptance per position:':<36}{per_pos}")
     if s["client_cache_hit_rate"] is not None:
         lines.append(
             f"{'cached prompt tokens (usage):':<36}{_fmt(100 * s['client_cache_hit_rate'], 1)}%"

@@ -72,6 +72,10 @@ WorkloadKind = Literal[
     "multi-tenant",
     "chat-interference",
     "chat-multiturn",
+    "spec-edit",
+    "spec-code",
+    "spec-json",
+    "spec-quote",
 ]
 WORKLOAD_KINDS: tuple[str, ...] = (
     "random",
@@ -82,6 +86,11 @@ WORKLOAD_KINDS: tuple[str, ...] = (
     "multi-tenant",
     "chat-interference",
     "chat-multiturn",
+    # speculative decoding (kvserve.bench.spec_workloads): answers copy from the prompt
+    "spec-edit",
+    "spec-code",
+    "spec-json",
+    "spec-quote",
 )
 
 # Common short English words; almost all are a single BPE token with a leading space.
@@ -225,7 +234,7 @@ class WorkloadSpec:
         if self.kind in ("shared-prefix", "multi-tenant"):
             positive["prefix_len"] = ("--prefix-len 1024", self.prefix_len)
             positive["num_prefixes"] = ("--num-prefixes 4", self.num_prefixes)
-        if self.kind in ("multi-turn", "chat-multiturn"):
+        if self.kind in ("multi-turn", "chat-multiturn", "spec-quote"):
             positive["turns"] = ("--turns 4", self.turns)
         if self.kind == "long-doc":
             positive["num_docs"] = ("--num-docs 2", self.num_docs)
@@ -337,6 +346,13 @@ def build_workload(spec: WorkloadSpec, vocab: WordVocabulary | None = None) -> W
         sessions = _chat_interference(spec, vocab, rng)
     elif spec.kind == "chat-multiturn":
         sessions = _chat_multiturn(spec, vocab, rng)
+    elif spec.kind.startswith("spec-"):
+        from kvserve.bench.spec_workloads import build_spec_sessions
+
+        sessions = build_spec_sessions(
+            spec.kind, spec.num_requests, spec.input_len, spec.output_len, spec.turns, rng
+        )
+        return Workload(spec, tuple(sessions), exact_lengths=False)
     else:  # interference
         for i in range(spec.num_decodes):
             turn = Turn(vocab.text(rng, spec.input_len), spec.input_len, spec.output_len)

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
 class _Option:
     name: str
-    section: str  # "model" | "cache" | "scheduler" | "shared"
+    section: str  # "model" | "cache" | "scheduler" | "shared" | "speculative"
     type: type
     help: str
 
@@ -113,6 +114,14 @@ OPTIONS: tuple[_Option, ...] = (
         int,
         "segment of cached KV read per attention pass: 0, 512, 1024, 2048, 4096",
     ),
+    _Option(
+        "speculative_config",
+        "speculative",
+        dict,
+        "speculative decoding as JSON, as vLLM spells it, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+        "(docs/speculative-decoding.md; default off)",
+    ),
 )
 OPTION_NAMES = tuple(o.name for o in OPTIONS)
 
@@ -141,6 +150,8 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
         if opt.name not in given:
             continue
         value = given[opt.name]
+        if opt.section == "speculative":
+            continue
         if opt.section == "shared":
             if opt.name == "max_model_len":
                 sections["model"]["max_model_len"] = value
@@ -154,6 +165,11 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
         model=ModelConfig(**sections["model"]),
         cache=CacheConfig(**sections["cache"]),
         scheduler=SchedulerConfig(**sections["scheduler"]),
+        speculative=(
+            SpeculativeConfig.from_value(given["speculative_config"])
+            if "speculative_config" in given
+            else None
+        ),
     )
     config.cache.validate()
     return config
@@ -193,6 +209,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             )
         elif opt.type is tuple:
             group.add_argument(flag, type=_parse_int_list, default=None, help=opt.help)
+        elif opt.type is dict:  # JSON text, parsed and validated by build_engine_config
+            group.add_argument(flag, type=str, default=None, help=opt.help)
         else:
             group.add_argument(flag, type=opt.type, default=None, help=opt.help)
 

@@ -447,6 +447,12 @@ class EngineCore:
             scheduler_state=str(sched.state),
             num_failed_steps=self.num_failed_steps,
             **_cost_model_stats(sched.cost_model),
+            spec_decode_num_drafts=sched.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=sched.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=sched.spec_stats.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(
+                sched.spec_stats.num_accepted_tokens_per_pos
+            ),
         )
 
     def check_no_leaks(self) -> None:
@@ -491,6 +497,7 @@ def _model_runner(
         config.scheduler,
         compile=config.model.compile,
         grammar_compiler=grammar_compiler,
+        speculative_config=config.speculative,
     )
 
 

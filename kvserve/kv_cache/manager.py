@@ -355,6 +355,22 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Free the request's blocks past the first ``cdiv(num_tokens, B)`` (speculative
+        decoding: blocks that held only rejected draft tokens), tail first; returns
+        how many were freed. Blocks below are kept, cached ones stay cached."""
+        blocks = self.req_to_blocks.get(request.req_id)
+        if not blocks:
+            return 0
+        keep = cdiv(max(0, num_tokens), self.block_size)
+        if keep >= len(blocks):
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.num_cached_blocks[request.req_id] = min(self.num_cached_blocks[request.req_id], keep)
+        self.block_pool.free_blocks(reversed(tail))
+        return len(tail)
+
     def get_block_ids(self, req_id: str) -> list[int]:
         """Block ids held by the request, in position order ([] if none)."""
         return [b.block_id for b in self.req_to_blocks.get(req_id, ())]

@@ -56,6 +56,8 @@ from kvserve.sched.cost_model import CostModel, StepBudget
 from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.sched.samples import SampleForker, core_output
 from kvserve.sched.step_builder import StepBuilder, chunk_size
+from kvserve.spec_decode import scheduling as spec
+from kvserve.spec_decode.metrics import SpecDecodingStats
 
 DEFERRED = -1
 # A waiting request is deferred only when more than this many of the tokens it would
@@ -146,6 +148,7 @@ class Scheduler(abc.ABC):
         # Step-time model (kvserve.sched.cost_model), set by the engine; None: token
         # budgets only. ``config.max_step_ms`` applies only with one.
         self.cost_model: CostModel | None = None
+        self.spec_stats = SpecDecodingStats()  # speculative decoding (kvserve.spec_decode)
 
     # ------------------------------------------------------------------ counters
     @property
@@ -502,6 +505,7 @@ class Scheduler(abc.ABC):
             decode_batch_size_padded=decode_batch_size_padded,
             forks=forks,
             block_copies=copies,
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
@@ -535,7 +539,8 @@ class Scheduler(abc.ABC):
                     "apply each schedule() output exactly once, in order"
                 )
             request.num_computed_tokens += num_tokens
-            if self.enable_prefix_caching:
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if self.enable_prefix_caching and not drafts:
                 kv.cache_blocks(request, request.num_computed_tokens)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # mid-prefill: nothing sampled
@@ -545,12 +550,19 @@ class Scheduler(abc.ABC):
                     f"update_from_output: the model runner returned no sampled token for "
                     f"{req_id!r}, which computed all its {request.num_tokens} tokens this step"
                 )
+            if drafts:  # roll back the rejected drafts (kvserve.spec_decode.scheduling)
+                spec.rollback(request, len(drafts), sampled, self.spec_stats)
             new_token_ids: list[int] = []
             for token_id in sampled:
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
                 if self._check_stop(request):
                     break
+            if drafts:
+                spec.apply_verification(request, kv, self.enable_prefix_caching)
+            spec.take_proposals(
+                request, model_runner_output.spec_token_ids.get(req_id), self.max_model_len
+            )
             if request.first_token_time is None:
                 request.first_token_time = now
             request.last_token_time = now

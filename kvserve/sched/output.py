@@ -92,6 +92,9 @@ class SchedulerOutput:
     kv_connector_metadata: Any = None
     forks: dict[str, list[ForkData]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: the draft tokens among a request's scheduled tokens (its
+    # last ones); the runner verifies them (kvserve.spec_decode.scheduling).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -122,8 +125,9 @@ class Logprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """Per scheduled request: the sampled token ids (empty while mid-prefill), and for
-    forks the samples' first tokens under their own ids.
+    """Per scheduled request: the sampled token ids (empty while mid-prefill; with
+    verified drafts the accepted drafts then one more token), and for forks the
+    samples' first tokens under their own ids.
 
     ``prompt_logprobs[r] = (start, entries)``: for a request with
     ``prompt_logprobs`` set, ``entries[j]`` scores prompt token ``start + j + 1`` given
@@ -136,6 +140,8 @@ class ModelRunnerOutput:
     # Requests the runner cannot go on with (their grammar matcher failed): req id ->
     # why. The engine ends them with an error; their sampled token is dropped.
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: draft tokens proposed for each request's next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -32,6 +32,10 @@ Each step has ``max_num_batched_tokens`` tokens of budget::
    is deferred and later requests are admitted past it; a step later that block is a
    prefix-cache hit, so a burst of requests on one new shared prefix computes it once.
 
+Speculative decoding: a decode's draft tokens are scheduled tokens of it (they
+count against the budget), but only in a step where no prompt is being computed and
+none waits for a free sequence slot, so drafts never slow prompts down.
+
 When decodes take the whole budget, prompts get 0 tokens that step: they are
 deferred, never dropped, and continue when budget frees. When blocks run out,
 preempt by recompute: the youngest running request not yet scheduled this step (or
@@ -47,6 +51,7 @@ from kvserve.sched.base import DEFERRED, Scheduler, SchedulerState
 from kvserve.sched.cost_model import StepBudget
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
+from kvserve.spec_decode.scheduling import fit_drafts
 
 # Past the ``prefill_budget_with_decodes`` bound a waiting prompt with at most this
 # many tokens left to compute still joins the step, whole, while the step budget has
@@ -77,6 +82,11 @@ class MixedScheduler(Scheduler):
         prompt_limit = self.config.prefill_budget_with_decodes
         capped = False
         timed = self.step_time_budget()  # None: token bounds only
+        # Draft tokens (speculative decoding) only use budget no prompt work wants:
+        # none while a prompt is being computed or one waits for a free sequence slot.
+        drafts_ok = not any(not is_decode(r) for r in self.running) and not (
+            self.waiting and len(self.running) < self.max_num_seqs
+        )
         for request in ordered:
             if prompt_limit and step.decode_ids and not is_decode(request):
                 capped = capped or budget > prompt_limit
@@ -85,9 +95,11 @@ class MixedScheduler(Scheduler):
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this step
-            num_tokens = chunk_size(request.num_tokens - request.num_computed_tokens, budget, cap)
+            wanted = request.num_tokens_with_spec if drafts_ok else request.num_tokens
+            num_tokens = chunk_size(wanted - request.num_computed_tokens, budget, cap)
             if timed is not None and step.decode_ids and not is_decode(request):
                 num_tokens = _timed_chunk(timed, request, request.num_computed_tokens, num_tokens)
+            num_tokens = fit_drafts(self.kv_cache_manager, request, num_tokens)
             if num_tokens <= 0:
                 continue
             new_blocks = self._allocate_or_preempt(request, num_tokens, step)

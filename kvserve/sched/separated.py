@@ -7,8 +7,9 @@ Each step is one of::
                     padded to the smallest num_batched_tokens_buckets entry >= chunk;
                     every decode is held back this step
     ACTIVE_DECODE   every running decode (1 token each, at most max_num_batched_tokens
-                    of them), the batch padded to the smallest num_seqs_buckets
-                    entry >= its size
+                    of them; draft tokens, speculative decoding, from the budget
+                    left), the batch padded to the smallest num_seqs_buckets
+                    entry >= its number of requests
     IDLE            nothing unfinished
 
 Holdback queue: waiting requests are admitted one at a time, FIFO, only when
@@ -47,6 +48,7 @@ from kvserve.sched.base import Scheduler, SchedulerState
 from kvserve.sched.buckets import get_bucket
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
+from kvserve.spec_decode.scheduling import fit_drafts
 
 MAX_PREFILLS_PER_BATCH = 1
 
@@ -110,12 +112,18 @@ class SeparatedScheduler(Scheduler):
 
         if not step.num_scheduled_tokens:
             decodes = [r for r in self.running if is_decode(r)][:budget]
+            extra = budget - len(decodes)  # budget left for draft tokens
             for request in decodes:
                 if request.status != RequestStatus.RUNNING:
                     continue  # preempted as a victim earlier in this loop
-                new_blocks = self._allocate_or_preempt(request, 1, step)
+                n = 1
+                if extra > 0 and request.spec_token_ids:
+                    wanted = request.num_tokens_with_spec - request.num_computed_tokens
+                    n = fit_drafts(self.kv_cache_manager, request, min(wanted, 1 + extra))
+                new_blocks = self._allocate_or_preempt(request, n, step)
                 if new_blocks is not None:
-                    step.add_running(request, 1, new_blocks)
+                    step.add_running(request, n, new_blocks)
+                    extra -= n - 1
 
         return self._pad(step)
 
@@ -160,7 +168,7 @@ class SeparatedScheduler(Scheduler):
         decode_batch_size_padded: int | None = None
         if step.decode_ids:
             for req_id in step.decode_ids:
-                padded[req_id] = 1
+                padded[req_id] = step.num_scheduled_tokens[req_id]  # 1 + its drafts
             decode_batch_size_padded = get_bucket(len(step.decode_ids), self.num_seqs_buckets)
             self.num_decode_padding_tokens += decode_batch_size_padded - len(step.decode_ids)
         return self._build_output(step, padded, decode_batch_size_padded)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from kvserve.kv_cache.block_pool import KVCacheBlock
 from kvserve.request import Request
 from kvserve.sched.output import CachedRequestData, NewRequestData, Phase
+from kvserve.spec_decode.scheduling import scheduled_drafts
 
 
 def is_decode(request: Request) -> bool:
@@ -50,12 +51,18 @@ class StepBuilder:
         self.cached_seq_len: dict[str, int] = {}
         self.prefill_ids: list[str] = []
         self.decode_ids: list[str] = []
+        self.spec_tokens: dict[str, list[int]] = {}
 
     def _add(self, request: Request, num_tokens: int) -> None:
         req_id = request.req_id
         start = request.num_computed_tokens
         self.num_scheduled_tokens[req_id] = num_tokens
-        self.scheduled_token_ids[req_id] = request.all_token_ids[start : start + num_tokens]
+        tokens = request.all_token_ids[start : start + num_tokens]
+        drafts = scheduled_drafts(request, num_tokens)
+        if drafts:
+            tokens = tokens + drafts
+            self.spec_tokens[req_id] = drafts
+        self.scheduled_token_ids[req_id] = tokens
         self.cached_seq_len[req_id] = start
         (self.decode_ids if is_decode(request) else self.prefill_ids).append(req_id)
 

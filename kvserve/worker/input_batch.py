@@ -62,7 +62,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_rows] int64
     positions: torch.Tensor  # [num_rows] int64
     attn_meta: AttentionMetadata
-    logits_rows: torch.Tensor  # [num_sampled] int64: last real row of each sampled request
+    # [num_sampled] int64: last real row of each sampled request (a request with
+    # drafts: its last 1 + num_drafts rows)
+    logits_rows: torch.Tensor
     sample_req_ids: list[str]  # request ids in logits_rows order
     num_rows: int  # real + padding + dummy rows
     prompt_logprob_rows: list[PromptLogprobsRows]  # requests with prompt_logprobs set
@@ -144,7 +146,9 @@ class InputBatch:
             (single_ids if rows == 1 else prefill_ids).append(req_id)
         num_dummy = 0
         if so.decode_batch_size_padded is not None:
-            num_dummy = max(0, so.decode_batch_size_padded - len(single_ids))
+            # a decode step: every scheduled request is a decode (rows of 1, or
+            # 1 + drafts with speculative decoding); dummies pad the request count
+            num_dummy = max(0, so.decode_batch_size_padded - len(so.num_scheduled_tokens))
 
         input_ids: list[int] = []
         positions: list[int] = []
@@ -177,7 +181,9 @@ class InputBatch:
                 if to_score is not None:
                     scored.append(to_score)
             if start + n >= state.num_tokens:  # all its tokens have KV: sample the next
-                logits_rows.append(row + n - 1)
+                # with drafts (speculative decoding): one row per draft, and the last
+                num_drafts = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
+                logits_rows.extend(range(row + n - 1 - num_drafts, row + n))
                 sample_req_ids.append(req_id)
         input_ids.extend([self.pad_token_id] * num_dummy)
         positions.extend([0] * num_dummy)

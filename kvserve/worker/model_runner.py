@@ -22,6 +22,10 @@ from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.decoder import History, SpecDecoder
+from kvserve.spec_decode.factory import build_spec_decoder
+from kvserve.spec_decode.verify import draft_states, num_accepted
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.structured.matcher import StructuredBatch
 from kvserve.worker.compiled_step import CompiledDecode
@@ -79,6 +83,7 @@ class ModelRunner:
         sampler: Sampler | None = None,
         compile: bool = False,
         grammar_compiler: GrammarCompiler | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.loaded = loaded
         self.model: LlamaForCausalLM = loaded.model
@@ -117,6 +122,9 @@ class ModelRunner:
         self.kv_connector: KVConnectorWorker | None = None
         self.structured = StructuredBatch(grammar_compiler) if grammar_compiler else None
         self.compiled: CompiledDecode | None = None
+        self.spec_decoder: SpecDecoder | None = None
+        if speculative_config is not None:
+            self.spec_decoder = build_spec_decoder(speculative_config, loaded, cache_config)
         if compile:
             policy = scheduler_config.scheduler_policy
             self.compiled = CompiledDecode(
@@ -149,6 +157,9 @@ class ModelRunner:
         if self.structured is not None:
             for req_id in so.finished_req_ids:
                 self.structured.drop(req_id)
+        if self.spec_decoder is not None:
+            for req_id in so.finished_req_ids:
+                self.spec_decoder.drop(req_id)
         batch.update_states(so)
         kv_meta = so.kv_connector_metadata
         if kv_meta is not None and self.kv_connector is not None:
@@ -178,10 +189,103 @@ class ModelRunner:
             },
         )
         if inputs.sample_req_ids:
-            self._sample(so, inputs, hidden, masks.result() if masks else None, out)
+            mask = masks.result() if masks else None
+            if so.scheduled_spec_decode_tokens:
+                self._sample_verify(so, inputs, hidden, mask, out)
+            else:
+                self._sample(so, inputs, hidden, mask, out)
+            if self.spec_decoder is not None:
+                self._propose(inputs.sample_req_ids, out)
         if self.structured is not None:
             out.failed = self.structured.take_failures()
         return out
+
+    def _propose(self, req_ids: list[str], out: ModelRunnerOutput) -> None:
+        """Draft tokens for the next step of the requests that sampled this step."""
+        assert self.spec_decoder is not None
+        batch = self.input_batch
+        ids = [r for r in req_ids if batch.requests[r].sampling.params.structured_outputs is None]
+        histories = [
+            History(
+                batch.requests[r].sampling.prompt_token_ids,
+                batch.requests[r].sampling.output_token_ids,
+            )
+            for r in ids
+        ]
+        out.spec_token_ids = self.spec_decoder.propose(ids, histories)
+
+    def _sample_verify(
+        self,
+        so: SchedulerOutput,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        mask: torch.Tensor | None,
+        out: ModelRunnerOutput,
+    ) -> None:
+        """:meth:`_sample` for a step with draft tokens: every logits row of a request
+        with drafts is sampled and the drafts verified (kvserve.spec_decode.verify);
+        the blocks that held only rejected drafts leave the request's block table,
+        as they leave the scheduler's (``cdiv(kept tokens, block_size)`` blocks stay)."""
+        batch = self.input_batch
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
+        drafts_of = so.scheduled_spec_decode_tokens
+        states: list[SamplingRequestState] = []
+        rows: list[int] = []  # logits row of each entry
+        mask_rows: list[int] = []  # mask row (one per request) of each entry
+        spans: list[tuple[str, int, int]] = []  # req id, first entry, entries
+        forks: list[tuple[str, int]] = []  # fork id, entry
+        row = 0
+        for i, req_id in enumerate(inputs.sample_req_ids):
+            state = batch.requests[req_id].sampling
+            drafts = drafts_of.get(req_id, [])
+            own = draft_states(state, drafts)
+            spans.append((req_id, len(states), len(own)))
+            states.extend(own)
+            rows.extend(range(row, row + len(own)))
+            mask_rows.extend([i] * len(own))
+            row += len(own)
+            for fork in so.forks.get(req_id, ()):
+                forks.append((fork.req_id, len(states)))
+                states.append(
+                    SamplingRequestState(
+                        params=fork.sampling_params,
+                        prompt_token_ids=state.prompt_token_ids,
+                        output_token_ids=[],
+                        eos_token_id=state.eos_token_id,
+                    )
+                )
+                rows.append(row - 1)
+                mask_rows.append(i)
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        if mask is not None:
+            mask = mask.index_select(0, torch.tensor(mask_rows, device=mask.device))
+        result = self.sampler(logits, states, token_mask=mask)
+        bs = self.block_size
+        for req_id, first, count in spans:
+            samples = result.token_ids[first : first + count]
+            drafts = drafts_of.get(req_id, [])
+            m = num_accepted(samples, drafts) if drafts else 0
+            tokens = samples[: m + 1]
+            out.sampled_token_ids[req_id] = tokens
+            lps = result.logprobs[first : first + m + 1]
+            if lps[0] is not None:
+                out.logprobs[req_id] = [lp for lp in lps if lp is not None]
+            cached = batch.requests[req_id]
+            cached.sampling.output_token_ids.extend(tokens)
+            if drafts:
+                kept = so.cached_seq_len[req_id] + 1 + m  # tokens with valid KV
+                del cached.block_ids[-(-kept // bs) :]
+                if self.spec_decoder is not None:
+                    self.spec_decoder.observe(req_id, len(drafts), m)
+            if self.structured is not None:
+                for token_id in tokens:
+                    self.structured.accept(req_id, token_id)
+        for fork_id, k in forks:
+            out.sampled_token_ids[fork_id] = [result.token_ids[k]]
+            lp = result.logprobs[k]
+            if lp is not None:
+                out.logprobs[fork_id] = [lp]
 
     def _sample(
         self,

@@ -10,6 +10,13 @@ Besides the manager's own ``check_invariants``, the machine keeps an independent
   there. Every prefix hit must return blocks whose content is exactly what the request
   would have computed itself, and a write must never land in a block someone else holds
   or in a cached block.
+
+Speculative decoding (rule ``speculate``): a decode computes its token plus random
+drafts, a random prefix of them is accepted (the real rollback of
+``kvserve.spec_decode.scheduling``), and the shadow content of rejected positions is
+what the drafts wrote: a prefix hit must never return a block holding a rejected
+draft's KV, and blocks holding only rejected drafts must be gone (every request holds
+exactly ``cdiv(num_computed_tokens, B)`` blocks).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvserve.kv_cache import KVCacheBlock, KVCacheManager, cdiv
 from kvserve.request import Request, SamplingParams
+from kvserve.spec_decode import scheduling as spec
+from kvserve.spec_decode.metrics import SpecDecodingStats
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16  # 15 usable: a few requests of up to 12 blocks fill it
@@ -155,6 +164,46 @@ class KVMachine(RuleBasedStateMachine):
         r = self._pick(data, self.admitted)
         if r is not None and r.num_computed_tokens == r.num_tokens and r.num_tokens < MAX_MODEL_LEN:
             r.append_output_token_ids(token)
+
+    @rule(
+        data=st.data(),
+        drafts=st.lists(st.integers(0, 3), min_size=1, max_size=9),
+        accepted=st.integers(0, 9),
+        bonus=st.integers(0, 3),
+    )
+    def speculate(self, data: st.DataObject, drafts: list[int], accepted: int, bonus: int) -> None:
+        """A decode verifies drafts: KV written for the token and every draft, then
+        the rejected drafts rolled back and their blocks freed."""
+        r = self._pick(data, self.admitted)
+        if r is None or r.num_computed_tokens != r.num_tokens - 1:
+            return
+        c = r.num_computed_tokens
+        drafts = drafts[: max(0, MAX_MODEL_LEN - r.num_tokens - 1)]
+        if not drafts:
+            return
+        new = self.m.allocate_slots(r, 1 + len(drafts))
+        if new is None:
+            return
+        for blk in new:
+            self.content.pop(blk.block_id, None)
+        blocks = self.m.req_to_blocks[r.req_id]
+        written = r.all_token_ids + drafts
+        for pos in range(c, c + 1 + len(drafts)):
+            blk = blocks[pos // BLOCK_SIZE]
+            assert blk.ref_cnt == 1 and blk.block_hash is None, f"draft KV into shared {blk}"
+            self.content.setdefault(blk.block_id, {})[pos % BLOCK_SIZE] = (
+                r.cache_salt,
+                tuple(written[: pos + 1]),
+            )
+        m = min(accepted, len(drafts))
+        if m < len(drafts) and bonus == drafts[m]:
+            bonus = (bonus + 1) % 4  # a real rejection samples another token
+        sampled = drafts[:m] + [bonus]
+        r.num_computed_tokens = c + 1 + len(drafts)
+        spec.rollback(r, len(drafts), sampled, SpecDecodingStats())
+        r.append_output_token_ids(sampled)
+        spec.apply_verification(r, self.m, self.m.enable_caching)
+        assert r.num_computed_tokens == r.num_tokens - 1 == c + 1 + m
 
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:

@@ -5,10 +5,17 @@ step schedules something while requests are unfinished; scheduled token ids and
 blocks match the requests; the KV cache's own invariants hold; the separated policy
 never mixes phases, runs one prefill per step and pads to its buckets; at the end
 every request not aborted has exactly ``max_tokens`` outputs and no block is held.
+
+With speculation (``spec_k > 0``) the fake runner proposes random drafts and accepts a
+random prefix of each: drafts only ride on decodes, count against the budget, never
+pass ``max_tokens``/``max_model_len``; after every update a running request holds
+exactly ``cdiv(num_computed_tokens, block_size)`` blocks (rejected drafts' blocks
+freed) and its cached blocks cover accepted tokens only.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -80,7 +87,10 @@ def scenarios(draw, policy):
     return config, num_blocks, specs
 
 
-def check_run(config: SchedulerConfig, num_blocks: int, specs: list[Spec]) -> None:
+def check_run(
+    config: SchedulerConfig, num_blocks: int, specs: list[Spec], spec_k: int = 0, seed: int = 0
+) -> None:
+    rng = random.Random(seed)
     kv = KVCacheManager(
         num_blocks,
         config.block_size,
@@ -118,7 +128,14 @@ def check_run(config: SchedulerConfig, num_blocks: int, specs: list[Spec]) -> No
             request = requests[req_id]
             start = out.cached_seq_len[req_id]
             assert n >= 1 and start == request.num_computed_tokens
-            assert out.scheduled_token_ids[req_id] == request.all_token_ids[start : start + n]
+            drafts = out.scheduled_spec_decode_tokens.get(req_id, [])
+            expected = request.all_token_ids[start : start + n - len(drafts)] + drafts
+            assert out.scheduled_token_ids[req_id] == expected
+            if drafts:
+                assert kinds[req_id] and n == 1 + len(drafts)
+                assert drafts == request.spec_token_ids[: len(drafts)]
+                assert request.num_output_tokens + len(drafts) < request.max_tokens
+                assert start + n <= config.max_model_len
             assert len(kv.get_block_ids(req_id)) >= cdiv(start + n, config.block_size)
             assert request.status == RequestStatus.RUNNING
             if req_id in {r.req_id for r in out.scheduled_new_reqs}:
@@ -146,12 +163,26 @@ def check_run(config: SchedulerConfig, num_blocks: int, specs: list[Spec]) -> No
         else:
             assert out.num_scheduled_tokens_padded == out.num_scheduled_tokens
 
-        sampled = {
-            r: [7]
-            for r, n in out.num_scheduled_tokens.items()
-            if out.cached_seq_len[r] + n == requests[r].num_tokens
-        }
-        sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+        sampled = {}
+        for r, n in out.num_scheduled_tokens.items():
+            drafts = out.scheduled_spec_decode_tokens.get(r, [])
+            if out.cached_seq_len[r] + n - len(drafts) == requests[r].num_tokens:
+                m = rng.randint(0, len(drafts))  # accepted drafts
+                sampled[r] = drafts[:m] + [7]
+        proposals = {r: [rng.randint(1, 9) for _ in range(rng.randint(0, spec_k))] for r in sampled}
+        sched.update_from_output(
+            out, ModelRunnerOutput(sampled_token_ids=sampled, spec_token_ids=proposals)
+        )
+        bs = config.block_size
+        for request in sched.running:
+            blocks = kv.req_to_blocks.get(request.req_id, [])
+            if request.req_id in out.scheduled_spec_decode_tokens:
+                assert len(blocks) == cdiv(request.num_computed_tokens, bs), request
+            for i in range(kv.num_cached_blocks.get(request.req_id, 0)):
+                assert (i + 1) * bs <= request.num_computed_tokens
+                # uncached when another block already holds the same content
+                assert blocks[i].block_hash in (None, request.block_hashes[i])
+        kv.check_invariants()
         step += 1
 
     for s in specs:
@@ -164,6 +195,8 @@ def check_run(config: SchedulerConfig, num_blocks: int, specs: list[Spec]) -> No
     kv.check_invariants()
     event(f"preempted: {sched.num_preemptions > 0}")
     event(f"prefix hits: {kv.prefix_cache_hits > 0}")
+    if spec_k:
+        event(f"drafts verified: {sched.spec_stats.num_drafts > 0}")
 
 
 @pytest.mark.parametrize("policy", ["mixed", "separated"])
@@ -172,3 +205,12 @@ def check_run(config: SchedulerConfig, num_blocks: int, specs: list[Spec]) -> No
 def test_random_workloads_keep_every_invariant(policy, data):
     config, num_blocks, specs = data.draw(scenarios(policy))
     check_run(config, num_blocks, specs)
+
+
+@pytest.mark.parametrize("policy", ["mixed", "separated"])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_workloads_with_speculation_keep_every_invariant(policy, data):
+    config, num_blocks, specs = data.draw(scenarios(policy))
+    spec_k = data.draw(st.integers(1, 5))
+    check_run(config, num_blocks, specs, spec_k=spec_k, seed=data.draw(st.integers(0, 1 << 16)))

@@ -1,0 +1,177 @@
+"""Draft-model proposals (``"method": "draft_model"``): a second, smaller model with
+the same tokenizer runs in the same engine, with its own paged KV cache, and
+proposes its greedy continuation.
+
+Per request the proposer keeps the tokens its KV holds (``seen``) and its blocks.
+Each call, for every request that wants ``k`` drafts::
+
+    history  [ ............................ | new tokens since last call ]
+    seen     [ ....................... x y ]   (x y: its own rejected drafts)
+             ^ common prefix c: KV valid up to here; the rest is recomputed
+    step 1:  one chunk history[c:] -> greedy d1     (all requests in one forward)
+    step i:  one row d(i-1)        -> greedy di     (i = 2..k, batched)
+
+Drafts are tokens (a one-hot draft distribution), so the verifier's sample-and-match
+rule is exact (kvserve.spec_decode.verify). A request for which no block is free
+gets no proposal this time. Rules for callers: as :class:`~kvserve.spec_decode.protocol.Proposer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvserve.kv_cache.manager import cdiv
+from kvserve.model.attention import SeqSpec, build_attention_metadata, resolve_attention_backend
+from kvserve.spec_decode.config import SpeculativeConfig
+
+
+@dataclass
+class _DraftState:
+    seen: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+
+class DraftModelProposer:
+    """Greedy proposals from a draft model (see the module docstring)."""
+
+    def __init__(self, loaded: Any, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        from kvserve.worker.model_runner import allocate_kv_cache
+
+        self.loaded = loaded
+        self.model = loaded.model
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = loaded.device
+        self.kv_cache = allocate_kv_cache(
+            self.model, num_blocks, block_size, loaded.dtype, self.device
+        )
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.backend = resolve_attention_backend(loaded.dtype, self.device)
+        self._free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
+        self._reqs: dict[str, _DraftState] = {}
+
+    @classmethod
+    def load(cls, config: SpeculativeConfig, target: Any, cache_config: Any) -> DraftModelProposer:
+        """Load ``config.model`` (never from a hub) in ``config.draft_dtype`` (default:
+        the target's dtype); refuse a model whose tokenizer differs from the target's.
+        The draft's KV cache has as many blocks as ``cache_config`` gives the target
+        (``num_kv_blocks``) or fits in its ``kv_cache_memory_gib``."""
+        from kvserve.model.loader import load_model
+        from kvserve.worker.model_runner import kv_cache_bytes_per_block
+
+        assert config.model is not None
+        dtype = config.draft_dtype or str(target.dtype).removeprefix("torch.")
+        draft = load_model(config.model, dtype=dtype, device=str(target.device))
+        if draft.vocab_size != target.vocab_size or (
+            draft.tokenizer.get_vocab() != target.tokenizer.get_vocab()
+        ):
+            raise ValueError(
+                f"invalid speculative_config model={config.model!r}: its tokenizer differs "
+                f"from the target model's {target.name!r}; a draft model must use the same "
+                "tokenizer (for example: a smaller model of the same family)"
+            )
+        bs = cache_config.block_size
+        if cache_config.num_kv_blocks is not None:
+            num_blocks = int(cache_config.num_kv_blocks)
+        else:
+            per_block = kv_cache_bytes_per_block(draft, bs)
+            num_blocks = max(2, int(cache_config.kv_cache_memory_gib * (1 << 30)) // per_block)
+        return cls(draft, num_blocks, bs, min(draft.max_model_len, target.max_model_len))
+
+    # -- blocks -------------------------------------------------------------------
+    def _ensure_blocks(self, state: _DraftState, num_tokens: int) -> bool:
+        need = cdiv(num_tokens, self.block_size) - len(state.block_ids)
+        if need > len(self._free):
+            return False
+        for _ in range(max(0, need)):
+            state.block_ids.append(self._free.pop())
+        return True
+
+    def drop(self, req_id: str) -> None:
+        state = self._reqs.pop(req_id, None)
+        if state is not None:
+            self._free.extend(reversed(state.block_ids))
+
+    # -- proposing ----------------------------------------------------------------
+    def _forward(self, chunks: list[tuple[_DraftState, list[int], int]]) -> list[int]:
+        """One forward over ``(state, tokens, start position)`` chunks; returns each
+        chunk's greedy next token. Multi-row chunks go first (the metadata rule)."""
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][1]) == 1)
+        ids: list[int] = []
+        pos: list[int] = []
+        specs: list[SeqSpec] = []
+        last_rows: list[int] = []
+        for i in order:
+            state, tokens, start = chunks[i]
+            row = len(ids)
+            ids.extend(tokens)
+            pos.extend(range(start, start + len(tokens)))
+            specs.append(SeqSpec(row, len(tokens), len(tokens), start, state.block_ids))
+            last_rows.append(row + len(tokens) - 1)
+        meta = build_attention_metadata(
+            specs,
+            num_tokens=len(ids),
+            block_size=self.block_size,
+            kv_segment_size=512,
+            device=self.device,
+            backend=self.backend,
+        )
+        dev = self.device
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+        )
+        rows = torch.tensor(last_rows, dtype=torch.long, device=dev)
+        tokens_out = self.model.compute_logits(hidden.index_select(0, rows)).argmax(-1).tolist()
+        result = [0] * len(chunks)
+        for j, i in enumerate(order):
+            result[i] = int(tokens_out[j])
+        return result
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        req_ids: Sequence[str],
+        token_ids: Sequence[Sequence[int]],
+        num_tokens: Sequence[int],
+    ) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in req_ids]
+        active: list[tuple[int, _DraftState, int]] = []  # index, state, k
+        chunks: list[tuple[_DraftState, list[int], int]] = []
+        for i, (req_id, history, k) in enumerate(zip(req_ids, token_ids, num_tokens, strict=True)):
+            n = len(history)
+            k = min(k, self.max_model_len - n)
+            if k <= 0:
+                continue
+            state = self._reqs.setdefault(req_id, _DraftState())
+            c = 0
+            seen = state.seen
+            limit = min(len(seen), n - 1)
+            while c < limit and seen[c] == history[c]:
+                c += 1
+            if not self._ensure_blocks(state, n + k - 1):
+                continue
+            tail = list(history[c:n])
+            state.seen = seen[:c] + tail
+            chunks.append((state, tail, c))
+            active.append((i, state, k))
+        if not chunks:
+            return out
+        firsts = self._forward(chunks)
+        for (i, _state, _), tok in zip(active, firsts, strict=True):
+            out[i].append(tok)
+        for _ in range(1, max(k for _, _, k in active)):
+            step = [(i, s) for i, s, k in active if len(out[i]) < k]
+            if not step:
+                break
+            nexts = self._forward([(s, [out[i][-1]], len(s.seen)) for i, s in step])
+            for (i, s), tok in zip(step, nexts, strict=True):
+                s.seen.append(out[i][-1])
+                out[i].append(tok)
+        return out

@@ -1,0 +1,32 @@
+"""The one interface every proposer implements.
+
+A proposer guesses the next tokens of running requests; the target model then
+verifies the guesses in one step (:mod:`kvserve.spec_decode.verify`). Proposers
+never change a request: they read its token history and return token ids.
+
+Rules a proposer keeps: ``propose`` returns one list per request, in order, each at
+most ``num_tokens[i]`` long (an empty list = no proposal, which costs nothing);
+``drop`` forgets a finished or preempted request (called by the model runner for
+``finished_req_ids``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Proposer(Protocol):
+    def propose(
+        self,
+        req_ids: Sequence[str],
+        token_ids: Sequence[Sequence[int]],
+        num_tokens: Sequence[int],
+    ) -> list[list[int]]:
+        """Up to ``num_tokens[i]`` draft tokens that follow ``token_ids[i]`` (the
+        request's prompt + outputs) for each request ``req_ids[i]``."""
+        ...
+
+    def drop(self, req_id: str) -> None:
+        """Forget any state kept for ``req_id``."""
+        ...
