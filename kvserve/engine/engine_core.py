@@ -454,4 +454,5 @@ def _model_runner(
         config.scheduler,
         compile=config.model.compile,
         grammar_compiler=grammar_compiler,
+        batch_invariant=config.model.batch_invariant,
     )
