@@ -25,9 +25,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--preempt-blocks", type=int, default=0, help="0: skip the preemption run")
-    ap.add_argument(
-        "--batch-invariant", action=argparse.BooleanOptionalAction, default=None
-    )
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None)
     args = ap.parse_args()
     prompts = make_prompts(
         args.num_prompts, args.min_len, args.max_len, shared_prefix=args.shared_prefix

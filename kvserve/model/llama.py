@@ -246,7 +246,9 @@ class LlamaForCausalLM(nn.Module):
         if not self.batch_invariant_supported:
             return False
         assert self._native is not None
-        return not (self.embed_tokens.dtype == torch.bfloat16 and self._native.linear_bf16_amx_available)
+        return not (
+            self.embed_tokens.dtype == torch.bfloat16 and self._native.linear_bf16_amx_available
+        )
 
     def set_batch_invariant(self, on: bool) -> None:
         """Route every linear through the native panels at any row count (``on``) or

@@ -95,7 +95,9 @@ def test_logits_bitwise_whatever_the_schedule(model_of, seed: int) -> None:
         if rng.random() < 0.5:  # and a sibling on the same prefix, for cascade grouping
             others.append(h.new_seq(target_tokens[:shared] + _tokens(rng, 9), donor, shared))
     _random_schedule(h, target, others, rng)
-    assert first_mismatch(target, ref) is None, f"mismatch at position {first_mismatch(target, ref)}"
+    assert first_mismatch(target, ref) is None, (
+        f"mismatch at position {first_mismatch(target, ref)}"
+    )
     for s in others:  # every other request is someone's target too
         if s.logits and s.computed == len(s.tokens):
             alone = Harness(
@@ -111,7 +113,9 @@ def test_long_prompt_chunked_and_decoded(model_of, segment: int) -> None:
     rng = random.Random(7)
     loaded = model_of
     toks = _tokens(rng, 600)
-    h = Harness(loaded.model, loaded.dtype, num_blocks=160, kv_segment_size=segment, batch_invariant=True)
+    h = Harness(
+        loaded.model, loaded.dtype, num_blocks=160, kv_segment_size=segment, batch_invariant=True
+    )
     ref = h.run_alone(toks)
     s = h.new_seq(toks)
     others = [h.new_seq(_tokens(rng, 50)) for _ in range(31)]
