@@ -117,7 +117,7 @@ def check_invariance(
             params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3))
     llm = LLM(**opts)
     report = InvarianceReport(
-        dtype=str(llm.engine.loaded.dtype).removeprefix("torch."),
+        dtype=str(getattr(llm.engine.loaded, "dtype", dtype)).removeprefix("torch."),
         batch_invariant=bool(getattr(llm.engine.runner, "batch_invariant", False)),
         num_prompts=len(prompts),
         prompt_lens=[len(p) for p in prompts],
