@@ -250,6 +250,9 @@ class ModelConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # None: min(model's context, 8192)
     compile: bool = False  # decode steps as torch.compile graphs, one per decode bucket
+    # a row's logits bitwise independent of batch, chunking and cache (docs/determinism.md);
+    # None: on where cheap (every CPU without AMX-BF16, and not with compile)
+    batch_invariant: bool | None = None
 
 
 @dataclass(frozen=True)

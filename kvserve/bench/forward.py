@@ -184,6 +184,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also decode at --decode-batches with each of these comma-separated "
         "quantization values (e.g. none,auto), against the memory-bandwidth limit",
     )
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="batch-invariant kernels on/off (default: the engine's automatic choice)",
+    )
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
@@ -191,13 +197,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class _KvserveDriver:
     """Drives a ModelRunner with hand-built SchedulerOutputs (no scheduler involved)."""
 
-    def __init__(self, loaded: Any, block_size: int, kv_segment_size: int, num_blocks: int) -> None:
+    def __init__(
+        self,
+        loaded: Any,
+        block_size: int,
+        kv_segment_size: int,
+        num_blocks: int,
+        batch_invariant: bool | None = None,
+    ) -> None:
         from kvserve.config import CacheConfig, SchedulerConfig
         from kvserve.request import SamplingParams
         from kvserve.worker.model_runner import ModelRunner
 
         self.runner = ModelRunner(
-            loaded, CacheConfig(block_size=block_size, num_kv_blocks=num_blocks), SchedulerConfig()
+            loaded,
+            CacheConfig(block_size=block_size, num_kv_blocks=num_blocks),
+            SchedulerConfig(),
+            batch_invariant=batch_invariant,
         )
         self.block_size = block_size
         self.kv_segment_size = kv_segment_size
@@ -363,7 +379,9 @@ def run(args: argparse.Namespace) -> int:
         max([n + c for n, c in args.cached_prefill], default=0),
     )
     num_blocks = 2 + 2 * -(-tokens_needed // args.block_size)
-    kv = _KvserveDriver(loaded, args.block_size, args.kv_segment_size, num_blocks)
+    kv = _KvserveDriver(
+        loaded, args.block_size, args.kv_segment_size, num_blocks, args.batch_invariant
+    )
     # HF runs the float weights: the dequantized folder (a quantized GGUF run's own
     # folder holds no weights)
     hf_dir = loaded.model_dir if loaded.quantization == "float" else resolve_model(args.model)
@@ -377,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
         "load_average_1m": os.getloadavg()[0],
         "cpu_count": os.cpu_count(),
         "context": args.context,
+        "batch_invariant": kv.runner.batch_invariant,
         "prefill": {},
         "cached_prefill": {},
         "decode": {},

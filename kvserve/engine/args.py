@@ -59,6 +59,14 @@ OPTIONS: tuple[_Option, ...] = (
         "compile decode steps with torch.compile, one graph per decode bucket, all warmed "
         "at startup (default off)",
     ),
+    _Option(
+        "batch_invariant",
+        "model",
+        bool,
+        "a request's logits bitwise the same whatever else runs, however it is chunked "
+        "or cached (default: on where cheap, i.e. without AMX-BF16 and --compile; "
+        "docs/determinism.md)",
+    ),
     _Option("max_model_len", "shared", int, "longest prompt + output a request may have"),
     _Option("block_size", "shared", int, "tokens per KV block (power of two)"),
     _Option("enable_prefix_caching", "shared", bool, "reuse KV of shared prompt prefixes"),

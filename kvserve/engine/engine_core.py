@@ -498,6 +498,7 @@ def _model_runner(
         compile=config.model.compile,
         grammar_compiler=grammar_compiler,
         speculative_config=config.speculative,
+        batch_invariant=config.model.batch_invariant,
     )
 
 

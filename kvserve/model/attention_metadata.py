@@ -194,6 +194,7 @@ def build_attention_metadata(
     device: torch.device | str = "cpu",
     backend: AttentionBackend = "auto",
     kv_dtype: torch.dtype = torch.float32,
+    batch_invariant: bool = False,
 ) -> AttentionMetadata:
     """Build per-step attention metadata from plain per-request specs.
 
@@ -207,6 +208,12 @@ def build_attention_metadata(
     ``kv_dtype`` on ``device`` (CPU, float32/bfloat16) and the portable path otherwise;
     ``"native"`` raises RuntimeError when the kernel is unavailable; ``"portable"``
     always uses PyTorch ops.
+
+    ``batch_invariant``: every row, prefill or decode, becomes a one-row request of the
+    native kernel at its own position (see :func:`_per_row_seqs`), so a row's attention
+    is computed the same way whatever chunk, batch or prefix grouping it is in (no
+    cascade split, no flash/AMX prefill path). Needs the native kernel (else
+    RuntimeError).
     """
     if kv_segment_size < 0:
         raise ValueError(f"kv_segment_size={kv_segment_size} must be >= 0 (0 = one pass)")
@@ -221,10 +228,21 @@ def build_attention_metadata(
                 f"native paged attention is unavailable for {kv_dtype} on {device} "
                 "(needs a C++ compiler, the CPU and float32/bfloat16): use backend='auto'"
             )
+    if batch_invariant and kernel is None:
+        raise RuntimeError(
+            "batch_invariant attention needs the native kernel (a C++ compiler, the CPU, "
+            "float32/bfloat16): use batch_invariant=False"
+        )
     if kernel is not None:
-        return _build_native(
+        meta = _build_native(
             seqs, kernel, num_tokens, num_dummy_decode_rows, block_size, kv_segment_size, kv_dtype
         )
+        if batch_invariant:
+            assert meta.native is not None
+            meta.native = _per_row_seqs(
+                seqs, meta.native, num_dummy_decode_rows, num_tokens, block_size
+            )
+        return meta
     slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
     prefills: list[PrefillSeq] = []
     decode_seqs: list[SeqSpec] = []
@@ -394,6 +412,48 @@ def _build_native(
             cascade=_cascade_split(info, table, block_size),
         ),
     )
+
+
+def _per_row_seqs(
+    seqs: Sequence[SeqSpec], nb: NativeBatch, num_dummy: int, num_tokens: int, block_size: int
+) -> NativeBatch:
+    """The batch-invariant view of a native batch: one kernel seq per row.
+
+    Row ``j`` of a request with ``cached_seq_len = c`` becomes the one-row seq
+    ``(row, 1, 1, c + j, 0)`` over the request's block table: a decode row at position
+    ``c + j``, attending to keys ``[0, c + j]`` (the step's K/V are written before
+    attention runs). A decode row is the same seq, so a position's attention is one
+    computation, the key walk split only at absolute positions (``kv_segment_size``
+    segments, blocks), however the position was scheduled. Padding rows get
+    ``num_tokens = 0`` (zero output); dummy rows stay one token at the null block.
+    """
+    starts: list[int] = []
+    ctxs: list[int] = []
+    valid: list[int] = []
+    which: list[int] = []
+    for i, s in enumerate(seqs):
+        starts.extend(range(s.token_start, s.token_start + s.num_rows))
+        ctxs.extend(range(s.cached_seq_len, s.cached_seq_len + s.num_rows))
+        valid.extend([1] * s.num_tokens + [0] * (s.num_rows - s.num_tokens))
+        which.extend([i] * s.num_rows)
+    row = len(starts)
+    starts.extend(range(row, row + num_dummy))
+    ctxs.extend([0] * num_dummy)
+    valid.extend([1] * num_dummy)
+    which.extend(range(len(seqs), len(seqs) + num_dummy))
+    assert len(starts) == num_tokens
+    info = np.zeros((num_tokens, 5), dtype=np.int64)
+    info[:, 0] = starts
+    info[:, 1] = 1
+    info[:, 2] = valid
+    info[:, 3] = ctxs
+    # one table row per request (dummies last: the null block), then one per row
+    need = [-(-(s.cached_seq_len + s.num_tokens) // block_size) for s in seqs]
+    full = np.zeros((len(seqs) + num_dummy, max([1, *need])), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        full[i, : need[i]] = np.asarray(s.block_ids[: need[i]], dtype=np.int64)
+    table = full[np.asarray(which, dtype=np.int64)]
+    return NativeBatch(nb.kernel, torch.from_numpy(info), torch.from_numpy(table), [])
 
 
 def _cascade_split(info: np.ndarray, table: np.ndarray, block_size: int) -> CascadeSplit | None:

@@ -59,6 +59,12 @@ class FastLinear:
 
     ``fast=False`` (or a non-CPU device) keeps plain ``F.linear``. ``weight`` stays a
     valid [N, K] tensor (a view of ``wt`` when there is one) for anything else.
+
+    ``invariant`` (batch-invariant mode, see docs/determinism.md): the native panel
+    kernel of the weight's dtype at *every* M (never AMX tiles, oneDNN or MKL), so a
+    row's result is bitwise the same whatever other rows share the call: each output
+    is one fp32 sum over k in order, rounded once, whichever 8-row block holds the
+    row. Rule: only set it where ``panels`` exists (``invariant_capable``).
     """
 
     __slots__ = (
@@ -66,6 +72,7 @@ class FastLinear:
         "amx",
         "bias",
         "handle",
+        "invariant",
         "native",
         "packed",
         "panel_bias",
@@ -93,6 +100,7 @@ class FastLinear:
         self.panel_bias: torch.Tensor | None = None  # fp32, padded (bfloat16 panels)
         self.native = native
         self.amx = False  # whether the bfloat16 panels may run on AMX tiles
+        self.invariant = False  # panels at every M (batch-invariant mode)
         if fast and weight.device.type == "cpu":
             if pack:  # the caller checked mkldnn_linear_works(weight.dtype)
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -122,14 +130,19 @@ class FastLinear:
             return torch.ops.kvserve.fast_linear(x, self.handle, self.weight.shape[0])
         return self.eager(x)
 
+    @property
+    def invariant_capable(self) -> bool:
+        """Whether this layer has the native panels that batch-invariant mode runs."""
+        return self.panels is not None
+
     def eager(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel choice of the class docstring, outside any graph."""
         if self.panels is not None:
             assert self.native is not None
             if self.panels.dtype == torch.float32:
-                if x.shape[0] <= NATIVE_F32_MAX_M:
+                if self.invariant or x.shape[0] <= NATIVE_F32_MAX_M:
                     return self.native.linear_f32(x, self.panels, self.weight.shape[0], self.bias)
-            elif x.shape[0] <= NATIVE_BF16_MAX_M:
+            elif self.invariant or x.shape[0] <= NATIVE_BF16_MAX_M:
                 n = self.weight.shape[0]
                 return self.native.linear_bf16(x, self.panels, n, self.panel_bias)
             elif self.amx and x.shape[0] <= NATIVE_BF16_AMX_MAX_M:

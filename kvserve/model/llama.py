@@ -102,6 +102,7 @@ class LlamaForCausalLM(nn.Module):
         # quantized weights by parameter name ("embed_tokens", "lm_head", "layers.3.qkv_proj"):
         # their nn.Parameter is then an empty placeholder of the model dtype
         self._quant: dict[str, list[QuantWeight]] = {}
+        self.batch_invariant = False  # see set_batch_invariant
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -289,6 +290,45 @@ class LlamaForCausalLM(nn.Module):
             )
         usable = native is not None and PagedAttentionKernel.supports(self.embed_tokens.dtype)
         self._native = native if usable and not self.config.qk_norm else None
+        self.batch_invariant = False
+        self.set_batch_invariant(self.batch_invariant_default)
+
+    def _linears(self) -> list[Linear]:
+        lins = [lin for ops in self._ops for lin in (ops.qkv, ops.o, ops.gate_up, ops.down)]
+        return lins + ([self._lm_head] if self._lm_head is not None else [])
+
+    @property
+    def batch_invariant_supported(self) -> bool:
+        """Whether batch-invariant mode can run: the fused native layers (fp32 residual,
+        per-row norms) and native panels for every linear (docs/determinism.md)."""
+        return self._native is not None and all(lin.invariant_capable for lin in self._linears())
+
+    @property
+    def batch_invariant_default(self) -> bool:
+        """Batch-invariant mode where it is supported and costs about nothing: every CPU
+        whose bfloat16 fast path is not AMX (there the panels match oneDNN's GEMMs at any
+        M; with AMX, oneDNN's AMX prefill GEMMs are much faster than the panels)."""
+        if not self.batch_invariant_supported:
+            return False
+        assert self._native is not None
+        return not (
+            self.embed_tokens.dtype == torch.bfloat16 and self._native.linear_bf16_amx_available
+        )
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Route every linear through the native panels at any row count (``on``) or
+        through the fastest kernel per row count. The attention side of the mode is in
+        the step's metadata (``build_attention_metadata(batch_invariant=...)``), which
+        the caller must set to match. Raises ValueError when ``on`` is unsupported."""
+        if on and not self.batch_invariant_supported:
+            raise ValueError(
+                "batch_invariant=True needs kvserve's native kernels for this model and dtype "
+                "(AVX-512F for float32, AVX512-BF16 for bfloat16, a C++ compiler, a model "
+                "without per-head q/k norms): use batch_invariant=False"
+            )
+        for lin in self._linears():
+            lin.invariant = on
+        self.batch_invariant = on
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, hidden] in the model dtype (dequantized rows when the

@@ -82,9 +82,11 @@ class InputBatch:
         eos_token_id: int | None,
         device: torch.device,
         attention_backend: ResolvedBackend = "portable",
+        batch_invariant: bool = False,
     ) -> None:
         self.block_size = block_size
         self.attention_backend: ResolvedBackend = attention_backend
+        self.batch_invariant = batch_invariant  # per-row attention (docs/determinism.md)
         self.num_kv_blocks = num_kv_blocks
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
@@ -197,6 +199,7 @@ class InputBatch:
             kv_segment_size=so.kv_segment_size,
             device=self.device,
             backend=self.attention_backend,
+            batch_invariant=self.batch_invariant,
         )
         dev = self.device
         return StepInputs(

@@ -65,6 +65,39 @@ def allocate_kv_cache(
     )
 
 
+def resolve_batch_invariant(
+    requested: bool | None, model: LlamaForCausalLM, backend: str, compile: bool
+) -> bool:
+    """Whether a runner runs in batch-invariant mode (docs/determinism.md).
+
+    ``None`` (the default): on where it is supported and cheap
+    (``model.batch_invariant_default``, the native attention backend) and ``compile`` is
+    off (compiled decode graphs use other elementwise kernels than eager prefill).
+    ``True``: on, or ValueError saying why it cannot be; ``False``: off.
+    """
+    if requested is not None and not isinstance(requested, bool):
+        raise ValueError(
+            f"invalid batch_invariant={requested!r}: must be True, False or None (automatic) "
+            "(for example: batch_invariant=True)"
+        )
+    supported = model.batch_invariant_supported and backend == "native"
+    if requested is None:
+        return supported and model.batch_invariant_default and not compile
+    if requested and compile:
+        raise ValueError(
+            "invalid batch_invariant=True with compile=True: compiled decode steps use other "
+            "kernels than eager prefill steps, so a row's logits would depend on how it was "
+            "scheduled (for example: batch_invariant=True, compile=False)"
+        )
+    if requested and not supported:
+        raise ValueError(
+            "invalid batch_invariant=True: it needs kvserve's native kernels for this model "
+            "and dtype (a C++ compiler; AVX-512F for float32, AVX512-BF16 for bfloat16; a "
+            "model without per-head q/k norms) (for example: batch_invariant=False)"
+        )
+    return bool(requested)
+
+
 class ModelRunner:
     """Executes scheduled steps on one model; see the module docstring for the cache.
 
@@ -72,6 +105,8 @@ class ModelRunner:
     runner keeps diffs); ``block_ids`` must never point past ``num_kv_blocks``.
     ``grammar_compiler`` (optional) serves requests with structured outputs; without
     one their params are refused by the engine before they get here.
+    ``batch_invariant``: see :func:`resolve_batch_invariant`; it sets the model's linear
+    routing (``model.set_batch_invariant``), so runners sharing one model must agree.
     """
 
     def __init__(
@@ -84,6 +119,7 @@ class ModelRunner:
         compile: bool = False,
         grammar_compiler: GrammarCompiler | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        batch_invariant: bool | None = None,
     ) -> None:
         self.loaded = loaded
         self.model: LlamaForCausalLM = loaded.model
@@ -110,6 +146,10 @@ class ModelRunner:
         if not isinstance(pad, int):
             pad = getattr(loaded.tokenizer, "pad_token_id", None)
         self.attention_backend = resolve_attention_backend(loaded.dtype, self.device)
+        self.batch_invariant = resolve_batch_invariant(
+            batch_invariant, self.model, self.attention_backend, compile
+        )
+        self.model.set_batch_invariant(self.batch_invariant)
         self.input_batch = InputBatch(
             block_size=self.block_size,
             num_kv_blocks=num_blocks,
@@ -117,6 +157,7 @@ class ModelRunner:
             eos_token_id=loaded.eos_token_ids[0] if loaded.eos_token_ids else None,
             device=self.device,
             attention_backend=self.attention_backend,
+            batch_invariant=self.batch_invariant,
         )
         self.sampler = sampler if sampler is not None else Sampler()
         self.kv_connector: KVConnectorWorker | None = None

@@ -23,7 +23,13 @@ class QuantLinear:
     runs (same arithmetic, fp64 sums). Output dtype = x's dtype.
     """
 
-    __slots__ = ("__weakref__", "bias", "handle", "kernel", "n", "parts", "offsets")
+    __slots__ = ("__weakref__", "bias", "handle", "invariant", "kernel", "n", "parts", "offsets")
+
+    @property
+    def invariant_capable(self) -> bool:
+        """Whether a row's result is independent of M (the native kernel; the portable
+        reference's fp64 sums are per row too, but its dequantization may differ by M)."""
+        return self.kernel is not None
 
     def __init__(
         self,
@@ -42,6 +48,9 @@ class QuantLinear:
         self.n = n
         self.bias = None if bias is None else bias.float().contiguous()
         self.kernel = kernel
+        # Batch-invariant mode (llama.set_batch_invariant) needs nothing here: every M
+        # already runs the one native reduction order. The flag is kept for the caller.
+        self.invariant = False
         self.handle = next(_linear._handles)
         _linear._LINEARS[self.handle] = self
 

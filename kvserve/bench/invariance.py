@@ -1,0 +1,161 @@
+"""Engine-level batch-invariance check (docs/determinism.md).
+
+The same requests through ``LLM`` in several ways must give bitwise-identical tokens
+and logprobs:
+
+- ``alone``: each request by itself, its own cache salt (nothing cached, nothing shared);
+- ``batched``: all of them in groups of 1..``max_num_seqs`` mixed requests (prompts that
+  share a prefix share blocks and in-flight computation within a group);
+- ``cache_hit``: the same groups again, so every prompt but its last block comes from
+  the prefix cache;
+- ``preempted`` (optional): all at once on a KV cache too small for them, so the
+  scheduler preempts and recomputes.
+
+Greedy requests ask for logprobs; seeded sampled requests (temperature, top-p) check
+that a draw depends only on the seed and the position. :func:`check_invariance`
+returns the mismatches (an empty list when everything matched).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.request import SamplingParams
+
+
+@dataclass
+class InvarianceReport:
+    dtype: str
+    batch_invariant: bool
+    num_prompts: int
+    prompt_lens: list[int]
+    modes: list[str]
+    mismatches: list[str] = field(default_factory=list)
+
+
+def make_prompts(
+    num: int, min_len: int, max_len: int, seed: int = 0, shared_prefix: int = 0
+) -> list[list[int]]:
+    """``num`` random token-id prompts of ``min_len..max_len`` tokens (spread evenly);
+    every second one starts with the same ``shared_prefix`` tokens (a system prompt)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100, 40000) for _ in range(shared_prefix)]
+    out = []
+    for i in range(num):
+        n = min_len + (max_len - min_len) * i // max(1, num - 1)
+        body = [rng.randrange(100, 40000) for _ in range(n)]
+        if i % 2 and shared_prefix and n > shared_prefix:
+            body[:shared_prefix] = prefix
+        out.append(body)
+    return out
+
+
+def _signature(out: Any) -> list[tuple[Any, ...]]:
+    """(token ids, per-token logprobs, top ids, top logprobs) of every completion."""
+    sig = []
+    for c in out.outputs:
+        lps = c.logprobs or []
+        sig.append(
+            (
+                tuple(c.token_ids),
+                tuple(lp.sampled_logprob for lp in lps),
+                tuple(tuple(lp.top_token_ids) for lp in lps),
+                tuple(tuple(lp.top_logprobs) for lp in lps),
+            )
+        )
+    return sig
+
+
+def _groups(n: int, max_group: int, rng: random.Random) -> list[list[int]]:
+    """A random split of ``range(n)`` (shuffled) into groups of 1..max_group."""
+    order = list(range(n))
+    rng.shuffle(order)
+    out, i = [], 0
+    while i < n:
+        k = rng.randint(1, max_group)
+        out.append(order[i : i + k])
+        i += k
+    return out
+
+
+def check_invariance(
+    prompts: list[list[int]],
+    *,
+    dtype: str = "auto",
+    batch_invariant: bool | None = None,
+    max_tokens: int = 8,
+    max_num_seqs: int = 32,
+    preempt_blocks: int | None = None,
+    seed: int = 0,
+    **engine_options: Any,
+) -> InvarianceReport:
+    """Run the modes of the module docstring and compare every request bitwise.
+
+    ``preempt_blocks``: also run everything at once on this many KV blocks (small
+    enough to force preemption). Extra ``engine_options`` go to every ``LLM``.
+    """
+    from kvserve.engine.llm import LLM
+
+    rng = random.Random(seed)
+    longest = max(len(p) for p in prompts) + max_tokens + 16
+    opts: dict[str, Any] = {
+        "dtype": dtype,
+        "max_num_seqs": max_num_seqs,
+        "max_model_len": max(longest, 256),
+        "batch_invariant": batch_invariant,
+        **engine_options,
+    }
+    params: list[SamplingParams] = []
+    for i in range(len(prompts)):
+        if i % 3 == 2:  # seeded sampling
+            params.append(
+                SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=max_tokens)
+            )
+        else:
+            params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3))
+    llm = LLM(**opts)
+    report = InvarianceReport(
+        dtype=str(getattr(llm.engine.loaded, "dtype", dtype)).removeprefix("torch."),
+        batch_invariant=bool(getattr(llm.engine.runner, "batch_invariant", False)),
+        num_prompts=len(prompts),
+        prompt_lens=[len(p) for p in prompts],
+        modes=["alone", "batched", "cache_hit"],
+    )
+
+    def run(idx: list[int], salt: str) -> dict[int, list[tuple[Any, ...]]]:
+        outs = llm.generate(
+            prompt_token_ids=[prompts[i] for i in idx],
+            sampling_params=[params[i] for i in idx],
+            use_tqdm=False,
+            cache_salt=salt,
+        )
+        return {i: _signature(o) for i, o in zip(idx, outs, strict=True)}
+
+    alone: dict[int, list[tuple[Any, ...]]] = {}
+    for i in range(len(prompts)):
+        alone.update(run([i], f"alone-{i}"))
+
+    def compare(mode: str, got: dict[int, list[tuple[Any, ...]]]) -> None:
+        for i, sig in sorted(got.items()):
+            if sig != alone[i]:
+                report.mismatches.append(f"{mode}: prompt {i} ({len(prompts[i])} tokens)")
+
+    groups = _groups(len(prompts), max_num_seqs, rng)
+    batched: dict[int, list[tuple[Any, ...]]] = {}
+    for g in groups:
+        batched.update(run(g, "batched"))
+    compare("batched", batched)
+    hits: dict[int, list[tuple[Any, ...]]] = {}
+    for g in reversed(groups):
+        hits.update(run(g, "batched"))
+    compare("cache_hit", hits)
+    if preempt_blocks is not None:
+        report.modes.append("preempted")
+        small = LLM(**{**opts, "num_kv_blocks": preempt_blocks})
+        outs = small.generate(
+            prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, cache_salt="p"
+        )
+        compare("preempted", {i: _signature(o) for i, o in enumerate(outs)})
+    return report
