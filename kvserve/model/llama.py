@@ -305,15 +305,13 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def batch_invariant_default(self) -> bool:
-        """Batch-invariant mode where it is supported and costs about nothing: every CPU
-        whose bfloat16 fast path is not AMX (there the panels match oneDNN's GEMMs at any
-        M; with AMX, oneDNN's AMX prefill GEMMs are much faster than the panels)."""
-        if not self.batch_invariant_supported:
-            return False
-        assert self._native is not None
-        return not (
-            self.embed_tokens.dtype == torch.bfloat16 and self._native.linear_bf16_amx_available
-        )
+        """Off: batch-invariant mode is opt-in (``--batch-invariant``). Its linears cost
+        about nothing off AMX, but its attention runs every prefill row as its own
+        decode-form row, which measured (AMD Zen 5, bf16, ``kvserve bench forward``,
+        2026-12-01) 0.79x the tok/s of a 2,048-token prefill and 0.70x of 512 new tokens
+        over a 2,048-token prefix, against 1.00x at 512 tokens; the step-time budget
+        and the long-prompt workloads would pay that. docs/determinism.md has the table."""
+        return False
 
     def set_batch_invariant(self, on: bool) -> None:
         """Route every linear through the native panels at any row count (``on``) or
