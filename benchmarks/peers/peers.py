@@ -12,9 +12,9 @@ Usage, from the repository root after ``make setup``::
     python benchmarks/peers/peers.py table
 
 Targets are ``ENGINE:FORMAT``: ``kvserve:{bfloat16,float32}``, ``vllm:{bfloat16,float32}``,
-``llamacpp:{q4_1,bf16}``. ``--workloads rand,prefix,interference,multiturn`` picks the
-workloads (the last two are JSONL files ``kvserve bench`` can also write; pass
-``--custom FILE`` for any other). ``--kv-flags "..."`` adds flags to ``kvserve serve``.
+``llamacpp:{q4_1,bf16}``. ``--workloads rand,prefix,single,custom`` picks the workloads;
+``custom`` is a JSONL file of ``{"prompt", "output_tokens"}`` lines given with
+``--custom FILE`` (sent at ``--rate`` requests/s, 24 at a time). ``--kv-flags "..."`` adds flags to ``kvserve serve``.
 Everything lives under ``--root`` (default ``$TMPDIR/kvserve-peers``): venvs, builds,
 logs, one JSON result per (workload, target). Servers bind 127.0.0.1 and are stopped by
 their own process group. The machine must be quiet while this measures: compare rows of
@@ -374,19 +374,6 @@ def _workload_args(name: str, custom: str | None, rate: str) -> list[str]:
     if name in WORKLOADS:
         return WORKLOADS[name]
     path = custom
-    if name in ("interference", "multiturn") and path is None:
-        path = str(Path(tempfile.gettempdir()) / f"kvserve-{name}.jsonl")
-        if not Path(path).exists():
-            _sh(
-                [
-                    str(REPO / ".venv" / "bin" / "kvserve"),
-                    "bench",
-                    "write-workload",
-                    name,
-                    "--output",
-                    path,
-                ]
-            )
     if path is None:
         raise SystemExit(
             f"workload {name!r} needs --custom FILE (JSONL lines with prompt, output_tokens)"
