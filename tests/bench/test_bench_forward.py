@@ -46,7 +46,7 @@ def test_run_reports_cached_prefill_rows(tmp_path: Path, capsys: pytest.CaptureF
     forward.add_arguments(parser)
     out = tmp_path / "r.json"
     args = parser.parse_args(
-        ["--dtype", "float32", "--prefill-lens", "96", "--cached-prefill", "40@56",
+        ["--dtype", "float32", "--quantization", "none", "--prefill-lens", "96", "--cached-prefill", "40@56",
          "--decode-batches", "1", "--decode-steps", "1", "--repeats", "1", "--no-hf",
          "--attention-backends", "none", "--json", str(out)]
     )  # fmt: skip

@@ -34,6 +34,10 @@ MAX_TOKENS = 8
 COMMON = [
     "--dtype",
     "float32",
+    "--quantization",
+    "none",  # the reference engine runs the float weights (loaded_model)
+    "--max-num-batched-tokens",
+    "512",  # long prompts prefill in several chunks, so there is time to cut them
     "--max-model-len",
     "2048",
     "--num-kv-blocks",
