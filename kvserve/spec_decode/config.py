@@ -34,6 +34,7 @@ _KEYS = {
     "adaptive",
     "step_cost_per_token",
     "draft_dtype",
+    "quantization",
 }
 _EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
@@ -60,6 +61,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None
     draft_dtype: str | None = None
+    quantization: str = "auto"
     disable_by_batch_size: int | None = None
     adaptive: bool = True
     step_cost_per_token: float = DEFAULT_STEP_COST_PER_TOKEN
@@ -119,6 +121,11 @@ class SpeculativeConfig:
         dtype = value.get("draft_dtype")
         if dtype is not None and dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise _err("draft_dtype", dtype, "use auto, float32, bfloat16 or float16")
+        quant = value.get("quantization", "auto")
+        if quant not in ("auto", "none", "int8", "int4"):
+            raise _err("quantization", quant, "use auto, none, int8 or int4")
+        if method == "ngram" and "quantization" in value:
+            raise _err("quantization", quant, "only a draft_model has weights to quantize")
         return cls(
             method=method,
             num_speculative_tokens=k,
@@ -126,6 +133,7 @@ class SpeculativeConfig:
             prompt_lookup_max=hi,
             model=model,
             draft_dtype=dtype,
+            quantization=quant,
             disable_by_batch_size=disable,
             adaptive=adaptive,
             step_cost_per_token=float(cost),

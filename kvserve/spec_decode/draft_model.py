@@ -57,7 +57,9 @@ class DraftModelProposer:
     @classmethod
     def load(cls, config: SpeculativeConfig, target: Any, cache_config: Any) -> DraftModelProposer:
         """Load ``config.model`` (never from a hub) in ``config.draft_dtype`` (default:
-        the target's dtype); refuse a model whose tokenizer differs from the target's.
+        the target's dtype) with ``config.quantization`` (default ``auto``: a quantized
+        GGUF runs quantized, so the shipped 4-bit file drafts for a bfloat16 target
+        started with ``--quantization none``); refuse a model whose tokenizer differs from the target's.
         The draft's KV cache has as many blocks as ``cache_config`` gives the target
         (``num_kv_blocks``) or fits in its ``kv_cache_memory_gib``."""
         from kvserve.model.loader import load_model
@@ -65,7 +67,12 @@ class DraftModelProposer:
 
         assert config.model is not None
         dtype = config.draft_dtype or str(target.dtype).removeprefix("torch.")
-        draft = load_model(config.model, dtype=dtype, device=str(target.device))
+        draft = load_model(
+            config.model,
+            dtype=dtype,
+            device=str(target.device),
+            quantization=config.quantization,
+        )
         if draft.vocab_size != target.vocab_size or (
             draft.tokenizer.get_vocab() != target.tokenizer.get_vocab()
         ):

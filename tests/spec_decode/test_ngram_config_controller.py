@@ -60,8 +60,14 @@ def test_config_parses_vllm_spelling_and_refuses_bad_values():
         5,
     )
     d = SpeculativeConfig.from_value({"model": "x.gguf", "num_speculative_tokens": 2})
-    assert d.method == "draft_model"
+    assert d.method == "draft_model" and d.quantization == "auto"
+    q = SpeculativeConfig.from_value(
+        {"model": "x.gguf", "num_speculative_tokens": 2, "quantization": "none"}
+    )
+    assert q.quantization == "none"
     for bad, word in [
+        ({"model": "x.gguf", "num_speculative_tokens": 2, "quantization": "q3"}, "quantization"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"}, "quantization"),
         ("not json", "not JSON"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
         ({"method": "ngram"}, "num_speculative_tokens"),
