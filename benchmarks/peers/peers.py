@@ -14,7 +14,9 @@ Usage, from the repository root after ``make setup``::
 Targets are ``ENGINE:FORMAT``: ``kvserve:{bfloat16,float32}``, ``vllm:{bfloat16,float32}``,
 ``llamacpp:{q4_1,bf16}``. ``--workloads rand,prefix,single,custom`` picks the workloads;
 ``custom`` is a JSONL file of ``{"prompt", "output_tokens"}`` lines given with
-``--custom FILE`` (sent at ``--rate`` requests/s, 24 at a time). ``--kv-flags "..."`` adds flags to ``kvserve serve``.
+``--custom FILE`` (sent at ``--rate`` requests/s, 24 at a time). ``--kv-flags "..."`` adds flags to ``kvserve serve``, ``LC_FLAGS`` in the environment to
+``llama-server``; ``--concurrency`` sets the JSONL workloads' concurrency and ``--suffix``
+tells two runs of one target apart (e.g. with and without speculative decoding).
 Everything lives under ``--root`` (default ``$TMPDIR/kvserve-peers``): venvs, builds,
 logs, one JSON result per (workload, target). Servers bind 127.0.0.1 and are stopped by
 their own process group. The machine must be quiet while this measures: compare rows of
@@ -370,7 +372,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def _workload_args(name: str, custom: str | None, rate: str) -> list[str]:
+def _workload_args(name: str, custom: str | None, rate: str, concurrency: int = 24) -> list[str]:
     if name in WORKLOADS:
         return WORKLOADS[name]
     path = custom
@@ -393,7 +395,7 @@ def _workload_args(name: str, custom: str | None, rate: str) -> list[str]:
         "--request-rate",
         rate,
         "--max-concurrency",
-        "24",
+        str(concurrency),
         "--seed",
         "5",
     ]
@@ -452,6 +454,8 @@ def run_targets(
     rate: str,
     kv_flags: str,
     port: int,
+    concurrency: int = 24,
+    suffix: str = "",
 ) -> None:
     if not lay.bench_cli.exists():
         raise SystemExit("run `peers.py install vllm` first: it installs the bench client")
@@ -461,7 +465,7 @@ def run_targets(
     for target in targets:
         engine, _, fmt = target.partition(":")
         cmd, env = _server_command(lay, engine, fmt, port, kv_flags)
-        tag = f"{engine}_{fmt}"
+        tag = f"{engine}_{fmt}{suffix}"
         log = open(lay.logs / f"server_{tag}.log", "w")  # noqa: SIM115 - closed in finally
         proc = subprocess.Popen(
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -472,7 +476,9 @@ def run_targets(
             (lay.results / f"startup_{tag}.txt").write_text(f"{ready:.1f}\n")
             _bench(lay, f"warm_{tag}", tokenizer, port, WARMUP)
             for w in workloads:
-                res = _bench(lay, f"{w}_{tag}", tokenizer, port, _workload_args(w, custom, rate))
+                res = _bench(
+                    lay, f"{w}_{tag}", tokenizer, port, _workload_args(w, custom, rate, concurrency)
+                )
                 if res:
                     print(
                         f"[{w}_{tag}] {res['output_throughput']:.1f} tok/s, TPOT {res['mean_tpot_ms']:.1f} ms, "
@@ -528,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rate", default="3", help="request rate of JSONL workloads (inf = all at once)"
     )
     run.add_argument("--kv-flags", default="", help="extra flags for kvserve serve")
+    run.add_argument(
+        "--concurrency", type=int, default=24, help="most requests at a time of JSONL workloads"
+    )
+    run.add_argument(
+        "--suffix", default="", help="appended to each target's result label (e.g. _spec)"
+    )
     run.add_argument("--port", type=int, default=8300)
     sub.add_parser("table", help="print the last results")
     args = ap.parse_args(argv)
@@ -543,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
             args.rate,
             args.kv_flags,
             args.port,
+            args.concurrency,
+            args.suffix,
         )
         print(table(lay))
     else:
