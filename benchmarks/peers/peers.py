@@ -372,10 +372,18 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def _workload_args(name: str, custom: str | None, rate: str, concurrency: int = 24) -> list[str]:
+def _workload_args(
+    name: str,
+    custom: str | None,
+    rate: str,
+    concurrency: int = 24,
+    jsonl: dict[str, tuple[str, str]] | None = None,
+) -> list[str]:
     if name in WORKLOADS:
         return WORKLOADS[name]
     path = custom
+    if jsonl and name in jsonl:
+        path, rate = jsonl[name]
     if path is None:
         raise SystemExit(
             f"workload {name!r} needs --custom FILE (JSONL lines with prompt, output_tokens)"
@@ -446,6 +454,28 @@ def _bench(
     return json.loads((lay.results / f"{label}.json").read_text())
 
 
+def _save_metrics(port: int, path: Path) -> None:
+    """Keep the server's /metrics text; print the speculative acceptance if present."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError as e:
+        print(f"metrics not read: {e}")
+        return
+    path.write_text(text)
+    vals: dict[str, float] = {}
+    for line in text.splitlines():
+        for key in ("num_drafts_total", "num_draft_tokens_total", "num_accepted_tokens_total"):
+            if line.startswith(f"kvserve:spec_decode_{key}"):
+                vals[key] = float(line.split()[-1])
+    if vals.get("num_draft_tokens_total"):
+        rate = vals.get("num_accepted_tokens_total", 0.0) / vals["num_draft_tokens_total"]
+        length = 1 + vals.get("num_accepted_tokens_total", 0.0) / max(
+            1.0, vals.get("num_drafts_total", 1.0)
+        )
+        print(f"  speculative acceptance {rate:.1%}, mean acceptance length {length:.2f}")
+
+
 def run_targets(
     lay: Layout,
     targets: list[str],
@@ -456,6 +486,7 @@ def run_targets(
     port: int,
     concurrency: int = 24,
     suffix: str = "",
+    jsonl: dict[str, tuple[str, str]] | None = None,
 ) -> None:
     if not lay.bench_cli.exists():
         raise SystemExit("run `peers.py install vllm` first: it installs the bench client")
@@ -485,6 +516,8 @@ def run_targets(
                         f"p99 ITL {res['p99_itl_ms']:.0f} ms, mean TTFT {res['mean_ttft_ms']:.0f} ms",
                         flush=True,
                     )
+            if engine == "kvserve":  # speculative decoding's counters, among others
+                _save_metrics(port, lay.results / f"metrics_{tag}.txt")
         except RuntimeError as e:
             print(f"[{tag}] {e}; see {lay.logs / f'server_{tag}.log'}")
         finally:
@@ -518,6 +551,17 @@ def table(lay: Layout) -> str:
     return "\n".join(lines)
 
 
+def _parse_jsonl(specs: list[str], rate: str) -> dict[str, tuple[str, str]]:
+    out: dict[str, tuple[str, str]] = {}
+    for spec in specs:
+        name, eq, rest = spec.partition("=")
+        if not eq or not name or not rest:
+            raise SystemExit(f"--jsonl {spec!r}: use NAME=FILE or NAME=FILE@RATE")
+        path, at, r = rest.rpartition("@") if "@" in rest else (rest, "", rate)
+        out[name] = (path, r if at else rate)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "kvserve-peers")
@@ -532,6 +576,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--custom", help="JSONL workload for the custom/interference/multiturn rows")
     run.add_argument(
         "--rate", default="3", help="request rate of JSONL workloads (inf = all at once)"
+    )
+    run.add_argument(
+        "--jsonl",
+        action="append",
+        default=[],
+        metavar="NAME=FILE[@RATE]",
+        help="a named JSONL workload (repeatable), run when --workloads lists NAME",
     )
     run.add_argument("--kv-flags", default="", help="extra flags for kvserve serve")
     run.add_argument(
@@ -557,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
             args.port,
             args.concurrency,
             args.suffix,
+            _parse_jsonl(args.jsonl, args.rate),
         )
         print(table(lay))
     else:
