@@ -108,7 +108,13 @@ class MixedScheduler(Scheduler):
             if timed is not None:
                 start = request.num_computed_tokens
                 done = start + num_tokens >= request.num_tokens
-                timed.add(num_tokens, start, done, prompt=not is_decode(request))
+                timed.add(
+                    num_tokens,
+                    start,
+                    done,
+                    prompt=not is_decode(request),
+                    remaining=request.num_tokens - start,
+                )
             step.add_running(request, num_tokens, new_blocks)
             budget -= num_tokens
             used += num_tokens
@@ -146,7 +152,13 @@ class MixedScheduler(Scheduler):
                 used += admitted
                 if timed is not None and admitted > 0:
                     start = request.num_computed_tokens
-                    timed.add(admitted, start, start + admitted >= request.num_tokens, prompt=True)
+                    timed.add(
+                        admitted,
+                        start,
+                        start + admitted >= request.num_tokens,
+                        prompt=True,
+                        remaining=request.num_tokens - start,
+                    )
                 if in_flight is not None:
                     self._add_in_flight(request, in_flight)
 
