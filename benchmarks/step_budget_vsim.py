@@ -67,7 +67,8 @@ def prompts_for(args: argparse.Namespace) -> list[tuple[list[int], int]]:
         for w in r["prompt"].split():
             toks.append(words.setdefault(w, 100 + len(words)))
         out.append((toks, int(r["output_tokens"])))
-    random.Random(args.seed).shuffle(out)
+    if not args.no_shuffle:
+        random.Random(args.seed).shuffle(out)
     return out
 
 
@@ -135,6 +136,9 @@ def run(
     out = stream_figures(list(times.values()), now[0])
     with_dec = [s["ms"] for s in steps if any(n == 1 for n in s["num_scheduled_tokens"].values())]
     out["steps"] = len(steps)
+    total = sum(len(p) for p, _ in prompts)
+    computed = sum(n for st in steps for n in st["num_scheduled_tokens"].values() if n > 1)
+    out["prompt_tokens_computed_pct"] = 100.0 * computed / total
     out["p99_step_with_decodes_ms"] = (
         sorted(with_dec)[int(0.99 * len(with_dec))] if with_dec else 0.0
     )
@@ -157,6 +161,7 @@ def main() -> int:
     ap.add_argument("--request-rate", type=float, default=float("inf"))
     ap.add_argument("--max-concurrency", type=int, default=16)
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--no-shuffle", action="store_true", help="JSONL: send in file order")
     ap.add_argument("--seeds", type=int, default=1, help="median over this many seeds")
     ap.add_argument("--coef", type=float, nargs=5, default=list(QUIET_BF16))
     ap.add_argument("--noise", type=float, default=0.0, help="lognormal sigma of step times")
@@ -172,8 +177,9 @@ def main() -> int:
         "p50_itl_ms",
         "p99_itl_ms",
         "p99_step_with_decodes_ms",
+        "prompt_tokens_computed_pct",
     )
-    print(f"{'variant':<16}" + "".join(f"{k:>26}" for k in keys))
+    print(f"{'variant':<16}" + "".join(f"{k[:13]:>14}" for k in keys))
     base_seed = args.seed
     for spec in args.variant or ["default="]:
         name, _, flags = spec.partition("=")
@@ -190,7 +196,7 @@ def main() -> int:
             results.append(res)
         args.seed = base_seed
         med = {k: statistics.median(r[k] for r in results) for k in keys}
-        print(f"{name:<16}" + "".join(f"{med[k]:>26.1f}" for k in keys))
+        print(f"{name:<16}" + "".join(f"{med[k]:>14.1f}" for k in keys))
         if args.trace == name:
             for st in results[0]["_steps"]:
                 rows = st["num_scheduled_tokens"]

@@ -286,13 +286,15 @@ class StepBudget:
     Two targets: ``target_ms``, and ``short_target_ms`` (at most ``target_ms``; equal
     when off) for a step whose prompt chunks all belong to short prompts. A prompt is
     short when the whole of its remaining work (its remaining tokens at its context,
-    one sampled row) is predicted to take at most ``short_target_ms``: a short prompt
+    one sampled row; the caller decides from where: the scheduler counts from its
+    prefix-cache hit, so a long prompt's last chunk stays long) is predicted to take at
+    most ``short_target_ms``: a short prompt
     waits at most a short step if it does not fit, while a long one would pay every
     step's decode time again per chunk, so only a long prompt's chunk lifts the step
     to ``target_ms`` (then later chunks of the step, short or not, may fill it).
 
     Rules for callers: :meth:`add` every row scheduled (decodes and chunks, in any
-    order; prompt chunks with ``prompt=True`` and the tokens their prompt had left),
+    order; prompt chunks with ``prompt=True`` and ``short`` from :meth:`is_short`),
     ask :meth:`prompt_tokens` before scheduling a prompt chunk, then :meth:`add` the
     chunk actually scheduled.
     """
@@ -332,23 +334,25 @@ class StepBudget:
         samples: bool = True,
         *,
         prompt: bool = False,
-        remaining: int | None = None,
+        short: bool = False,
     ) -> None:
         """Count a scheduled row; ``prompt`` rows add to :attr:`num_prompt_tokens`, and
-        one of a long prompt (``remaining``: its tokens left before this chunk; None
-        counts as long) lifts the step to ``target_ms``."""
+        one of a long prompt (``short`` False, see :meth:`is_short`) lifts the step to
+        ``target_ms``."""
         self.rows.append((num_new, context, samples))
         if prompt:
             self.num_prompt_tokens += num_new
-            if not self.is_short(context, remaining):
+            if not short:
                 self.has_long_prompt = True
 
-    def prompt_tokens(self, context: int, limit: int, remaining: int | None = None) -> int:
+    def prompt_tokens(
+        self, context: int, limit: int, remaining: int | None = None, *, short: bool = False
+    ) -> int:
         """The most tokens (<= ``limit``) of a prompt at ``context`` that fit in the time
-        left (to ``short_target_ms`` for a short prompt while no long one is in the
+        left (to ``short_target_ms`` for a ``short`` prompt while no long one is in the
         step); a chunk that reaches ``remaining`` (the tokens left to its prompt, when
         given) finishes it and also pays one sampled row."""
-        short = not self.has_long_prompt and self.is_short(context, remaining)
+        short = short and not self.has_long_prompt
         left = self._left(self.short_target_ms if short else self.target_ms)
         n = self.model.max_chunk(left, context, limit)
         if remaining is not None and n >= remaining > 0:

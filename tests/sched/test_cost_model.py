@@ -346,10 +346,12 @@ def test_budget_classifies_short_and_long_prompts():
     assert b.is_short(0, 64) and not b.is_short(0, 1000) and not b.is_short(0, None)
     assert not b.is_short(20_000, 64)  # the same tokens over a long context cost more
     b.add(1, 10, prompt=False)
-    b.add(64, 0, prompt=True, remaining=64)
+    b.add(64, 0, prompt=True, short=True)
     assert not b.has_long_prompt
-    b.add(256, 64, prompt=True, remaining=2000)
+    assert b.prompt_tokens(0, 2048, 64, short=True) < b.prompt_tokens(0, 2048, 64)
+    b.add(256, 64, prompt=True, short=False)
     assert b.has_long_prompt
+    assert b.prompt_tokens(0, 2048, 64, short=True) == b.prompt_tokens(0, 2048, 64)
     # off (0) or above the full target: one target
     assert model.budget(300.0).short_target_ms == 300.0
     assert model.budget(100.0, 400.0).short_target_ms == 100.0
@@ -362,3 +364,20 @@ def test_config_validates_short_prompt_step_ms():
     for bad in (-1, True, "100", 10**6):
         with pytest.raises(ValueError, match="short_prompt_step_ms"):
             SchedulerConfig(short_prompt_step_ms=bad).validate()
+
+
+def test_a_long_prompts_last_chunk_stays_long():
+    model = CostModel(TRUE)
+    sched = make(model, max_num_batched_tokens=2048, max_step_ms=300.0, short_prompt_step_ms=40.0)
+    _decoding(sched, 8)
+    sched.add_request(req("doc", 1200, max_tokens=2))  # ~300 ms of work: long
+    out, _ = step(sched)
+    left = 1200 - out.num_scheduled_tokens["doc"]
+    assert 0 < left * TRUE[1] < 40.0  # what is left would be short on its own
+    for k in range(4):
+        sched.add_request(req(f"s{k}", 64, max_tokens=4))
+    out, sampled = step(sched)
+    assert out.num_scheduled_tokens["doc"] == left
+    # the step stays lifted: the short prompts fill it past the short target
+    assert sum(1 for r in out.num_scheduled_tokens if r.startswith("s")) == 4
+    assert predicted(model, out, sampled) > 40.0
