@@ -77,7 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="send --jsonl / shared-prefix prompts in file order (default: shuffled by --seed)",
     )
-    parser.add_argument("--num-requests", type=int, default=28, help="requests (default: 28)")
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests (default: 32; with --jsonl every line)",
+    )
     parser.add_argument(
         "--input-len",
         type=int,
@@ -193,12 +198,13 @@ def build_prompts(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[i
         if not args.no_shuffle:
             random.Random(args.seed).shuffle(prompts)
         return prompts[: args.num_requests] if args.num_requests else prompts
+    num = args.num_requests or 32
     if args.workload == "random":
         n_in, n_out = args.input_len or 512, args.output_len or 128
-        return [(ids(n_in), n_out) for _ in range(args.num_requests)]
+        return [(ids(n_in), n_out) for _ in range(num)]
     if args.workload == "shared-prefix":
         n_in, n_out = args.input_len or 64, args.output_len or 64
-        per = max(1, args.num_requests // max(1, args.num_prefixes))
+        per = max(1, num // max(1, args.num_prefixes))
         prompts = []
         for _ in range(args.num_prefixes):
             prefix = ids(args.prefix_len)
@@ -215,7 +221,7 @@ def build_prompts(args: argparse.Namespace, tokenizer: Any) -> list[tuple[list[i
 
     spec = WorkloadSpec(
         kind=args.workload,
-        num_requests=args.num_requests,
+        num_requests=num,
         seed=args.seed,
         input_len=args.input_len or 512,
         output_len=args.output_len or 128,
