@@ -332,6 +332,9 @@ def run_once(config: Any, workload: dict[str, Any], args: argparse.Namespace) ->
         sched.schedule = original  # type: ignore[method-assign]
     duration = time.perf_counter() - t0
     target = config.scheduler.max_step_ms
+    kv = engine.kv_cache_manager
+    total_prompt = sum(len(p) for p, _ in prompts)
+    computed = sum(n for r in records for n, _ in r["chunks"])
     with_decodes = [r["measured_ms"] for r in records if r["num_decodes"]]
     result = {
         "config": {
@@ -346,6 +349,11 @@ def run_once(config: Any, workload: dict[str, Any], args: argparse.Namespace) ->
         "startup_s": startup_s,
         "model": model.describe(),
         "streams": stream_figures(list(times.values()), duration),
+        "prefix_cache_hit_rate": (
+            kv.prefix_cache_hits / kv.prefix_cache_queries if kv.prefix_cache_queries else 0.0
+        ),
+        # prompt tokens computed in chunks of 2+ tokens / all prompt tokens sent
+        "prompt_tokens_computed": computed / total_prompt if total_prompt else 0.0,
         "all": summarize_errors(records),
         "by_kind": {k: summarize_errors([r for r in records if r["kind"] == k]) for k in KINDS},
         "steps_with_decodes_ms": (
@@ -483,6 +491,11 @@ def format_result(result: dict[str, Any], show_steps: int = 0) -> str:
             + ", ".join(
                 f"{label} " + fmt.format(s[key]) for key, label, fmt in STREAM_FIGURES if key in s
             )
+        )
+    if "prompt_tokens_computed" in result:
+        lines.append(
+            f"  prompt tokens computed {100 * result['prompt_tokens_computed']:.1f}% of those "
+            f"sent (prefix-cache hit rate {100 * result['prefix_cache_hit_rate']:.1f}%)"
         )
     slow = sorted(
         (r for r in result.get("steps", []) if r["num_decodes"]),
