@@ -44,6 +44,9 @@ SCALE_BOUNDS = (0.25, 4.0)
 # Refit on calibration + the last RECENT_SAMPLES measured steps every REFIT_EVERY steps.
 REFIT_EVERY = 64
 RECENT_SAMPLES = 512
+# A step of short prompts beside decodes may last at least this many times its
+# decodes' predicted time (StepBudget.short_ms): prompts keep half of it.
+SHORT_DECODE_FACTOR = 2.0
 # Predicted-vs-measured pairs kept for :meth:`CostModel.error_summary`.
 ERROR_HISTORY = 4096
 
@@ -284,7 +287,9 @@ class StepBudget:
     """The time left in one step as a policy fills it.
 
     Two targets: ``target_ms``, and ``short_target_ms`` (at most ``target_ms``; equal
-    when off) for a step whose prompt chunks all belong to short prompts. A prompt is
+    when off) for a step whose prompt chunks all belong to short prompts, raised to
+    ``SHORT_DECODE_FACTOR`` times the decode rows' predicted time when they alone take
+    more than half of it (:attr:`short_ms`). A prompt is
     short when the whole of its remaining work (its remaining tokens at its context,
     one sampled row; the caller decides from where: the scheduler counts from its
     prefix-cache hit, so a long prompt's last chunk stays long) is predicted to take at
@@ -320,12 +325,24 @@ class StepBudget:
         overhead = 0.0 if self.rows else self.model.scale * self.model.coef[0]
         return target - self.predicted_ms - overhead
 
+    @property
+    def short_ms(self) -> float:
+        """The short target in effect: ``short_target_ms``, but at least
+        ``SHORT_DECODE_FACTOR`` times the predicted time of the step's decode rows (so
+        prompts keep at least half of a short step however slow the decodes are), and
+        at most ``target_ms``."""
+        if self.short_target_ms >= self.target_ms:
+            return self.target_ms
+        decode_rows = [r for r in self.rows if r[0] == 1]
+        decode_ms = self.model.predict_rows_ms(decode_rows) if decode_rows else 0.0
+        return min(self.target_ms, max(self.short_target_ms, SHORT_DECODE_FACTOR * decode_ms))
+
     def is_short(self, context: int, remaining: int | None) -> bool:
-        """Whether a prompt with ``remaining`` tokens left at ``context`` is short
-        (None: unknown, counted long)."""
+        """Whether a prompt with ``remaining`` tokens left at ``context`` is short: its
+        work fits :attr:`short_ms` (None: unknown, counted long)."""
         if remaining is None or remaining <= 0 or self.short_target_ms >= self.target_ms:
             return False
-        return self.model.chunk_ms(remaining, context, True) <= self.short_target_ms
+        return self.model.chunk_ms(remaining, context, True) <= self.short_ms
 
     def add(
         self,
@@ -353,7 +370,7 @@ class StepBudget:
         step); a chunk that reaches ``remaining`` (the tokens left to its prompt, when
         given) finishes it and also pays one sampled row."""
         short = short and not self.has_long_prompt
-        left = self._left(self.short_target_ms if short else self.target_ms)
+        left = self._left(self.short_ms if short else self.target_ms)
         n = self.model.max_chunk(left, context, limit)
         if remaining is not None and n >= remaining > 0:
             while n > 0 and self.model.chunk_ms(n, context, True) > left:

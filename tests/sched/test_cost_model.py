@@ -381,3 +381,20 @@ def test_a_long_prompts_last_chunk_stays_long():
     # the step stays lifted: the short prompts fill it past the short target
     assert sum(1 for r in out.num_scheduled_tokens if r.startswith("s")) == 4
     assert predicted(model, out, sampled) > 40.0
+
+
+def test_short_target_leaves_prompts_half_of_a_step_with_slow_decodes():
+    model = CostModel(TRUE)
+    b = model.budget(300.0, 40.0)
+    assert b.short_ms == 40.0
+    for _ in range(16):
+        b.add(1, 4000)  # 16 decodes over 4k tokens: ~28 ms with the overhead
+    decode_ms = b.predicted_ms
+    assert decode_ms > 20.0
+    assert b.short_ms == pytest.approx(2 * decode_ms)
+    n = b.prompt_tokens(0, 2048, 64, short=True)
+    assert n > MIN_PROMPT_TOKENS_WITH_DECODES  # not starved to the minimum
+    many = model.budget(300.0, 40.0)
+    for _ in range(128):
+        many.add(1, 8000)
+    assert many.short_ms == 300.0  # never above the full target
