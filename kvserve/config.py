@@ -74,6 +74,17 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # every p99 still under 0.3x vLLM-CPU's.
 DEFAULT_MAX_STEP_MS = 300.0
 
+# Step-time target of a step that decodes while its prompt work is only short prompts
+# (``SchedulerConfig.short_prompt_step_ms``; docs/step-budget.md). Chosen from the step
+# trace of the shared-prefix row (16 streams, 64-token prompts over a cached 1,024-token
+# prefix arriving together): at 300 ms five such prompts shared each step with 10
+# decodes, so p99 ITL was the full 300 ms against vLLM-CPU's 125 ms. On a virtual clock
+# with the quiet machine's fitted cost model (benchmarks/step_budget_vsim.py, which
+# reproduces that row: 262 tok/s, p99 ITL 300 ms), 90 ms gives p99 ITL 91 ms (98 ms with
+# 10 % step-time noise; 100 ms gives 101 / 109-115 ms) at 0.99x tok/s, and leaves the
+# random, interference and multi-turn rows unchanged (no short-prompt-only steps there).
+DEFAULT_SHORT_PROMPT_STEP_MS = 90.0
+
 # A burst wait (``SchedulerConfig.batch_wait_ms``) lasts at most this many times it.
 BATCH_WAIT_MAX_FACTOR = 8
 
@@ -101,6 +112,12 @@ class SchedulerConfig:
       same model while decodes wait. Applies together with
       ``prefill_budget_with_decodes`` (both bounds hold); an engine without a cost
       model (a test's scheduler, an injected runner) uses the token bounds only.
+    - ``short_prompt_step_ms``: number >= 0 (0 = off: ``max_step_ms`` for every
+      prompt). Mixed policy under ``max_step_ms``: a prompt whose whole remaining work
+      is predicted to take at most this long is a short prompt; while a step's prompt
+      chunks are all short prompts, it is filled only up to this target (a long
+      prompt's chunk in the step lifts it to ``max_step_ms``). Values above
+      ``max_step_ms`` act as ``max_step_ms``.
     - ``batch_wait_ms``: number >= 0 (0 = off). A server engine that was idle waits,
       before its first step, until no new request has arrived for this long (at most
       ``BATCH_WAIT_MAX_FACTOR`` times it), so a burst's requests, which the front end
@@ -121,6 +138,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     prefill_budget_with_decodes: int = 0
     max_step_ms: float = DEFAULT_MAX_STEP_MS
+    short_prompt_step_ms: float = DEFAULT_SHORT_PROMPT_STEP_MS
     batch_wait_ms: float = 10.0
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     num_seqs_buckets: tuple[int, ...] | None = None
@@ -173,6 +191,18 @@ class SchedulerConfig:
                 step_ms,
                 "must be a number of milliseconds from 0 (off) to 60000",
                 "max_step_ms=150",
+            )
+        short = self.short_prompt_step_ms
+        if (
+            isinstance(short, bool)
+            or not isinstance(short, int | float)
+            or not 0 <= short <= 60_000
+        ):
+            raise config_error(
+                "short_prompt_step_ms",
+                short,
+                "must be a number of milliseconds from 0 (off) to 60000",
+                "short_prompt_step_ms=100",
             )
         wait = self.batch_wait_ms
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1000:

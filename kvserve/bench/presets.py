@@ -154,6 +154,24 @@ PRESETS: dict[str, ComparePreset] = {
         max_concurrency=16,
         target=Target("output_throughput", "new-default", "old-default", 1.2, at_most=False),
     ),
+    "shared-prefix-c16": ComparePreset(
+        name="shared-prefix-c16",
+        description="2 shared 1,024-token prefixes + 64 unique tokens -> 64, 32 requests, 16 in "
+        "flight (the peer prefix_repetition row): the short-prompt step target off vs on",
+        workload=WorkloadSpec(
+            kind="shared-prefix",
+            num_requests=32,
+            prefix_len=1024,
+            num_prefixes=2,
+            input_len=64,
+            output_len=64,
+        ),
+        variants=(Variant("short-off", ("--short-prompt-step-ms", "0")), Variant("new-default")),
+        reference="short-off",
+        figures=(THROUGHPUT, MEAN_TTFT, P99_ITL, MEAN_TPOT),
+        max_concurrency=16,
+        target=Target("p99_itl_ms", "new-default", "short-off", 0.5, at_most=True),
+    ),
     "prefix": ComparePreset(
         name="prefix",
         description="shared-prefix workload (P=1024, U=64, O=64, 32 requests): prefix caching on vs off",

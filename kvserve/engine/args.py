@@ -98,6 +98,14 @@ OPTIONS: tuple[_Option, ...] = (
         "budgets only)",
     ),
     _Option(
+        "short_prompt_step_ms",
+        "scheduler",
+        float,
+        "mixed policy under max_step_ms: target milliseconds of a step that decodes while "
+        "its prompt work is only short prompts (each predicted to finish within this "
+        "long); a long prompt's chunk lifts the step to max_step_ms (0 = off)",
+    ),
+    _Option(
         "batch_wait_ms",
         "scheduler",
         float,

@@ -303,7 +303,7 @@ class Scheduler(abc.ABC):
         off (``max_step_ms`` 0, or no cost model attached)."""
         if self.cost_model is None or not self.config.max_step_ms:
             return None
-        return self.cost_model.budget(self.config.max_step_ms)
+        return self.cost_model.budget(self.config.max_step_ms, self.config.short_prompt_step_ms)
 
     @abc.abstractmethod
     def schedule(self) -> SchedulerOutput:

@@ -44,6 +44,9 @@ SCALE_BOUNDS = (0.25, 4.0)
 # Refit on calibration + the last RECENT_SAMPLES measured steps every REFIT_EVERY steps.
 REFIT_EVERY = 64
 RECENT_SAMPLES = 512
+# A step of short prompts beside decodes may last at least this many times its
+# decodes' predicted time (StepBudget.short_ms): prompts keep half of it.
+SHORT_DECODE_FACTOR = 2.0
 # Predicted-vs-measured pairs kept for :meth:`CostModel.error_summary`.
 ERROR_HISTORY = 4096
 
@@ -210,9 +213,11 @@ class CostModel:
             n -= 1  # float rounding at the boundary
         return n
 
-    def budget(self, target_ms: float) -> StepBudget:
-        """A fresh time budget of ``target_ms`` for one step (the overhead is spent)."""
-        return StepBudget(self, target_ms)
+    def budget(self, target_ms: float, short_target_ms: float = 0.0) -> StepBudget:
+        """A fresh time budget of ``target_ms`` for one step (the overhead is spent);
+        ``short_target_ms`` (0 = off) is the target while its prompts are all short
+        (see :class:`StepBudget`)."""
+        return StepBudget(self, target_ms, short_target_ms)
 
     # ------------------------------------------------------------------ online correction
     def observe(self, features: Features, measured_ms: float) -> float:
@@ -281,16 +286,31 @@ class CostModel:
 class StepBudget:
     """The time left in one step as a policy fills it.
 
+    Two targets: ``target_ms``, and ``short_target_ms`` (at most ``target_ms``; equal
+    when off) for a step whose prompt chunks all belong to short prompts, raised to
+    ``SHORT_DECODE_FACTOR`` times the decode rows' predicted time when they alone take
+    more than half of it (:attr:`short_ms`). A prompt is
+    short when the whole of its remaining work (its remaining tokens at its context,
+    one sampled row; the caller decides from where: the scheduler counts from its
+    prefix-cache hit, so a long prompt's last chunk stays long) is predicted to take at
+    most ``short_target_ms``: a short prompt
+    waits at most a short step if it does not fit, while a long one would pay every
+    step's decode time again per chunk, so only a long prompt's chunk lifts the step
+    to ``target_ms`` (then later chunks of the step, short or not, may fill it).
+
     Rules for callers: :meth:`add` every row scheduled (decodes and chunks, in any
-    order), ask :meth:`prompt_tokens` before scheduling a prompt chunk, then
-    :meth:`add` the chunk actually scheduled.
+    order; prompt chunks with ``prompt=True`` and ``short`` from :meth:`is_short`),
+    ask :meth:`prompt_tokens` before scheduling a prompt chunk, then :meth:`add` the
+    chunk actually scheduled.
     """
 
-    def __init__(self, model: CostModel, target_ms: float) -> None:
+    def __init__(self, model: CostModel, target_ms: float, short_target_ms: float = 0.0) -> None:
         self.model = model
         self.target_ms = target_ms
+        self.short_target_ms = min(short_target_ms, target_ms) if short_target_ms > 0 else target_ms
         self.rows: list[tuple[int, int, bool]] = []
         self.num_prompt_tokens = 0
+        self.has_long_prompt = False  # a long prompt's chunk is in the step
 
     @property
     def predicted_ms(self) -> float:
@@ -298,22 +318,59 @@ class StepBudget:
 
     @property
     def remaining_ms(self) -> float:
+        """Time left to ``target_ms``."""
+        return self._left(self.target_ms)
+
+    def _left(self, target: float) -> float:
         overhead = 0.0 if self.rows else self.model.scale * self.model.coef[0]
-        return self.target_ms - self.predicted_ms - overhead
+        return target - self.predicted_ms - overhead
+
+    @property
+    def short_ms(self) -> float:
+        """The short target in effect: ``short_target_ms``, but at least
+        ``SHORT_DECODE_FACTOR`` times the predicted time of the step's decode rows (so
+        prompts keep at least half of a short step however slow the decodes are), and
+        at most ``target_ms``."""
+        if self.short_target_ms >= self.target_ms:
+            return self.target_ms
+        decode_rows = [r for r in self.rows if r[0] == 1]
+        decode_ms = self.model.predict_rows_ms(decode_rows) if decode_rows else 0.0
+        return min(self.target_ms, max(self.short_target_ms, SHORT_DECODE_FACTOR * decode_ms))
+
+    def is_short(self, context: int, remaining: int | None) -> bool:
+        """Whether a prompt with ``remaining`` tokens left at ``context`` is short: its
+        work fits :attr:`short_ms` (None: unknown, counted long)."""
+        if remaining is None or remaining <= 0 or self.short_target_ms >= self.target_ms:
+            return False
+        return self.model.chunk_ms(remaining, context, True) <= self.short_ms
 
     def add(
-        self, num_new: int, context: int, samples: bool = True, *, prompt: bool = False
+        self,
+        num_new: int,
+        context: int,
+        samples: bool = True,
+        *,
+        prompt: bool = False,
+        short: bool = False,
     ) -> None:
-        """Count a scheduled row; ``prompt`` rows add to :attr:`num_prompt_tokens`."""
+        """Count a scheduled row; ``prompt`` rows add to :attr:`num_prompt_tokens`, and
+        one of a long prompt (``short`` False, see :meth:`is_short`) lifts the step to
+        ``target_ms``."""
         self.rows.append((num_new, context, samples))
         if prompt:
             self.num_prompt_tokens += num_new
+            if not short:
+                self.has_long_prompt = True
 
-    def prompt_tokens(self, context: int, limit: int, remaining: int | None = None) -> int:
+    def prompt_tokens(
+        self, context: int, limit: int, remaining: int | None = None, *, short: bool = False
+    ) -> int:
         """The most tokens (<= ``limit``) of a prompt at ``context`` that fit in the time
-        left; a chunk that reaches ``remaining`` (the tokens left to its prompt, when
+        left (to ``short_target_ms`` for a ``short`` prompt while no long one is in the
+        step); a chunk that reaches ``remaining`` (the tokens left to its prompt, when
         given) finishes it and also pays one sampled row."""
-        left = self.remaining_ms
+        short = short and not self.has_long_prompt
+        left = self._left(self.short_ms if short else self.target_ms)
         n = self.model.max_chunk(left, context, limit)
         if remaining is not None and n >= remaining > 0:
             while n > 0 and self.model.chunk_ms(n, context, True) > left:

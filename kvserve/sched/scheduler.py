@@ -108,7 +108,13 @@ class MixedScheduler(Scheduler):
             if timed is not None:
                 start = request.num_computed_tokens
                 done = start + num_tokens >= request.num_tokens
-                timed.add(num_tokens, start, done, prompt=not is_decode(request))
+                timed.add(
+                    num_tokens,
+                    start,
+                    done,
+                    prompt=not is_decode(request),
+                    short=_is_short(timed, request, start),
+                )
             step.add_running(request, num_tokens, new_blocks)
             budget -= num_tokens
             used += num_tokens
@@ -146,7 +152,13 @@ class MixedScheduler(Scheduler):
                 used += admitted
                 if timed is not None and admitted > 0:
                     start = request.num_computed_tokens
-                    timed.add(admitted, start, start + admitted >= request.num_tokens, prompt=True)
+                    timed.add(
+                        admitted,
+                        start,
+                        start + admitted >= request.num_tokens,
+                        prompt=True,
+                        short=_is_short(timed, request, start),
+                    )
                 if in_flight is not None:
                     self._add_in_flight(request, in_flight)
 
@@ -163,12 +175,20 @@ class MixedScheduler(Scheduler):
         return request.num_tokens - num_hit
 
 
+def _is_short(timed: StepBudget, request: Request, context: int) -> bool:
+    """Whether ``request``'s prompt is short: its whole uncached work (from its prefix
+    hit, or ``context`` before it has one, to its end) fits the short target. A long
+    prompt's last chunk stays long."""
+    start = request.num_cached_tokens if 0 <= request.num_cached_tokens <= context else context
+    return timed.is_short(start, request.num_tokens - start)
+
+
 def _timed_chunk(timed: StepBudget, request: Request, context: int, limit: int) -> int:
     """``limit`` (the chunk the token bounds allow) cut to what fits in ``timed`` at
     ``context``; the step's first prompt chunk keeps at least
     ``MIN_PROMPT_TOKENS_WITH_DECODES`` tokens (the minimum progress rule)."""
     remaining = request.num_tokens - context
-    n = timed.prompt_tokens(context, limit, remaining)
+    n = timed.prompt_tokens(context, limit, remaining, short=_is_short(timed, request, context))
     if timed.num_prompt_tokens == 0:
         return max(n, min(limit, MIN_PROMPT_TOKENS_WITH_DECODES))
     return n if n >= min(remaining, MIN_TIMED_CHUNK_TOKENS) else 0

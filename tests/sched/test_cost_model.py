@@ -295,3 +295,106 @@ def test_config_validates_max_step_ms():
     for bad in (-1, True, "100", 10**6):
         with pytest.raises(ValueError, match="max_step_ms"):
             SchedulerConfig(max_step_ms=bad).validate()
+
+
+# ---------------------------------------------------------------- short prompts
+
+
+def _decoding(sched, n):
+    for i in range(n):
+        sched.add_request(req(f"d{i}", 16, max_tokens=300))
+    step(sched)  # prompts only: all 8 computed, they decode from now on
+
+
+@pytest.mark.parametrize("short_ms", [0.0, 40.0])
+def test_short_prompts_beside_decodes_fill_only_the_short_target(short_ms):
+    model = CostModel(TRUE)
+    sched = make(
+        model, max_num_batched_tokens=2048, max_step_ms=300.0, short_prompt_step_ms=short_ms
+    )
+    _decoding(sched, 8)
+    for k in range(10):  # each 64@0 ~16 ms of work: short when the rule is on
+        sched.add_request(req(f"s{k}", 64, max_tokens=4))
+    times = []
+    for _ in range(40):
+        out, sampled = step(sched)
+        if any(r.startswith("s") and n > 1 for r, n in out.num_scheduled_tokens.items()):
+            times.append(predicted(model, out, sampled))
+    if short_ms:
+        assert len(times) >= 5 and max(times) <= 40.0 * (1 + 1e-9)
+    else:  # the old rule: every short prompt joins the first step that has room (300 ms)
+        assert len(times) == 1 and times[0] > 150.0
+
+
+def test_a_long_prompt_lifts_the_step_to_max_step_ms():
+    model = CostModel(TRUE)
+    sched = make(model, max_num_batched_tokens=2048, max_step_ms=300.0, short_prompt_step_ms=40.0)
+    _decoding(sched, 8)
+    sched.add_request(req("doc", 3000, max_tokens=2))  # ~750 ms of work: long
+    for k in range(4):
+        sched.add_request(req(f"s{k}", 64, max_tokens=4))
+    out, sampled = step(sched)
+    assert out.num_scheduled_tokens["doc"] > 500
+    t = predicted(model, out, sampled)
+    assert 150.0 < t <= 300.0 * (1 + 1e-9)
+
+
+def test_budget_classifies_short_and_long_prompts():
+    model = CostModel(TRUE)
+    b = model.budget(300.0, 40.0)
+    assert b.short_target_ms == 40.0
+    assert b.is_short(0, 64) and not b.is_short(0, 1000) and not b.is_short(0, None)
+    assert not b.is_short(20_000, 64)  # the same tokens over a long context cost more
+    b.add(1, 10, prompt=False)
+    b.add(64, 0, prompt=True, short=True)
+    assert not b.has_long_prompt
+    assert b.prompt_tokens(0, 2048, 64, short=True) < b.prompt_tokens(0, 2048, 64)
+    b.add(256, 64, prompt=True, short=False)
+    assert b.has_long_prompt
+    assert b.prompt_tokens(0, 2048, 64, short=True) == b.prompt_tokens(0, 2048, 64)
+    # off (0) or above the full target: one target
+    assert model.budget(300.0).short_target_ms == 300.0
+    assert model.budget(100.0, 400.0).short_target_ms == 100.0
+    assert not model.budget(300.0, 0.0).is_short(0, 64)
+
+
+def test_config_validates_short_prompt_step_ms():
+    SchedulerConfig(short_prompt_step_ms=0).validate()
+    SchedulerConfig(short_prompt_step_ms=90.5).validate()
+    for bad in (-1, True, "100", 10**6):
+        with pytest.raises(ValueError, match="short_prompt_step_ms"):
+            SchedulerConfig(short_prompt_step_ms=bad).validate()
+
+
+def test_a_long_prompts_last_chunk_stays_long():
+    model = CostModel(TRUE)
+    sched = make(model, max_num_batched_tokens=2048, max_step_ms=300.0, short_prompt_step_ms=40.0)
+    _decoding(sched, 8)
+    sched.add_request(req("doc", 1200, max_tokens=2))  # ~300 ms of work: long
+    out, _ = step(sched)
+    left = 1200 - out.num_scheduled_tokens["doc"]
+    assert 0 < left * TRUE[1] < 40.0  # what is left would be short on its own
+    for k in range(4):
+        sched.add_request(req(f"s{k}", 64, max_tokens=4))
+    out, sampled = step(sched)
+    assert out.num_scheduled_tokens["doc"] == left
+    # the step stays lifted: the short prompts fill it past the short target
+    assert sum(1 for r in out.num_scheduled_tokens if r.startswith("s")) == 4
+    assert predicted(model, out, sampled) > 40.0
+
+
+def test_short_target_leaves_prompts_half_of_a_step_with_slow_decodes():
+    model = CostModel(TRUE)
+    b = model.budget(300.0, 40.0)
+    assert b.short_ms == 40.0
+    for _ in range(16):
+        b.add(1, 4000)  # 16 decodes over 4k tokens: ~28 ms with the overhead
+    decode_ms = b.predicted_ms
+    assert decode_ms > 20.0
+    assert b.short_ms == pytest.approx(2 * decode_ms)
+    n = b.prompt_tokens(0, 2048, 64, short=True)
+    assert n > MIN_PROMPT_TOKENS_WITH_DECODES  # not starved to the minimum
+    many = model.budget(300.0, 40.0)
+    for _ in range(128):
+        many.add(1, 8000)
+    assert many.short_ms == 300.0  # never above the full target
