@@ -23,9 +23,9 @@ from kvserve.bench.attention_bench import read_bandwidth_gb_s
 
 
 def _kernel():  # type: ignore[no-untyped-def]
-    from kvserve.model.native import get_kernel
+    from kvserve.model.kernels.backend import default_backend
 
-    k = get_kernel()
+    k = default_backend().attention
     if k is None:
         raise SystemExit("the native kernels do not build here")
     return k

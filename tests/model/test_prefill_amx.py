@@ -10,11 +10,12 @@ from model.test_attention import _make_step, reference_attention
 from model.test_cascade_attention import _shared_prefix_specs, shared_prefix_steps
 
 from kvserve.model.attention import build_attention_metadata, paged_attention
-from kvserve.model.native import AMX_ENV_VAR, get_kernel
+from kvserve.model.kernels.backend import default_backend
+from kvserve.model.kernels.prefill_amx import AMX_ENV_VAR
 
-_KERNEL = get_kernel()
+_KERNEL = default_backend().prefill_amx
 pytestmark = pytest.mark.skipif(
-    _KERNEL is None or not _KERNEL.amx_available, reason="this CPU or build has no AMX-BF16"
+    _KERNEL is None or not _KERNEL.available, reason="this CPU or build has no AMX-BF16"
 )
 
 
@@ -95,10 +96,10 @@ def test_amx_off_uses_the_vector_kernel(case: dict) -> None:
 
 def test_amx_needs_bf16_head_dim_64_and_16_aligned_blocks() -> None:
     assert _KERNEL is not None
-    assert _KERNEL.amx_prefill_supports(torch.bfloat16, 64, 16)
-    assert not _KERNEL.amx_prefill_supports(torch.float32, 64, 16)
-    assert not _KERNEL.amx_prefill_supports(torch.bfloat16, 128, 16)
-    assert not _KERNEL.amx_prefill_supports(torch.bfloat16, 64, 8)
+    assert _KERNEL.supports(torch.bfloat16, 64, 16)
+    assert not _KERNEL.supports(torch.float32, 64, 16)
+    assert not _KERNEL.supports(torch.bfloat16, 128, 16)
+    assert not _KERNEL.supports(torch.bfloat16, 64, 8)
 
 
 @settings(max_examples=25, deadline=None)
