@@ -46,13 +46,13 @@ def _run(case: dict, monkeypatch: pytest.MonkeyPatch, amx: bool) -> tuple[torch.
     assert _KERNEL is not None
     monkeypatch.setenv(AMX_ENV_VAR, "1" if amx else "0")
     calls = []
-    original = type(_KERNEL).prefill_attention_amx
+    original = type(_KERNEL).__call__
 
     def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(args[2].shape[0])
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(_KERNEL), "prefill_attention_amx", spy)
+    monkeypatch.setattr(type(_KERNEL), "__call__", spy)
     specs, num_tokens, kv_cache = _make_step(case)
     kv_cache = kv_cache.bfloat16()
     gen = torch.Generator().manual_seed(case["seed"] + 1)
@@ -109,7 +109,7 @@ def test_cascade_decode_matches_reference(case: dict) -> None:
     assert _KERNEL is not None
     specs, num_tokens, kv_cache, num_groups = _shared_prefix_specs(case)
     calls: list[tuple[int, bool]] = []
-    original = type(_KERNEL).prefill_attention_amx
+    original = type(_KERNEL).__call__
 
     def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append((args[2].shape[0], bool(kwargs.get("merge"))))
@@ -117,7 +117,7 @@ def test_cascade_decode_matches_reference(case: dict) -> None:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(AMX_ENV_VAR, "1")
-        mp.setattr(type(_KERNEL), "prefill_attention_amx", spy)
+        mp.setattr(type(_KERNEL), "__call__", spy)
         gen = torch.Generator().manual_seed(case["seed"] + 1)
         q, k, v = (torch.randn(num_tokens, n, 64, generator=gen).bfloat16() for n in (9, 3, 3))
         meta = build_attention_metadata(

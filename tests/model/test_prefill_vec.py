@@ -54,16 +54,16 @@ def prefill_batches(draw: st.DrawFn) -> dict:
 
 
 def _spy(mp: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
-    """Record each prefill_attention_vec call as (number of seqs, merge)."""
+    """Record each PrefillVec call as (number of seqs, merge)."""
     assert _KERNEL is not None
     calls: list[tuple[int, bool]] = []
-    original = type(_KERNEL).prefill_attention_vec
+    original = type(_KERNEL).__call__
 
     def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append((args[2].shape[0], bool(kwargs.get("merge"))))
         return original(self, *args, **kwargs)
 
-    mp.setattr(type(_KERNEL), "prefill_attention_vec", spy)
+    mp.setattr(type(_KERNEL), "__call__", spy)
     return calls
 
 
