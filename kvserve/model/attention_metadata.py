@@ -15,7 +15,10 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kvserve.model.native import PagedAttentionKernel, get_kernel
+from kvserve.model.kernels.backend import KernelBackend, default_backend
+from kvserve.model.kernels.paged_attention import PagedAttention
+from kvserve.model.kernels.prefill_amx import PrefillAmx
+from kvserve.model.kernels.prefill_vec import PrefillVec
 
 AttentionBackend = Literal["auto", "native", "portable"]
 ResolvedBackend = Literal["native", "portable"]
@@ -133,7 +136,7 @@ class NativeBatch:
     kernel, and the parts merge exactly (:class:`NativePrefill`).
     """
 
-    kernel: PagedAttentionKernel
+    kernel: PagedAttention
     seqs: torch.Tensor  # [S, 5] int64: row_start, num_rows, num_tokens, cached_seq_len, prior_only
     block_tables: torch.Tensor  # [S, max_blocks] int64, 0 = null block
     prefills: list[NativePrefill]
@@ -145,6 +148,9 @@ class NativeBatch:
     prefill_seqs: torch.Tensor | None = None  # [Sp, 5]
     prefill_tables: torch.Tensor | None = None
     cascade: CascadeSplit | None = None  # None: no shared-prefix group this step
+    # the backend's prefill kernels (None: that family is off)
+    prefill_amx: PrefillAmx | None = None
+    prefill_vec: PrefillVec | None = None
 
 
 @dataclass
@@ -172,14 +178,17 @@ def _token_slots(block_ids: np.ndarray, start: int, end: int, block_size: int) -
 
 
 def resolve_attention_backend(
-    kv_dtype: torch.dtype, device: torch.device | str = "cpu"
+    kv_dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    kernels: KernelBackend | None = None,
 ) -> ResolvedBackend:
-    """``"native"`` when the C++ kernel is built and handles ``kv_dtype`` on ``device``."""
-    kernel = get_kernel()
+    """``"native"`` when ``kernels`` (default: :func:`default_backend`) has native
+    attention and it handles ``kv_dtype`` on ``device``."""
+    kernel = (kernels or default_backend()).attention
     native = (
         kernel is not None
         and torch.device(device).type == "cpu"
-        and PagedAttentionKernel.supports(kv_dtype)
+        and PagedAttention.supports(kv_dtype)
     )
     return "native" if native else "portable"
 
@@ -195,6 +204,7 @@ def build_attention_metadata(
     backend: AttentionBackend = "auto",
     kv_dtype: torch.dtype = torch.float32,
     batch_invariant: bool = False,
+    kernels: KernelBackend | None = None,
 ) -> AttentionMetadata:
     """Build per-step attention metadata from plain per-request specs.
 
@@ -207,7 +217,8 @@ def build_attention_metadata(
     ``backend``: ``"auto"`` picks the native kernel when it is available for
     ``kv_dtype`` on ``device`` (CPU, float32/bfloat16) and the portable path otherwise;
     ``"native"`` raises RuntimeError when the kernel is unavailable; ``"portable"``
-    always uses PyTorch ops.
+    always uses PyTorch ops. ``kernels``: the runner's backend (default:
+    :func:`default_backend`); its ``attention`` family decides what "available" means.
 
     ``batch_invariant``: every row, prefill or decode, becomes a one-row request of the
     native kernel at its own position (see :func:`_per_row_seqs`), so a row's attention
@@ -219,10 +230,11 @@ def build_attention_metadata(
         raise ValueError(f"kv_segment_size={kv_segment_size} must be >= 0 (0 = one pass)")
     if backend not in ("auto", "native", "portable"):
         raise ValueError(f"backend={backend!r}: use 'auto', 'native' or 'portable'")
+    kernels = kernels or default_backend()
     kernel = None
     if backend != "portable":
-        if resolve_attention_backend(kv_dtype, device) == "native":
-            kernel = get_kernel()
+        if resolve_attention_backend(kv_dtype, device, kernels) == "native":
+            kernel = kernels.attention
         elif backend == "native":
             raise RuntimeError(
                 f"native paged attention is unavailable for {kv_dtype} on {device} "
@@ -235,7 +247,7 @@ def build_attention_metadata(
         )
     if kernel is not None:
         meta = _build_native(
-            seqs, kernel, num_tokens, num_dummy_decode_rows, block_size, kv_segment_size, kv_dtype
+            seqs, kernels, num_tokens, num_dummy_decode_rows, block_size, kv_segment_size, kv_dtype
         )
         if batch_invariant:
             assert meta.native is not None
@@ -321,9 +333,14 @@ def build_attention_metadata(
     )
 
 
+def _attention(kernels: KernelBackend) -> PagedAttention:
+    assert kernels.attention is not None, "native metadata needs native attention"
+    return kernels.attention
+
+
 def _build_native(
     seqs: Sequence[SeqSpec],
-    kernel: PagedAttentionKernel,
+    kernels: KernelBackend,
     num_tokens: int,
     num_dummy: int,
     block_size: int,
@@ -404,12 +421,14 @@ def _build_native(
         block_size=block_size,
         kv_segment_size=kv_segment_size,
         native=NativeBatch(
-            kernel,
+            _attention(kernels),
             torch.from_numpy(np.ascontiguousarray(info[in_kernel])),
             torch.from_numpy(np.ascontiguousarray(table[in_kernel])),
             prefills,
             *amx_split,
             cascade=_cascade_split(info, table, block_size),
+            prefill_amx=kernels.prefill_amx,
+            prefill_vec=kernels.prefill_vec,
         ),
     )
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from kvserve.model.native import PagedAttentionKernel
+    from kvserve.model.kernels.linear_panels import LinearPanels
 
 # Rows up to which ``x @ W^T`` runs on a [K, N] copy of the weight (a streaming
 # vector-matrix product: about 2x faster than MKL's gemv for decode at batch 1-2).
@@ -88,7 +88,7 @@ class FastLinear:
         *,
         fast: bool,
         pack: bool = False,
-        native: PagedAttentionKernel | None = None,
+        native: LinearPanels | None = None,
     ) -> None:
         self.bias = bias
         self.weight = weight

@@ -25,10 +25,11 @@ from torch import nn
 
 from kvserve.model.arch import ModelArchConfig  # noqa: F401  (re-exported)
 from kvserve.model.attention import AttentionMetadata, native_attention, paged_attention
+from kvserve.model.kernels.backend import KernelBackend, default_backend
+from kvserve.model.kernels.paged_attention import PagedAttention
 from kvserve.model.linear import FastLinear, mkldnn_linear_works
-from kvserve.model.native import PagedAttentionKernel, get_kernel
 from kvserve.model.quant.formats import QuantWeight
-from kvserve.model.quant.kernel import QuantKernel, get_quant_kernel
+from kvserve.model.quant.kernel import QuantKernel
 from kvserve.model.quant.linear import QuantEmbedding, QuantLinear
 
 Linear = FastLinear | QuantLinear
@@ -94,7 +95,8 @@ class LlamaForCausalLM(nn.Module):
         self.scale = d**-0.5
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rope_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # [n, D/2] cos, sin
-        self._native: PagedAttentionKernel | None = None
+        self._native: KernelBackend | None = None  # set when the fused native layers run
+        self.kernels = KernelBackend.portable()  # the backend prepare() was given
         self._ops: list[_LayerOps] = []
         self._qkernel: QuantKernel | None = None
         self._embed_quant: QuantEmbedding | None = None
@@ -230,18 +232,24 @@ class LlamaForCausalLM(nn.Module):
         self._rope_f32 = None
         self.prepare(fast=fast_kernels)
 
-    def prepare(self, fast: bool = True) -> None:
+    def prepare(self, fast: bool = True, kernels: KernelBackend | None = None) -> None:
         """Build the per-layer kernels from the parameters (call after changing weights).
 
         With ``fast`` on CPU each projection gets a [K, N] copy for decode-sized
         batches and a oneDNN-packed copy for larger ones; the parameter becomes a view
         of the [K, N] copy, so the extra memory is about one more copy of the weights.
+        ``kernels``: the native kernel families to use (default: :func:`default_backend`,
+        from the switches in docs/kernels.md); kept as ``self.kernels`` for the runner to
+        pass on (attention metadata, sampler). Without ``fast`` or off the CPU the
+        layers use no native family (attention still follows the metadata).
         """
         self._ops = []
-        pack = fast and self.embed_tokens.device.type == "cpu"
-        pack = pack and mkldnn_linear_works(self.embed_tokens.dtype)
-        native = get_kernel() if fast and self.embed_tokens.device.type == "cpu" else None
-        qkernel = get_quant_kernel() if native is not None else None
+        cpu = self.embed_tokens.device.type == "cpu"
+        pack = fast and cpu and mkldnn_linear_works(self.embed_tokens.dtype)
+        self.kernels = kernels if kernels is not None else default_backend()
+        kernels = self.kernels if fast and cpu else KernelBackend.portable()
+        native = kernels.linear
+        qkernel: QuantKernel | None = kernels.quant_linear
         self._qkernel = qkernel
         for li, layer in enumerate(self.layers):
             lins: list[Linear] = []
@@ -288,8 +296,12 @@ class LlamaForCausalLM(nn.Module):
             self._lm_head = FastLinear(
                 self.lm_head_weight.data, None, fast=fast, pack=pack, native=native
             )
-        usable = native is not None and PagedAttentionKernel.supports(self.embed_tokens.dtype)
-        self._native = native if usable and not self.config.qk_norm else None
+        usable = (
+            kernels.attention is not None
+            and kernels.norms is not None
+            and PagedAttention.supports(self.embed_tokens.dtype)
+        )
+        self._native = kernels if usable and not self.config.qk_norm else None
         self.batch_invariant = False
         self.set_batch_invariant(self.batch_invariant_default)
 
@@ -474,7 +486,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-        nk: PagedAttentionKernel,
+        kernels: KernelBackend,
     ) -> torch.Tensor:
         """The same layers with fused native ops and an fp32 residual stream.
 
@@ -483,6 +495,8 @@ class LlamaForCausalLM(nn.Module):
         stream [T, hidden] (before the final norm).
         """
         assert meta.native is not None
+        nk, attention = kernels.norms, kernels.attention
+        assert nk is not None and attention is not None
         c = self.config
         h, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         num_tokens = input_ids.shape[0]
@@ -501,7 +515,7 @@ class LlamaForCausalLM(nn.Module):
                 v = qkv[:, (h + hk) * d :].view(num_tokens, hk, d)
                 attn = native_attention(q, k, v, kv_cache, meta, self.scale)
             else:
-                attn = nk(q, kv_cache, seqs, tables, seg, self.scale)  # [T, H, D]
+                attn = attention(q, kv_cache, seqs, tables, seg, self.scale)  # [T, H, D]
             o = ops.o(attn.view(num_tokens, h * d))
             y = nk.add_rms_norm(residual, o, ops.post_attention_layernorm, eps)
             pending = ops.down(nk.silu_mul(ops.gate_up(y)))

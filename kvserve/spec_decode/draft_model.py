@@ -50,7 +50,8 @@ class DraftModelProposer:
             self.model, num_blocks, block_size, loaded.dtype, self.device
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.backend = resolve_attention_backend(loaded.dtype, self.device)
+        self.kernels = self.model.kernels  # chosen when the draft model was prepared
+        self.backend = resolve_attention_backend(loaded.dtype, self.device, self.kernels)
         self._free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
         self._reqs: dict[str, _DraftState] = {}
 
@@ -126,6 +127,7 @@ class DraftModelProposer:
             kv_segment_size=512,
             device=self.device,
             backend=self.backend,
+            kernels=self.kernels,
         )
         dev = self.device
         hidden = self.model(

@@ -127,6 +127,7 @@ class CompiledDecode:
                     kv_segment_size=kv_segment_size,
                     backend="native",
                     kv_dtype=kv_caches[0].dtype,
+                    kernels=self.model.kernels,
                 )
                 ids = torch.zeros(num_rows, dtype=torch.long)
                 positions = torch.zeros(num_rows, dtype=torch.long)

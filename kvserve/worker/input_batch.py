@@ -31,6 +31,7 @@ from kvserve.model.attention import (
     SeqSpec,
     build_attention_metadata,
 )
+from kvserve.model.kernels.backend import KernelBackend
 from kvserve.sched.output import SchedulerOutput
 from kvserve.worker.prompt_logprobs import PromptLogprobsRows, rows_to_score
 from kvserve.worker.sampler import SamplingRequestState
@@ -83,8 +84,10 @@ class InputBatch:
         device: torch.device,
         attention_backend: ResolvedBackend = "portable",
         batch_invariant: bool = False,
+        kernels: KernelBackend | None = None,
     ) -> None:
         self.block_size = block_size
+        self.kernels = kernels  # the runner's backend (None: the default one)
         self.attention_backend: ResolvedBackend = attention_backend
         self.batch_invariant = batch_invariant  # per-row attention (docs/determinism.md)
         self.num_kv_blocks = num_kv_blocks
@@ -200,6 +203,7 @@ class InputBatch:
             device=self.device,
             backend=self.attention_backend,
             batch_invariant=self.batch_invariant,
+            kernels=self.kernels,
         )
         dev = self.device
         return StepInputs(

@@ -145,7 +145,10 @@ class ModelRunner:
         pad = getattr(loaded.hf_config, "pad_token_id", None)
         if not isinstance(pad, int):
             pad = getattr(loaded.tokenizer, "pad_token_id", None)
-        self.attention_backend = resolve_attention_backend(loaded.dtype, self.device)
+        # the kernel families, chosen once when the model was prepared; passed down to the
+        # attention metadata and the sampler (docs/kernels.md)
+        self.kernels = self.model.kernels
+        self.attention_backend = resolve_attention_backend(loaded.dtype, self.device, self.kernels)
         self.batch_invariant = resolve_batch_invariant(
             batch_invariant, self.model, self.attention_backend, compile
         )
@@ -158,8 +161,9 @@ class ModelRunner:
             device=self.device,
             attention_backend=self.attention_backend,
             batch_invariant=self.batch_invariant,
+            kernels=self.kernels,
         )
-        self.sampler = sampler if sampler is not None else Sampler()
+        self.sampler = sampler if sampler is not None else Sampler(kernels=self.kernels)
         self.kv_connector: KVConnectorWorker | None = None
         self.structured = StructuredBatch(grammar_compiler) if grammar_compiler else None
         self.compiled: CompiledDecode | None = None

@@ -50,7 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.model.native import get_kernel
+from kvserve.model.kernels.backend import KernelBackend, default_backend
+from kvserve.model.kernels.sampling import Sampling
 from kvserve.request import SamplingParams
 from kvserve.sched.output import Logprobs
 from kvserve.seeding import splitmix64
@@ -114,7 +115,9 @@ class Sampler:
     The sampler keeps no per-request state: everything comes from the states.
     """
 
-    def __init__(self, *, seed: int | None = None) -> None:
+    def __init__(self, *, seed: int | None = None, kernels: KernelBackend | None = None) -> None:
+        # the backend's sampling family (``kernels`` default: default_backend()); None: torch
+        self._sampling: Sampling | None = (kernels or default_backend()).sampling
         self._generator: torch.Generator | None = None  # None: torch's global CPU generator
         if seed is not None:
             self._generator = torch.Generator()
@@ -155,7 +158,9 @@ class Sampler:
             and not (need_logprobs or need_min_tokens or need_rep or need_freq_pres or need_bias)
             and not need_bans
         ):
-            return SamplerOutput(token_ids=_argmax(logits).tolist(), logprobs=[None] * len(states))
+            return SamplerOutput(
+                token_ids=_argmax(logits, self._sampling).tolist(), logprobs=[None] * len(states)
+            )
 
         logits = logits.float()  # [B, V]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
@@ -184,7 +189,7 @@ class Sampler:
             _apply_frequency_presence_penalties(logits, states)
 
         if all(is_greedy):
-            sampled = _argmax(logits)  # [B]
+            sampled = _argmax(logits, self._sampling)  # [B]
         else:
             sampled = self._sample(logits, states, is_greedy)
 
@@ -204,7 +209,7 @@ class Sampler:
         vocab_size = logits.shape[1]
         params = [s.params for s in states]
         greedy_mask = torch.tensor(is_greedy, device=device)  # [B]
-        greedy_tokens = _argmax(logits) if any(is_greedy) else None  # [B]
+        greedy_tokens = _argmax(logits, self._sampling) if any(is_greedy) else None  # [B]
 
         # Greedy rows get temperature 1 and no truncation; their sample is discarded.
         temps = torch.tensor(
@@ -218,7 +223,7 @@ class Sampler:
             for g, p in zip(is_greedy, params, strict=True)
         ]
         truncate = any(m > 0.0 for m in min_ps) or any(k < vocab_size for k in top_ks)
-        kernel = get_kernel() if _native_rows(logits) else None
+        kernel = self._sampling if _native_rows(logits) else None
         if kernel is not None and not truncate:  # temperature and softmax in one pass
             probs = kernel.softmax_rows(logits.contiguous(), 1.0 / temps)
         else:
@@ -232,7 +237,7 @@ class Sampler:
         top_ps = [1.0 if g else p.top_p for g, p in zip(is_greedy, params, strict=True)]
         top_p = torch.tensor(top_ps, device=device, dtype=probs.dtype)
         uniforms = self._uniforms(states, is_greedy)
-        kernel = get_kernel() if _native_rows(probs) else None
+        kernel = self._sampling if _native_rows(probs) else None
         if kernel is not None:  # nucleus selection and the draw in two passes per row
             probs = probs.contiguous()
             if any(p < 1.0 for p in top_ps):
@@ -279,9 +284,9 @@ def _native_rows(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.numel() > 0
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(-1)`` ([B]); the native row kernel on CPU fp32 (torch's is slow)."""
-    kernel = get_kernel() if _native_rows(logits) else None
+def _argmax(logits: torch.Tensor, sampling: Sampling | None) -> torch.Tensor:
+    """``logits.argmax(-1)`` ([B]); ``sampling``'s row kernel on CPU fp32 (torch's is slow)."""
+    kernel = sampling if _native_rows(logits) else None
     if kernel is None:
         return logits.argmax(dim=-1)
     return kernel.argmax_rows(logits.contiguous())
@@ -434,7 +439,9 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _apply_top_p(
+    probs: torch.Tensor, top_p: torch.Tensor, sampling: Sampling | None = None
+) -> torch.Tensor:
     """Zero the tail outside the nucleus; ``probs`` [B, V], ``top_p`` [B] (1 = off).
 
     Keeps the smallest set of most likely tokens whose probability sum is >= p
@@ -444,7 +451,7 @@ def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     tokens, and sorts the whole row only for rows whose nucleus is wider still;
     which step decides depends on the row alone.
     """
-    kernel = get_kernel() if _native_rows(probs) else None
+    kernel = sampling if _native_rows(probs) else None
     if kernel is not None:  # expected O(V) selection per row instead of top-k sorts
         threshold = kernel.top_p_threshold(probs.contiguous(), top_p)
         return probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kvserve.bench.invariance import check_invariance, make_prompts
-from kvserve.model.native import get_kernel
+from kvserve.model.kernels.backend import default_backend
 
-_K = get_kernel()
+_K = default_backend().linear
 
 
 @pytest.mark.slow

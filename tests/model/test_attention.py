@@ -269,11 +269,15 @@ def test_native_reads_pages_in_place_with_strided_queries() -> None:
 
 
 def test_portable_env_disables_native(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvserve.model.native import ENV_VAR, get_kernel
+    """KVSERVE_ATTENTION=portable turns native attention off and nothing else."""
+    from kvserve.model.kernels.backend import default_backend
 
-    assert get_kernel() is not None, "the test machine has a C++ compiler"
-    monkeypatch.setenv(ENV_VAR, "portable")
-    assert get_kernel() is None
+    assert default_backend().attention is not None, "the test machine has a C++ compiler"
+    monkeypatch.setenv("KVSERVE_ATTENTION", "portable")
+    backend = default_backend()
+    assert backend.attention is None and backend.prefill_vec is None
+    assert backend.sampling is not None and backend.norms is not None
+    assert backend.linear is not None
     meta = build_attention_metadata(
         [SeqSpec(0, 1, 1, 0, [1])], num_tokens=1, block_size=16, kv_segment_size=0
     )

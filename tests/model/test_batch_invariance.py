@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from support.invariance import Harness, Seq, first_mismatch
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata
-from kvserve.model.native import get_kernel
+from kvserve.model.kernels.backend import default_backend
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
-_KERNEL = get_kernel()
+_KERNEL = default_backend().linear
 needs_f32 = pytest.mark.skipif(
     _KERNEL is None or not _KERNEL.linear_f32_available, reason="needs the AVX-512 panels"
 )

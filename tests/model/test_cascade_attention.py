@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from model.test_attention import reference_attention
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata, paged_attention
-from kvserve.model.native import AMX_ENV_VAR, VEC_ENV_VAR, get_kernel
+from kvserve.model.kernels.backend import default_backend
+from kvserve.model.kernels.prefill_amx import AMX_ENV_VAR
+from kvserve.model.kernels.prefill_vec import VEC_ENV_VAR
 
 
 @st.composite
@@ -95,7 +97,7 @@ def test_vector_cascade_matches_reference(case: dict, dtype: torch.dtype) -> Non
     decode-only steps with shared-prefix groups run the group's prefix through the
     decode kernel once, merged into each row (tests/model/test_prefill_vec.py covers
     the prefill kernel's cascade)."""
-    kernel = get_kernel()
+    kernel = default_backend().attention
     assert kernel is not None
     case = dict(case, prefill=None)
     specs, num_tokens, kv_cache, num_groups = _shared_prefix_specs(case)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata
-from kvserve.model.native import get_kernel
+from kvserve.model.kernels.backend import default_backend
 from kvserve.worker.model_runner import allocate_kv_cache
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -15,7 +15,14 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.fixture(scope="module")
 def nk():
-    kernel = get_kernel()
+    kernel = default_backend().norms
+    assert kernel is not None, "the test machine has a C++ compiler"
+    return kernel
+
+
+@pytest.fixture(scope="module")
+def lk():
+    kernel = default_backend().linear
     assert kernel is not None, "the test machine has a C++ compiler"
     return kernel
 
@@ -122,37 +129,37 @@ def test_native_forward_matches_portable(loaded_model) -> None:
     ],
 )
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_linear_f32_matches_float64(nk, rows: int, n: int, k: int, with_bias: bool) -> None:
+def test_linear_f32_matches_float64(lk, rows: int, n: int, k: int, with_bias: bool) -> None:
     """The panel kernel: every row block size (1-8 and more), N not a multiple of 32
     (masked last panel), strided input rows, optional bias."""
-    if not nk.linear_f32_available:
+    if not lk.linear_f32_available:
         pytest.skip("build without AVX-512")
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
     x = torch.randn(rows, k + 5, generator=gen)[:, :k]  # strided rows
-    panels = nk.pack_linear_f32(w)
+    panels = lk.pack_linear_f32(w)
     assert panels.shape == (-(-n // 32), k, 32)
-    got = nk.linear_f32(x, panels, n, bias)
+    got = lk.linear_f32(x, panels, n, bias)
     expect = F.linear(x.double(), w.double(), None if bias is None else bias.double())
     assert got.shape == (rows, n)
     torch.testing.assert_close(got.double(), expect, atol=1e-4, rtol=1e-5)
 
 
-def test_fast_linear_routes_float32_decode_rows_to_the_panel_kernel(nk, monkeypatch) -> None:
+def test_fast_linear_routes_float32_decode_rows_to_the_panel_kernel(lk, monkeypatch) -> None:
     """float32 FastLinear uses the panel kernel up to NATIVE_F32_MAX_M rows and the
     prepacked GEMM above; both agree with F.linear."""
     import kvserve.model.linear as lin_mod
 
-    if not nk.linear_f32_available:
+    if not lk.linear_f32_available:
         pytest.skip("build without AVX-512")
     gen = torch.Generator().manual_seed(5)
     w, b = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
-    lin = lin_mod.FastLinear(w, b, fast=True, pack=lin_mod.mkldnn_linear_works(w.dtype), native=nk)
+    lin = lin_mod.FastLinear(w, b, fast=True, pack=lin_mod.mkldnn_linear_works(w.dtype), native=lk)
     assert lin.panels is not None and lin.wt is None
     calls: list[int] = []
-    real = nk.linear_f32
-    monkeypatch.setattr(nk, "linear_f32", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    real = lk.linear_f32
+    monkeypatch.setattr(lk, "linear_f32", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     for rows in (1, lin_mod.NATIVE_F32_MAX_M, lin_mod.NATIVE_F32_MAX_M + 1, 200):
         x = torch.randn(rows, 40, generator=gen)
         torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
@@ -161,22 +168,22 @@ def test_fast_linear_routes_float32_decode_rows_to_the_panel_kernel(nk, monkeypa
 
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 960, 576), (3, 70, 38), (8, 64, 16), (11, 40, 8)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_linear_bf16_matches_float32(nk, rows: int, n: int, k: int, with_bias: bool) -> None:
+def test_linear_bf16_matches_float32(lk, rows: int, n: int, k: int, with_bias: bool) -> None:
     """The bfloat16 panel kernel: fp32 sums of bf16 products, rounded once to bf16
     (so within one bf16 rounding of the fp32 result); masked last panel, strided rows."""
-    if not nk.linear_bf16_available:
+    if not lk.linear_bf16_available:
         pytest.skip("build without AVX512-BF16")
     gen = torch.Generator().manual_seed(rows * 7 + n + k)
     w = torch.randn(n, k, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen) if with_bias else None
     x = torch.randn(rows, k + 6, generator=gen).bfloat16()[:, :k]
-    panels = nk.pack_linear_bf16(w)
+    panels = lk.pack_linear_bf16(w)
     assert panels.shape == (-(-n // 32), k // 2, 32, 2)
     padded = None
     if bias is not None:
         padded = torch.zeros(panels.shape[0] * 32)
         padded[:n] = bias
-    got = nk.linear_bf16(x, panels, n, padded)
+    got = lk.linear_bf16(x, panels, n, padded)
     expect = F.linear(x.double(), w.double(), None if bias is None else bias.double())
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), expect, atol=1e-3, rtol=8e-3)
@@ -186,54 +193,54 @@ def test_linear_bf16_matches_float32(nk, rows: int, n: int, k: int, with_bias: b
     ("rows", "n", "k"), [(5, 960, 576), (16, 70, 64), (17, 40, 32), (32, 100, 96), (70, 33, 64)]
 )
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_linear_bf16_amx_matches_float32(nk, rows: int, n: int, k: int, with_bias: bool) -> None:
+def test_linear_bf16_amx_matches_float32(lk, rows: int, n: int, k: int, with_bias: bool) -> None:
     """The AMX panel kernel: one and two row tiles, partial tiles, more than 32 rows
     (a second pass over each panel), masked last panel, strided rows, optional bias --
     within one bf16 rounding of the fp32 result, like the vector panel kernel."""
-    if not nk.linear_bf16_amx_available:
+    if not lk.linear_bf16_amx_available:
         pytest.skip("no AMX-BF16 here")
     gen = torch.Generator().manual_seed(rows * 11 + n + k)
     w = torch.randn(n, k, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen) if with_bias else None
     x = torch.randn(rows, k + 6, generator=gen).bfloat16()[:, :k]
-    panels = nk.pack_linear_bf16(w)
+    panels = lk.pack_linear_bf16(w)
     padded = None
     if bias is not None:
         padded = torch.zeros(panels.shape[0] * 32)
         padded[:n] = bias
-    got = nk.linear_bf16_amx(x, panels, n, padded)
+    got = lk.linear_bf16_amx(x, panels, n, padded)
     expect = F.linear(x.double(), w.double(), None if bias is None else bias.double())
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), expect, atol=1e-3, rtol=8e-3)
 
 
-def test_linear_bf16_amx_rejects_k_not_a_multiple_of_32(nk) -> None:
-    if not nk.linear_bf16_amx_available:
+def test_linear_bf16_amx_rejects_k_not_a_multiple_of_32(lk) -> None:
+    if not lk.linear_bf16_amx_available:
         pytest.skip("no AMX-BF16 here")
     w = torch.randn(40, 48).bfloat16()
     with pytest.raises(RuntimeError, match="returned 2"):
-        nk.linear_bf16_amx(torch.randn(8, 48).bfloat16(), nk.pack_linear_bf16(w), 40, None)
+        lk.linear_bf16_amx(torch.randn(8, 48).bfloat16(), lk.pack_linear_bf16(w), 40, None)
 
 
-def test_fast_linear_routes_bfloat16_rows_to_the_panel_kernels(nk, monkeypatch) -> None:
+def test_fast_linear_routes_bfloat16_rows_to_the_panel_kernels(lk, monkeypatch) -> None:
     """bfloat16 FastLinear uses its vector panel kernel up to NATIVE_BF16_MAX_M rows,
     the AMX panel kernel up to NATIVE_BF16_AMX_MAX_M (K a multiple of 32 and AMX
     here), and oneDNN above; every route agrees with F.linear."""
     import kvserve.model.linear as lin_mod
 
-    if not nk.linear_bf16_available:
+    if not lk.linear_bf16_available:
         pytest.skip("build without AVX512-BF16")
     gen = torch.Generator().manual_seed(6)
     w, b = torch.randn(96, 64, generator=gen).bfloat16(), torch.randn(96, generator=gen).bfloat16()
     pack = lin_mod.mkldnn_linear_works(torch.bfloat16)
-    lin = lin_mod.FastLinear(w, b, fast=True, pack=pack, native=nk)
+    lin = lin_mod.FastLinear(w, b, fast=True, pack=pack, native=lk)
     assert lin.panels is not None and lin.panels.dtype == torch.bfloat16
-    assert lin.amx == nk.linear_bf16_amx_available
+    assert lin.amx == lk.linear_bf16_amx_available
     calls: list[tuple[str, int]] = []
     for name in ("linear_bf16", "linear_bf16_amx"):
-        real = getattr(nk, name)
+        real = getattr(lk, name)
         monkeypatch.setattr(
-            nk,
+            lk,
             name,
             lambda x, *a, name=name, real=real: calls.append((name, x.shape[0])) or real(x, *a),
         )
@@ -243,9 +250,9 @@ def test_fast_linear_routes_bfloat16_rows_to_the_panel_kernels(nk, monkeypatch) 
         expect = F.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(lin(x).float(), expect, atol=3e-2, rtol=2e-2)
     expect_calls = [("linear_bf16", 1), ("linear_bf16", small)]
-    if nk.linear_bf16_amx_available:
+    if lk.linear_bf16_amx_available:
         expect_calls += [("linear_bf16_amx", small + 1), ("linear_bf16_amx", amx)]
     assert calls == expect_calls
     # an input size that is not a multiple of 32 never goes to the AMX kernel
-    odd = lin_mod.FastLinear(w[:, :40].contiguous(), None, fast=True, pack=pack, native=nk)
+    odd = lin_mod.FastLinear(w[:, :40].contiguous(), None, fast=True, pack=pack, native=lk)
     assert not odd.amx

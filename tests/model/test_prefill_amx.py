@@ -10,11 +10,12 @@ from model.test_attention import _make_step, reference_attention
 from model.test_cascade_attention import _shared_prefix_specs, shared_prefix_steps
 
 from kvserve.model.attention import build_attention_metadata, paged_attention
-from kvserve.model.native import AMX_ENV_VAR, get_kernel
+from kvserve.model.kernels.backend import default_backend
+from kvserve.model.kernels.prefill_amx import AMX_ENV_VAR
 
-_KERNEL = get_kernel()
+_KERNEL = default_backend().prefill_amx
 pytestmark = pytest.mark.skipif(
-    _KERNEL is None or not _KERNEL.amx_available, reason="this CPU or build has no AMX-BF16"
+    _KERNEL is None or not _KERNEL.available, reason="this CPU or build has no AMX-BF16"
 )
 
 
@@ -45,13 +46,13 @@ def _run(case: dict, monkeypatch: pytest.MonkeyPatch, amx: bool) -> tuple[torch.
     assert _KERNEL is not None
     monkeypatch.setenv(AMX_ENV_VAR, "1" if amx else "0")
     calls = []
-    original = type(_KERNEL).prefill_attention_amx
+    original = type(_KERNEL).__call__
 
     def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(args[2].shape[0])
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(_KERNEL), "prefill_attention_amx", spy)
+    monkeypatch.setattr(type(_KERNEL), "__call__", spy)
     specs, num_tokens, kv_cache = _make_step(case)
     kv_cache = kv_cache.bfloat16()
     gen = torch.Generator().manual_seed(case["seed"] + 1)
@@ -95,10 +96,10 @@ def test_amx_off_uses_the_vector_kernel(case: dict) -> None:
 
 def test_amx_needs_bf16_head_dim_64_and_16_aligned_blocks() -> None:
     assert _KERNEL is not None
-    assert _KERNEL.amx_prefill_supports(torch.bfloat16, 64, 16)
-    assert not _KERNEL.amx_prefill_supports(torch.float32, 64, 16)
-    assert not _KERNEL.amx_prefill_supports(torch.bfloat16, 128, 16)
-    assert not _KERNEL.amx_prefill_supports(torch.bfloat16, 64, 8)
+    assert _KERNEL.supports(torch.bfloat16, 64, 16)
+    assert not _KERNEL.supports(torch.float32, 64, 16)
+    assert not _KERNEL.supports(torch.bfloat16, 128, 16)
+    assert not _KERNEL.supports(torch.bfloat16, 64, 8)
 
 
 @settings(max_examples=25, deadline=None)
@@ -108,7 +109,7 @@ def test_cascade_decode_matches_reference(case: dict) -> None:
     assert _KERNEL is not None
     specs, num_tokens, kv_cache, num_groups = _shared_prefix_specs(case)
     calls: list[tuple[int, bool]] = []
-    original = type(_KERNEL).prefill_attention_amx
+    original = type(_KERNEL).__call__
 
     def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append((args[2].shape[0], bool(kwargs.get("merge"))))
@@ -116,7 +117,7 @@ def test_cascade_decode_matches_reference(case: dict) -> None:
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(AMX_ENV_VAR, "1")
-        mp.setattr(type(_KERNEL), "prefill_attention_amx", spy)
+        mp.setattr(type(_KERNEL), "__call__", spy)
         gen = torch.Generator().manual_seed(case["seed"] + 1)
         q, k, v = (torch.randn(num_tokens, n, 64, generator=gen).bfloat16() for n in (9, 3, 3))
         meta = build_attention_metadata(

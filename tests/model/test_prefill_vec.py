@@ -13,10 +13,12 @@ from model.test_attention import _make_step, reference_attention
 from model.test_cascade_attention import _shared_prefix_specs, shared_prefix_steps
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata, paged_attention
-from kvserve.model.native import AMX_ENV_VAR, PREFILL_VEC_ISAS, VEC_ENV_VAR, get_kernel
+from kvserve.model.kernels.backend import default_backend
+from kvserve.model.kernels.prefill_amx import AMX_ENV_VAR
+from kvserve.model.kernels.prefill_vec import PREFILL_VEC_ISAS, VEC_ENV_VAR
 
-_KERNEL = get_kernel()
-_ISAS = sorted(_KERNEL.prefill_vec_isas) if _KERNEL is not None else []
+_KERNEL = default_backend().prefill_vec
+_ISAS = sorted(_KERNEL.isas) if _KERNEL is not None else []
 pytestmark = pytest.mark.skipif(not _ISAS, reason="no native build or no AVX2/AVX-512 CPU")
 # (isa, dtype) pairs this machine runs; vdpbf16ps is bfloat16 only
 _VARIANTS = [
@@ -52,16 +54,16 @@ def prefill_batches(draw: st.DrawFn) -> dict:
 
 
 def _spy(mp: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
-    """Record each prefill_attention_vec call as (number of seqs, merge)."""
+    """Record each PrefillVec call as (number of seqs, merge)."""
     assert _KERNEL is not None
     calls: list[tuple[int, bool]] = []
-    original = type(_KERNEL).prefill_attention_vec
+    original = type(_KERNEL).__call__
 
     def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append((args[2].shape[0], bool(kwargs.get("merge"))))
         return original(self, *args, **kwargs)
 
-    mp.setattr(type(_KERNEL), "prefill_attention_vec", spy)
+    mp.setattr(type(_KERNEL), "__call__", spy)
     return calls
 
 
@@ -114,7 +116,7 @@ def test_vec_prior_only_rows_and_lse(isa: str, dtype: torch.dtype) -> None:
     tables = torch.tensor([[3, 7, 1, 9, 4], [0, 0, 0, 0, 0]], dtype=torch.int64)
     out = torch.full((7, hk * g, d), 5.0).to(dtype)
     lse = torch.zeros(7, hk * g)
-    _KERNEL.prefill_attention_vec(q, kv_cache, seqs, tables, d**-0.5, out, lse, isa=isa)
+    _KERNEL(q, kv_cache, seqs, tables, d**-0.5, out, lse, isa=isa)
     flat = kv_cache.view(2, hk, -1, d).double()
     slots = torch.tensor([tables[0, p // bs] * bs + p % bs for p in range(70)])
     k = flat[0][:, slots].repeat_interleave(g, 0)  # [H, 70, D]
@@ -199,15 +201,15 @@ def test_routing(monkeypatch: pytest.MonkeyPatch) -> None:
     step(torch.bfloat16, 40)
     step(torch.float32, 3)
     assert calls == []
-    assert not _KERNEL.vec_prefill_supports(torch.bfloat16, 64)
+    assert not _KERNEL.supports(torch.bfloat16, 64)
     monkeypatch.setenv(VEC_ENV_VAR, "avx512bf16")
-    assert not _KERNEL.vec_prefill_supports(torch.float32, 64), "vdpbf16ps is bfloat16 only"
+    assert not _KERNEL.supports(torch.float32, 64), "vdpbf16ps is bfloat16 only"
     monkeypatch.delenv(VEC_ENV_VAR)
-    assert _KERNEL.vec_prefill_supports(torch.float32, 128)
-    assert not _KERNEL.vec_prefill_supports(torch.float32, 80)
+    assert _KERNEL.supports(torch.float32, 128)
+    assert not _KERNEL.supports(torch.float32, 80)
     with pytest.raises(RuntimeError, match="returned 2"):  # a variant this call can't use
         q = torch.randn(2, 1, 64)
-        _KERNEL.prefill_attention_vec(
+        _KERNEL(
             q,
             torch.zeros(2, 1, 2, 16, 64),
             torch.tensor([[0, 2, 2, 0, 0]]),

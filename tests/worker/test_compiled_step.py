@@ -55,8 +55,6 @@ def test_compiled_decode_buckets_match_eager(tokenizer, tmp_path, monkeypatch) -
 
 
 def test_compile_needs_the_native_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvserve.model.native import ENV_VAR
-
-    monkeypatch.setenv(ENV_VAR, "portable")
+    monkeypatch.setenv("KVSERVE_ATTENTION", "portable")
     with pytest.raises(ValueError, match="--compile needs the native attention kernel"):
         LLM(compile=True, dtype="float32", max_model_len=256)

@@ -399,10 +399,10 @@ def test_native_top_p_and_draw_match_portable(
     monkeypatch: pytest.MonkeyPatch, top_p: float
 ) -> None:
     """The native nucleus selection and draw agree with the portable torch path."""
-    from kvserve.model.native import ENV_VAR, get_kernel
+    from kvserve.model.kernels.backend import default_backend
     from kvserve.worker.sampler import _inverse_cdf_sample
 
-    kernel = get_kernel()
+    kernel = default_backend().sampling
     assert kernel is not None, "the test machine has a C++ compiler"
     gen = torch.Generator().manual_seed(int(top_p * 1000))
     logits = torch.randn(40, 3000, generator=gen) * torch.linspace(0.5, 6.0, 40).unsqueeze(1)
@@ -410,10 +410,9 @@ def test_native_top_p_and_draw_match_portable(
     probs[3, 100:110] = probs[3, 5]  # ties
     p = torch.full((40,), top_p)
     p[7] = 1.0  # a row without top-p
-    native = _apply_top_p(probs, p)
+    native = _apply_top_p(probs, p, kernel)
     uniforms = torch.rand(40, dtype=torch.float64, generator=gen)
     drawn = kernel.sample_rows(probs, kernel.top_p_threshold(probs, p), uniforms)
-    monkeypatch.setenv(ENV_VAR, "portable")
     portable = _apply_top_p(probs, p)
     assert torch.equal(native > 0, portable > 0)
     assert torch.equal(drawn, _inverse_cdf_sample(portable, uniforms))
@@ -477,9 +476,9 @@ def test_token_mask_wins_over_min_tokens() -> None:
 
 
 def test_native_argmax_matches_torch_on_ties_nans_infs_and_odd_widths() -> None:
-    from kvserve.model.native import get_kernel
+    from kvserve.model.kernels.backend import default_backend
 
-    kernel = get_kernel()
+    kernel = default_backend().sampling
     if kernel is None:
         pytest.skip("native kernels not built here")
     gen = torch.Generator().manual_seed(0)
@@ -503,10 +502,10 @@ def test_native_draw_and_softmax_match_portable_on_wide_rows() -> None:
     """Draws over 256 rows of a 49,157-token vocabulary (blocks of 16 plus a tail, most
     mass spread wide, one row zero past a cut-off, one with a threshold) equal the
     portable inverse CDF, and the vectorized softmax matches torch's."""
-    from kvserve.model.native import get_kernel
+    from kvserve.model.kernels.backend import default_backend
     from kvserve.worker.sampler import _inverse_cdf_sample
 
-    kernel = get_kernel()
+    kernel = default_backend().sampling
     assert kernel is not None, "the test machine has a C++ compiler"
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(256, 49157, generator=gen) * 3

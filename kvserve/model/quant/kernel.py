@@ -1,5 +1,5 @@
 """ctypes bindings of ``csrc/linear_quant.cpp`` (built into the same library as the
-other native kernels by :mod:`kvserve.model.native`)."""
+other native kernels by :mod:`kvserve.model.kernels.build`)."""
 
 from __future__ import annotations
 
@@ -94,10 +94,14 @@ def _load(path: str) -> QuantKernel:
     return QuantKernel(Path(path))
 
 
-def get_quant_kernel() -> QuantKernel | None:
-    """The bindings in the native library, or None where it is unavailable (then
-    :class:`~kvserve.model.quant.linear.QuantLinear` runs the PyTorch reference)."""
-    from kvserve.model.native import get_kernel
+def load_quant_kernel(path: Path) -> QuantKernel:
+    """The bindings of the library at ``path`` (loaded once per path)."""
+    return _load(str(path))
 
-    native = get_kernel()
-    return None if native is None else _load(str(native.path))
+
+def get_quant_kernel() -> QuantKernel | None:
+    """The default backend's ``quant_linear`` family, or None where it is off (then
+    :class:`~kvserve.model.quant.linear.QuantLinear` runs the PyTorch reference)."""
+    from kvserve.model.kernels.backend import default_backend
+
+    return default_backend().quant_linear

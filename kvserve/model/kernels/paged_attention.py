@@ -1,0 +1,114 @@
+"""Binding of ``csrc/paged_attention.cpp``: attention of any rows over the paged KV cache.
+
+:class:`PagedAttention` is the ``attention`` family of
+:class:`~kvserve.model.kernels.backend.KernelBackend` (decode rows, and prefill rows
+where no prefill kernel takes them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvserve.model.kernels._ctypes import DTYPE_CODES, F32, I32, I64, PTR, CFunction, ptr
+
+_PARAMS = [
+    ("q", PTR),
+    ("q_row_stride", I64),
+    ("q_head_stride", I64),
+    ("out", PTR),
+    ("kv", PTR),
+    ("num_blocks", I64),
+    ("block_size", I32),
+    ("num_heads", I32),
+    ("num_kv_heads", I32),
+    ("head_dim", I32),
+    ("seqs", PTR),
+    ("num_seqs", I64),
+    ("block_tables", PTR),
+    ("max_blocks", I64),
+    ("seg", I32),
+    ("scale", F32),
+    ("dtype", I32),
+    ("row_tile", I32),
+    ("num_threads", I32),
+    ("lse", PTR),
+    ("row_map", PTR),
+    ("merge", I32),
+]
+
+
+class PagedAttention:
+    """``kvs_paged_attention``; call the object (see :meth:`__call__`)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = CFunction(lib, "kvs_paged_attention", _PARAMS)
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        """Whether the kernel takes q/KV of this dtype (float32, bfloat16)."""
+        return dtype in DTYPE_CODES
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        seqs: torch.Tensor,
+        block_tables: torch.Tensor,
+        kv_segment_size: int,
+        scale: float,
+        row_tile: int = 16,
+        lse: torch.Tensor | None = None,
+        row_map: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q [T, H, D] (last dim contiguous) -> out [T, H, D].
+
+        Rules: ``kv_cache`` [2, Hk, blocks, block_size, D] contiguous in q's dtype (one
+        of float32/bfloat16), on the CPU; ``seqs`` [S, 5] int64 contiguous rows of
+        (row_start, num_rows, num_tokens, cached_seq_len, prior_only) covering
+        ``[0, T)``; ``block_tables`` [S, max_blocks] int64 contiguous with valid block
+        ids for every visible position; ``lse`` (optional) fp32 [T, H] contiguous,
+        receives each row's log-sum-exp (padding rows are left as they are).
+        ``row_map`` (optional int64): token j of a seq is batch row
+        ``row_map[row_start + j]``. ``out`` (optional, contiguous [T, H, D]): merge
+        into it; it and ``lse`` must already hold another part of the attention of
+        every row of ``seqs`` (or lse -inf), which is merged exactly; without it a new
+        tensor is returned. The kernel does not check bounds. A row's result depends
+        on its own keys and the segment size only (not on the other rows or threads).
+        """
+        num_tokens, num_heads, head_dim = q.shape
+        _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
+        merge = out is not None
+        if merge and lse is None:
+            raise ValueError("merging into out needs the lse of what it holds")
+        if out is None:
+            out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+        rc = self._fn(
+            q=q.data_ptr(),
+            q_row_stride=q.stride(0),
+            q_head_stride=q.stride(1),
+            out=out.data_ptr(),
+            kv=kv_cache.data_ptr(),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            seqs=seqs.data_ptr(),
+            num_seqs=seqs.shape[0],
+            block_tables=block_tables.data_ptr(),
+            max_blocks=block_tables.shape[1],
+            seg=kv_segment_size,
+            scale=scale,
+            dtype=DTYPE_CODES[q.dtype],
+            row_tile=row_tile,
+            num_threads=torch.get_num_threads(),
+            lse=ptr(lse),
+            row_map=ptr(row_map),
+            merge=int(merge),
+        )
+        if rc != 0:
+            raise RuntimeError(f"kvs_paged_attention returned {rc} for dtype {q.dtype}")
+        return out

@@ -1,0 +1,116 @@
+"""Binding of ``csrc/prefill_vec.cpp``: prefill attention on AVX-512/AVX2 (no AMX)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from kvserve.model.kernels._ctypes import DTYPE_CODES, F32, I32, I64, PTR, CFunction, ptr
+
+# the variants of the kernel, by name -> the ``isa`` argument (0: the best usable)
+PREFILL_VEC_ISAS = {"avx2": 1, "avx512": 2, "avx512bf16": 3}
+# read at each use (as a per-step switch): "0" keeps prefill chunks off this kernel;
+# "avx2", "avx512", "avx512bf16" force that variant (where usable); "1"/unset: the best
+VEC_ENV_VAR = "KVSERVE_PREFILL_VEC"
+
+_PARAMS = [
+    ("q", PTR),
+    ("q_row_stride", I64),
+    ("q_head_stride", I64),
+    ("out", PTR),
+    ("kv", PTR),
+    ("num_blocks", I64),
+    ("block_size", I32),
+    ("num_heads", I32),
+    ("num_kv_heads", I32),
+    ("head_dim", I32),
+    ("seqs", PTR),
+    ("num_seqs", I64),
+    ("block_tables", PTR),
+    ("max_blocks", I64),
+    ("scale", F32),
+    ("dtype", I32),
+    ("isa", I32),
+    ("num_threads", I32),
+    ("lse", PTR),
+    ("row_map", PTR),
+    ("merge", I32),
+]
+
+
+class PrefillVec:
+    """``kvs_prefill_attention_vec``; ``isas``: the variants usable on this CPU, by name."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = CFunction(lib, "kvs_prefill_attention_vec", _PARAMS)
+        probe = lib.kvs_prefill_vec_isas
+        probe.argtypes = []
+        probe.restype = I32
+        bits = int(probe())
+        self.isas: frozenset[str] = frozenset(
+            name for name, bit in PREFILL_VEC_ISAS.items() if bits & (1 << bit)
+        )
+
+    def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether :meth:`__call__` runs here for this dtype and head_dim (32, 64 or 128;
+        float32 or bfloat16; an AVX2 or AVX-512 CPU) with ``KVSERVE_PREFILL_VEC`` not
+        ``0`` (a forced variant must be usable)."""
+        env = os.environ.get(VEC_ENV_VAR, "1")
+        if env == "0" or dtype not in DTYPE_CODES or head_dim not in (32, 64, 128):
+            return False
+        if env in PREFILL_VEC_ISAS:
+            return env in self.isas and (env != "avx512bf16" or dtype == torch.bfloat16)
+        return bool(self.isas)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        seqs: torch.Tensor,
+        block_tables: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        row_map: torch.Tensor | None = None,
+        merge: bool = False,
+        isa: str | None = None,
+    ) -> None:
+        """:class:`~kvserve.model.kernels.prefill_amx.PrefillAmx`'s contract on
+        AVX-512/AVX2, for float32 or bfloat16 (q, out and kv_cache share the dtype).
+
+        Rules: :meth:`supports` holds for q's dtype and head_dim; any block_size.
+        ``isa``: None = ``KVSERVE_PREFILL_VEC`` if it names a variant, else the best usable one
+        (vdpbf16ps for bfloat16 on AMD CPUs that have it, where it was measured at the
+        fp32 FMA rate; fp32 FMAs otherwise); or one of :data:`PREFILL_VEC_ISAS`
+        (RuntimeError where unusable). A row's result does not depend on the other
+        rows of the call (see the source).
+        """
+        name = isa if isa is not None else os.environ.get(VEC_ENV_VAR, "1")
+        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        rc = self._fn(
+            q=q.data_ptr(),
+            q_row_stride=q.stride(0),
+            q_head_stride=q.stride(1),
+            out=out.data_ptr(),
+            kv=kv_cache.data_ptr(),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_heads=q.shape[1],
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            seqs=seqs.data_ptr(),
+            num_seqs=seqs.shape[0],
+            block_tables=block_tables.data_ptr(),
+            max_blocks=block_tables.shape[1],
+            scale=scale,
+            dtype=DTYPE_CODES[q.dtype],
+            isa=PREFILL_VEC_ISAS.get(name, 0),
+            num_threads=torch.get_num_threads(),
+            lse=ptr(lse),
+            row_map=ptr(row_map),
+            merge=int(merge),
+        )
+        if rc != 0:
+            raise RuntimeError(f"kvs_prefill_attention_vec returned {rc} (isa {name!r})")
