@@ -9,6 +9,8 @@ Router series (``RouterMetrics``):
 - ``kvserve:router_resubmitted_total``: requests sent again because their replica
   died before accepting them (nothing had been queued).
 - ``kvserve:router_replicas``: replicas heard from (gauge).
+- ``kvserve:router_excluded_replicas``: replicas heard from before that the metrics
+  hub no longer lists (dead, hung), kept out of routing (gauge).
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ class RouterMetrics:
         self._replicas = Gauge(
             "kvserve:router_replicas", "Engine replicas heard from.", registry=self.registry
         )
+        self._excluded = Gauge(
+            "kvserve:router_excluded_replicas",
+            "Replicas no longer listed by the metrics hub (dead, hung), kept out of routing.",
+            registry=self.registry,
+        )
 
     def observe(self, decision: Decision) -> None:
         self._decisions.labels(decision.policy, decision.reason).inc()
@@ -61,6 +68,9 @@ class RouterMetrics:
 
     def set_num_replicas(self, n: int) -> None:
         self._replicas.set(n)
+
+    def set_num_excluded(self, n: int) -> None:
+        self._excluded.set(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,6 +13,14 @@ types and :class:`~kvserve.cluster.policy.RoutingLogic`, which decides:
 - the decision is written on the ``RoutedRequest`` (``decision``) for the ingress's
   metrics; ``on_request_completed`` ends the request in the logic.
 
+Dead replicas leave at once: the ingress's replica watch (``RemoteEngine``, every
+0.5 s, from the metrics hub's liveness pings) calls :func:`exclude_replicas` with the
+replicas that stopped answering, and ``choose_replicas`` leaves them out, long before
+Ray's controller drops them from the candidates (or a call to them fails). If every
+candidate is excluded the full list is used (the watch may be wrong; Ray's own
+failure handling then decides). The exclusion is per process (the router and the
+watch both run in the ingress).
+
 Configured through ``RequestRouterConfig.request_router_kwargs``: the fields of
 :class:`~kvserve.cluster.policy.RoutingConfig`.
 """
@@ -30,6 +38,20 @@ from ray.serve.request_router import (
 
 from kvserve.cluster.policy import ReplicaReport, RoutingConfig, RoutingLogic
 from kvserve.cluster.protocol import RoutedRequest
+
+_excluded: frozenset[str] = frozenset()
+
+
+def exclude_replicas(names: frozenset[str]) -> None:
+    """Keep the replicas ``names`` (``replica_id.unique_id``) out of every routing
+    decision of this process from now on; replaces the previous set. Thread-safe
+    (one reference swap; the router reads it on its own loop)."""
+    global _excluded
+    _excluded = frozenset(names)
+
+
+def excluded_replicas() -> frozenset[str]:
+    return _excluded
 
 
 def _routed_request(pending: PendingRequest | None) -> RoutedRequest | None:
@@ -53,6 +75,10 @@ class KVServeRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        excluded = _excluded
+        if excluded:
+            alive = [r for r in candidate_replicas if r.replica_id.unique_id not in excluded]
+            candidate_replicas = alive or candidate_replicas
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         for name, replica in by_name.items():
             self.logic.observe_report(name, ReplicaReport.from_stats(replica.routing_stats))
