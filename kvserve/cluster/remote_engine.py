@@ -282,7 +282,10 @@ class RemoteEngine:
         return snap
 
     async def render_metrics(self) -> bytes:
+        from kvserve.cluster.router import chosen_counts
+
         snap = await self.snapshot_replicas()
+        self.router_metrics.sync_chosen(chosen_counts())
         replicas = label_replicas({r: v["text"] for r, v in snap.items()})
         return replicas + self.router_metrics.render()
 

@@ -27,6 +27,8 @@ Configured through ``RequestRouterConfig.request_router_kwargs``: the fields of
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from typing import Any
 
 from ray.serve.request_router import (
@@ -40,6 +42,8 @@ from kvserve.cluster.policy import ReplicaReport, RoutingConfig, RoutingLogic
 from kvserve.cluster.protocol import RoutedRequest
 
 _excluded: frozenset[str] = frozenset()
+_chosen: Counter[str] = Counter()  # replica -> times ranked first, this process
+_chosen_lock = threading.Lock()
 
 
 def exclude_replicas(names: frozenset[str]) -> None:
@@ -52,6 +56,12 @@ def exclude_replicas(names: frozenset[str]) -> None:
 
 def excluded_replicas() -> frozenset[str]:
     return _excluded
+
+
+def chosen_counts() -> dict[str, int]:
+    """{replica: times a router of this process ranked it first} (a copy)."""
+    with _chosen_lock:
+        return dict(_chosen)
 
 
 def _routed_request(pending: PendingRequest | None) -> RoutedRequest | None:
@@ -98,6 +108,8 @@ class KVServeRequestRouter(RequestRouter):
                 num_blocks_needed=-(-n // block_size),
             )
             routed.decision = decision
+        with _chosen_lock:
+            _chosen[decision.ranked[0]] += 1
         return [[by_name[name]] for name in decision.ranked]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

@@ -274,6 +274,18 @@ def _series_by_replica(base_url: str, name: str) -> dict[str, float]:
     return out
 
 
+def _chosen(base: str) -> dict[str, float]:
+    """The router's ``router_chosen_total`` per replica (its ``replica`` label)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        for s in family.samples:
+            if s.name == "kvserve:router_chosen_total":
+                out[s.labels["replica"]] = s.value
+    return out
+
+
 def _healthy_pair(base: str) -> dict[str, int]:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -294,6 +306,7 @@ def test_dead_idle_replica_leaves_the_router_before_any_request_fails(
     before = _healthy_pair(base)
     victim = sorted(before)[0]
     resent0 = _series_by_replica(base, "kvserve:router_resubmitted_total").get("", 0.0)
+    chosen0 = _chosen(base)
     os.kill(before[victim], signal.SIGKILL)
     killed_at = time.monotonic()
     excluded_s = None
@@ -317,8 +330,14 @@ def test_dead_idle_replica_leaves_the_router_before_any_request_fails(
         )
         assert r.status_code == 200, r.text
     resent = _series_by_replica(base, "kvserve:router_resubmitted_total").get("", 0.0) - resent0
-    print(f"idle kill: out of the router in {excluded_s:.2f} s; {resent:.0f} requests resent")
+    chosen = _chosen(base)
+    to_victim = chosen.get(victim, 0.0) - chosen0.get(victim, 0.0)
+    print(
+        f"idle kill: out of the router in {excluded_s:.2f} s; {resent:.0f} requests resent, "
+        f"dead replica ranked first {to_victim:.0f} times"
+    )
     assert resent == 0
+    assert to_victim == 0  # not even offered (Ray would probe it, fail, and go on)
     after = _healthy_pair(base)  # Ray's replacement, under a new name
     assert victim not in after
     done0 = _series_by_replica(base, "kvserve:request_success_total")
