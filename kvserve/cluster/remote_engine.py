@@ -12,9 +12,9 @@ replica, and the replica's engine reuses them instead of hashing again.
 Faults: a replica that dies before it accepted the request (no ``Accepted`` yet, so
 nothing was queued anywhere) is retried on another replica, at most
 ``max_attempts`` times within ``retry_timeout_s``. A dead replica leaves the router at
-once: :meth:`RemoteEngine.watch_replicas` (every 0.5 s) hands the replicas the metrics
-hub no longer lists to ``router.exclude_replicas``, so no request is sent to it (Ray's
-router also drops it as soon as a call to it fails). A replica that dies while streaming ends that stream
+once: :meth:`RemoteEngine.watch_replicas` (every 0.5 s) hands the replicas the
+metrics hub no longer lists to ``routing_state.exclude_replicas``, so no request is
+sent to it (Ray's router also drops it as soon as a call to it fails). A replica that dies while streaming ends that stream
 with ``RequestFailedError`` naming the replica (the server turns it into a 500 or an
 error event).
 """
@@ -268,7 +268,7 @@ class RemoteEngine:
     # ------------------------------------------------------------------ metrics
     async def snapshot_replicas(self) -> dict[str, dict[str, Any]]:
         """{replica: {"pid", "age_s", "text"}} from the metrics hub."""
-        from kvserve.cluster.router import exclude_replicas
+        from kvserve.cluster.routing_state import exclude_replicas
 
         snap: dict[str, dict[str, Any]] = await self._hub.snapshot.remote()
         self.router_metrics.set_num_replicas(len(snap))
@@ -282,7 +282,7 @@ class RemoteEngine:
         return snap
 
     async def render_metrics(self) -> bytes:
-        from kvserve.cluster.router import chosen_counts
+        from kvserve.cluster.routing_state import chosen_counts
 
         snap = await self.snapshot_replicas()
         self.router_metrics.sync_chosen(chosen_counts())

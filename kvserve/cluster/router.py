@@ -14,12 +14,14 @@ types and :class:`~kvserve.cluster.policy.RoutingLogic`, which decides:
   metrics; ``on_request_completed`` ends the request in the logic.
 
 Dead replicas leave at once: the ingress's replica watch (``RemoteEngine``, every
-0.5 s, from the metrics hub's liveness pings) calls :func:`exclude_replicas` with the
+0.5 s, from the metrics hub's liveness pings) calls
+:func:`~kvserve.cluster.routing_state.exclude_replicas` with the
 replicas that stopped answering, and ``choose_replicas`` leaves them out, long before
 Ray's controller drops them from the candidates (or a call to them fails). If every
 candidate is excluded the full list is used (the watch may be wrong; Ray's own
 failure handling then decides). The exclusion is per process (the router and the
-watch both run in the ingress).
+watch both run in the ingress) and lives in ``routing_state``: Ray pickles this
+module by value, so its own globals would be copies.
 
 Configured through ``RequestRouterConfig.request_router_kwargs``: the fields of
 :class:`~kvserve.cluster.policy.RoutingConfig`.
@@ -27,8 +29,6 @@ Configured through ``RequestRouterConfig.request_router_kwargs``: the fields of
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from typing import Any
 
 from ray.serve.request_router import (
@@ -38,30 +38,9 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from kvserve.cluster import routing_state
 from kvserve.cluster.policy import ReplicaReport, RoutingConfig, RoutingLogic
 from kvserve.cluster.protocol import RoutedRequest
-
-_excluded: frozenset[str] = frozenset()
-_chosen: Counter[str] = Counter()  # replica -> times ranked first, this process
-_chosen_lock = threading.Lock()
-
-
-def exclude_replicas(names: frozenset[str]) -> None:
-    """Keep the replicas ``names`` (``replica_id.unique_id``) out of every routing
-    decision of this process from now on; replaces the previous set. Thread-safe
-    (one reference swap; the router reads it on its own loop)."""
-    global _excluded
-    _excluded = frozenset(names)
-
-
-def excluded_replicas() -> frozenset[str]:
-    return _excluded
-
-
-def chosen_counts() -> dict[str, int]:
-    """{replica: times a router of this process ranked it first} (a copy)."""
-    with _chosen_lock:
-        return dict(_chosen)
 
 
 def _routed_request(pending: PendingRequest | None) -> RoutedRequest | None:
@@ -85,7 +64,7 @@ class KVServeRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        excluded = _excluded
+        excluded = routing_state.excluded_replicas()
         if excluded:
             alive = [r for r in candidate_replicas if r.replica_id.unique_id not in excluded]
             candidate_replicas = alive or candidate_replicas
@@ -108,8 +87,7 @@ class KVServeRequestRouter(RequestRouter):
                 num_blocks_needed=-(-n // block_size),
             )
             routed.decision = decision
-        with _chosen_lock:
-            _chosen[decision.ranked[0]] += 1
+        routing_state.count_chosen(decision.ranked[0])
         return [[by_name[name]] for name in decision.ranked]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

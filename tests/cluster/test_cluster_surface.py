@@ -159,6 +159,7 @@ def test_a_replica_the_hub_drops_leaves_the_router_at_once() -> None:
     from ray.exceptions import RayActorError
 
     from kvserve.cluster import router as router_module
+    from kvserve.cluster import routing_state
     from kvserve.cluster.metrics_hub import MetricsHub
     from kvserve.cluster.remote_engine import RemoteEngine
 
@@ -178,7 +179,15 @@ def test_a_replica_the_hub_drops_leaves_the_router_at_once() -> None:
     engine._hub, engine.router_metrics = hub_handle, RouterMetrics()
     engine._seen_replicas, engine.num_live_replicas = set(), 0
 
-    router = object.__new__(router_module.KVServeRequestRouter)
+    # As Ray ships it: the router's module pickled by value (its globals are copies).
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(router_module)
+    try:
+        shipped = cloudpickle.loads(cloudpickle.dumps(router_module.KVServeRequestRouter))
+    finally:
+        cloudpickle.unregister_pickle_by_value(router_module)
+    router = object.__new__(shipped)
     router.initialize_state()
 
     def replica(name: str) -> object:
@@ -197,14 +206,14 @@ def test_a_replica_the_hub_drops_leaves_the_router_at_once() -> None:
         b["on"] = False  # killed; Ray still offers it as a candidate
         asyncio.run(engine.snapshot_replicas())
         assert engine.num_live_replicas == 1
-        before = router_module.chosen_counts().get("b", 0)
+        before = routing_state.chosen_counts().get("b", 0)
         for _ in range(4):  # ties rotate: "b" would be first every other time
             assert ranked(["a", "b"]) == ["a"]
-        assert router_module.chosen_counts().get("b", 0) == before
+        assert routing_state.chosen_counts().get("b", 0) == before
         assert b"kvserve:router_excluded_replicas 1.0" in engine.router_metrics.render()
         hub.push("c", 3, "", actor({"on": True}))  # the replacement
         asyncio.run(engine.snapshot_replicas())
         assert sorted(ranked(["a", "b", "c"])) == ["a", "c"]
         assert ranked(["b"]) == ["b"]  # nothing else: Ray's failure handling decides
     finally:
-        router_module.exclude_replicas(frozenset())
+        routing_state.exclude_replicas(frozenset())
