@@ -109,16 +109,27 @@ def probes(url: str) -> list[tuple[str, Callable[[], str]]]:
     def p4() -> str:
         body = {"prompt": [f"p{i}" for i in range(1000)], "n": 4, "max_tokens": 1}
         r = post("/v1/completions", json=body)
-        e = error(r, 400, 429, 503)
-        g = gauges(url)
-        assert g.get("num_requests_waiting", -1) == 0, g
-        many = {"prompt": [f"p{i}" for i in range(100)], "max_tokens": 1}
-        r2 = post("/v1/completions", json=many)
-        error(r2, 429, 503)
+        e = error(r, 400)
+        assert gauges(url).get("num_requests_waiting", -1) == 0
+        # one that could fit, but not now: 64 sequences running, then 5 more (queue 2)
+        hold = {"prompt": [f"q{i}" for i in range(64)], "max_tokens": 200, "ignore_eos": True}
+        busy = threading.Thread(target=lambda: post("/v1/completions", json=hold))
+        busy.start()
+        deadline = time.monotonic() + 60
+        while gauges(url).get("num_requests_running", 0) < 64 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        w0 = gauges(url).get("num_requests_waiting", 0)
+        r2 = post("/v1/completions", json={"prompt": [f"r{i}" for i in range(5)], "max_tokens": 1})
+        running = gauges(url)
+        e2 = error(r2, 429, 503)
         assert "Retry-After" in r2.headers, r2.headers
+        assert running.get("num_requests_waiting", 99) <= w0, running  # none half-admitted
+        assert running.get("num_requests_running", 99) <= 64, running
+        busy.join(300)
         return (
-            f"1000x4: {r.status_code} ({e['message'][:50]}); 100 prompts over "
-            f"--max-queue-len 2: {r2.status_code}, Retry-After {r2.headers['Retry-After']}"
+            f"1000x4: {r.status_code} {e.get('code')}; 5 more behind 64 running with "
+            f"--max-queue-len 2: {r2.status_code} {e2.get('code')}, Retry-After "
+            f"{r2.headers['Retry-After']}, none of them queued"
         )
 
     def p6() -> str:
