@@ -81,6 +81,23 @@ def main() -> int:
     llm.generate(
         prompt_token_ids=prompts(args.warmup_prompts), sampling_params=warm, use_tqdm=False
     )
+    # A full collection over the loaded engine's heap, as the default thresholds run
+    # (default thresholds: one per 100 young ones; the server's: one per 2,000).
+    for frozen in (False, True):
+        configure("server" if frozen else "default")
+        t0 = time.perf_counter()
+        gc.collect()
+        print(
+            json.dumps(
+                {
+                    "full_collection_ms": round((time.perf_counter() - t0) * 1000, 1),
+                    "frozen": frozen,
+                    "tracked_objects": len(gc.get_objects()),
+                    "frozen_objects": gc.get_freeze_count(),
+                }
+            ),
+            flush=True,
+        )
     timer = GcTimer()
     gc.callbacks.append(timer)
     rows = []
