@@ -112,8 +112,21 @@ def probes(url: str) -> list[tuple[str, Callable[[], str]]]:
         e = error(r, 400)
         assert gauges(url).get("num_requests_waiting", -1) == 0
         # one that could fit, but not now: 64 sequences running, then 5 more (queue 2)
-        hold = {"prompt": [f"q{i}" for i in range(64)], "max_tokens": 200, "ignore_eos": True}
-        busy = threading.Thread(target=lambda: post("/v1/completions", json=hold))
+        hold = {
+            "prompt": [f"q{i}" for i in range(64)],
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        release = threading.Event()
+
+        def holder() -> None:  # streams until released, then disconnects (abort)
+            with httpx.stream("POST", url + "/v1/completions", json=hold, timeout=300) as r:
+                for _ in r.iter_lines():
+                    if release.is_set():
+                        break
+
+        busy = threading.Thread(target=holder)
         busy.start()
         deadline = time.monotonic() + 60
         while gauges(url).get("num_requests_running", 0) < 64 and time.monotonic() < deadline:
@@ -125,6 +138,7 @@ def probes(url: str) -> list[tuple[str, Callable[[], str]]]:
         assert "Retry-After" in r2.headers, r2.headers
         assert running.get("num_requests_waiting", 99) <= w0, running  # none half-admitted
         assert running.get("num_requests_running", 99) <= 64, running
+        release.set()
         busy.join(300)
         return (
             f"1000x4: {r.status_code} {e.get('code')}; 5 more behind 64 running with "
