@@ -110,8 +110,10 @@ def run(url: str, legacy: bool, body_mb: int, window_s: float) -> dict[str, Any]
         ),
     ]
     latencies: list[float] = []
+    sent_at: list[float] = []
     with httpx.Client(timeout=60) as client:
         client.get(url + "/health")
+        start = time.perf_counter()
         for t in loads:
             t.start()
         end = time.monotonic() + window_s
@@ -119,9 +121,15 @@ def run(url: str, legacy: bool, body_mb: int, window_s: float) -> dict[str, Any]
             t0 = time.perf_counter()
             client.get(url + "/health")
             latencies.append(time.perf_counter() - t0)
+            sent_at.append(t0 - start)
             time.sleep(0.01)
     ms = [x * 1000 for x in latencies]
+    slow = sorted(
+        ((round(t, 2), round(x * 1000, 1)) for t, x in zip(sent_at, latencies, strict=True)),
+        key=lambda p: -p[1],
+    )[:5]
     return {
+        "slowest_at_s_ms": slow,
         "health_samples": len(ms),
         "health_ms": {
             "p50": round(statistics.median(ms), 1),
@@ -140,6 +148,12 @@ def main() -> int:
     parser.add_argument("--body-limit-default", action="store_true")
     parser.add_argument("--body-mb", type=int, default=20)
     parser.add_argument(
+        "--server-args",
+        default="--max-prompts-per-request 1000",
+        help="extra server flags (default: let the 1,000-prompt request in, past the "
+        "default --max-prompts-per-request 256, so it runs while /health is sampled)",
+    )
+    parser.add_argument(
         "--window-s", type=float, default=600, help="stop sampling /health after this long"
     )
     args = parser.parse_args()
@@ -151,6 +165,8 @@ def main() -> int:
             flags += ["--trust-request-chat-template"]
             if not args.body_limit_default:
                 flags += ["--max-request-body-bytes", str(32 * 1024 * 1024)]
+        if not args.legacy:
+            flags += args.server_args.split()
         log = Path(f"/tmp/health_bench_{os.getpid()}.log")
         proc, url = _start(args.repo, flags, log)
     try:

@@ -9,6 +9,10 @@ Router series (``RouterMetrics``):
 - ``kvserve:router_resubmitted_total``: requests sent again because their replica
   died before accepting them (nothing had been queued).
 - ``kvserve:router_replicas``: replicas heard from (gauge).
+- ``kvserve:router_chosen_total{replica}``: times the router ranked a replica first
+  (Ray offers the request there unless its queue is full or it is dead).
+- ``kvserve:router_excluded_replicas``: replicas heard from before that the metrics
+  hub no longer lists (dead, hung), kept out of routing (gauge).
 """
 
 from __future__ import annotations
@@ -50,6 +54,18 @@ class RouterMetrics:
         self._replicas = Gauge(
             "kvserve:router_replicas", "Engine replicas heard from.", registry=self.registry
         )
+        self._chosen = Counter(
+            "kvserve:router_chosen",
+            "Times the router ranked a replica first.",
+            ["replica"],
+            registry=self.registry,
+        )
+        self._chosen_seen: dict[str, int] = {}
+        self._excluded = Gauge(
+            "kvserve:router_excluded_replicas",
+            "Replicas no longer listed by the metrics hub (dead, hung), kept out of routing.",
+            registry=self.registry,
+        )
 
     def observe(self, decision: Decision) -> None:
         self._decisions.labels(decision.policy, decision.reason).inc()
@@ -61,6 +77,17 @@ class RouterMetrics:
 
     def set_num_replicas(self, n: int) -> None:
         self._replicas.set(n)
+
+    def sync_chosen(self, counts: Mapping[str, int]) -> None:
+        """Bring ``router_chosen_total`` up to ``counts`` (the router's running totals)."""
+        for replica, n in counts.items():
+            delta = n - self._chosen_seen.get(replica, 0)
+            if delta > 0:
+                self._chosen.labels(replica).inc(delta)
+                self._chosen_seen[replica] = n
+
+    def set_num_excluded(self, n: int) -> None:
+        self._excluded.set(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

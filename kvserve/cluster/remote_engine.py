@@ -11,8 +11,10 @@ replica, and the replica's engine reuses them instead of hashing again.
 
 Faults: a replica that dies before it accepted the request (no ``Accepted`` yet, so
 nothing was queued anywhere) is retried on another replica, at most
-``max_attempts`` times within ``retry_timeout_s``; Ray's router drops the dead replica
-as soon as a call to it fails. A replica that dies while streaming ends that stream
+``max_attempts`` times within ``retry_timeout_s``. A dead replica leaves the router at
+once: :meth:`RemoteEngine.watch_replicas` (every 0.5 s) hands the replicas the
+metrics hub no longer lists to ``routing_state.exclude_replicas``, so no request is
+sent to it (Ray's router also drops it as soon as a call to it fails). A replica that dies while streaming ends that stream
 with ``RequestFailedError`` naming the replica (the server turns it into a 500 or an
 error event).
 """
@@ -122,6 +124,7 @@ class RemoteEngine:
         self._accepting = True
         self.min_healthy_replicas = min_healthy_replicas
         self.num_live_replicas = 0  # from the metrics hub (watch_replicas)
+        self._seen_replicas: set[str] = set()  # every replica the hub ever listed
         self._hashed_with = (facts.model_fingerprint, facts.block_size, facts.hash_algo)
         self.limits = RequestLimits(facts.max_model_len, facts.vocab_size, facts.max_num_seqs)
         self.grammar_compiler = GrammarCompiler(
@@ -265,13 +268,24 @@ class RemoteEngine:
     # ------------------------------------------------------------------ metrics
     async def snapshot_replicas(self) -> dict[str, dict[str, Any]]:
         """{replica: {"pid", "age_s", "text"}} from the metrics hub."""
+        from kvserve.cluster.routing_state import exclude_replicas
+
         snap: dict[str, dict[str, Any]] = await self._hub.snapshot.remote()
         self.router_metrics.set_num_replicas(len(snap))
         self.num_live_replicas = len(snap)
+        # Listed once, not now: dead, hung (stale) or unreachable -> out of the router
+        # until listed again (a replacement replica has a new name).
+        self._seen_replicas.update(snap)
+        gone = frozenset(self._seen_replicas.difference(snap))
+        exclude_replicas(gone)
+        self.router_metrics.set_num_excluded(len(gone))
         return snap
 
     async def render_metrics(self) -> bytes:
+        from kvserve.cluster.routing_state import chosen_counts
+
         snap = await self.snapshot_replicas()
+        self.router_metrics.sync_chosen(chosen_counts())
         replicas = label_replicas({r: v["text"] for r, v in snap.items()})
         return replicas + self.router_metrics.render()
 

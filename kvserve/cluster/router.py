@@ -13,6 +13,16 @@ types and :class:`~kvserve.cluster.policy.RoutingLogic`, which decides:
 - the decision is written on the ``RoutedRequest`` (``decision``) for the ingress's
   metrics; ``on_request_completed`` ends the request in the logic.
 
+Dead replicas leave at once: the ingress's replica watch (``RemoteEngine``, every
+0.5 s, from the metrics hub's liveness pings) calls
+:func:`~kvserve.cluster.routing_state.exclude_replicas` with the
+replicas that stopped answering, and ``choose_replicas`` leaves them out, long before
+Ray's controller drops them from the candidates (or a call to them fails). If every
+candidate is excluded the full list is used (the watch may be wrong; Ray's own
+failure handling then decides). The exclusion is per process (the router and the
+watch both run in the ingress) and lives in ``routing_state``: Ray pickles this
+module by value, so its own globals would be copies.
+
 Configured through ``RequestRouterConfig.request_router_kwargs``: the fields of
 :class:`~kvserve.cluster.policy.RoutingConfig`.
 """
@@ -28,6 +38,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from kvserve.cluster import routing_state
 from kvserve.cluster.policy import ReplicaReport, RoutingConfig, RoutingLogic
 from kvserve.cluster.protocol import RoutedRequest
 
@@ -53,6 +64,10 @@ class KVServeRequestRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        excluded = routing_state.excluded_replicas()
+        if excluded:
+            alive = [r for r in candidate_replicas if r.replica_id.unique_id not in excluded]
+            candidate_replicas = alive or candidate_replicas
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         for name, replica in by_name.items():
             self.logic.observe_report(name, ReplicaReport.from_stats(replica.routing_stats))
@@ -72,6 +87,7 @@ class KVServeRequestRouter(RequestRouter):
                 num_blocks_needed=-(-n // block_size),
             )
             routed.decision = decision
+        routing_state.count_chosen(decision.ranked[0])
         return [[by_name[name]] for name in decision.ranked]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

@@ -166,6 +166,11 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         await cpu.run(render_pool.warm)
+        compiler = getattr(async_engine, "grammar_compiler", None) or getattr(
+            getattr(async_engine, "engine", None), "grammar_compiler", None
+        )
+        if compiler is not None:  # ready means the first grammar compiles at full speed
+            await cpu.run(compiler.warm)
         try:
             yield
         finally:

@@ -348,6 +348,9 @@ def _limit_token_ids(schemas: dict[str, Any], vocab_size: int) -> None:
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         allowed = schemas.get(name, {}).get("properties", {}).get("allowed_token_ids")
         _set_token_max(allowed, vocab_size - 1)
+        # the server checks stop ids against the vocabulary too (400 otherwise)
+        stop = schemas.get(name, {}).get("properties", {}).get("stop_token_ids")
+        _set_token_range(stop, vocab_size - 1)
     pattern = f"^({_below_regex(vocab_size)})$"
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         bias = schemas.get(name, {}).get("properties", {}).get("logit_bias")
@@ -364,6 +367,18 @@ def _set_token_max(node: Any, maximum: int) -> None:
     elif isinstance(node, list):
         for value in node:
             _set_token_max(value, maximum)
+
+
+def _set_token_range(node: Any, maximum: int) -> None:
+    """Every integer in ``node``: 0..``maximum``."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["minimum"], node["maximum"] = 0, maximum
+        for value in node.values():
+            _set_token_range(value, maximum)
+    elif isinstance(node, list):
+        for value in node:
+            _set_token_range(value, maximum)
 
 
 def _below_regex(n: int) -> str:

@@ -260,6 +260,102 @@ def test_replica_kill(cluster: ServerProcess) -> None:
     assert httpx.get(base + "/health").status_code == 200  # all replicas serve again
 
 
+def _series_by_replica(base_url: str, name: str) -> dict[str, float]:
+    """The sum of ``name``'s samples per ``replica`` label (router series: key "")."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name:
+                key = s.labels.get("replica", "")
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def _chosen(base: str) -> dict[str, float]:
+    """The router's ``router_chosen_total`` per replica (its ``replica`` label)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        for s in family.samples:
+            if s.name == "kvserve:router_chosen_total":
+                out[s.labels["replica"]] = s.value
+    return out
+
+
+def _healthy_pair(base: str) -> dict[str, int]:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        listed = httpx.get(base + "/cluster/replicas").json()["replicas"]
+        if len(listed) == 2 and httpx.get(base + "/health").status_code == 200:
+            return {r["replica"]: r["pid"] for r in listed}
+        time.sleep(0.5)
+    raise AssertionError("the cluster did not come back to 2 healthy replicas")
+
+
+def test_dead_idle_replica_leaves_the_router_before_any_request_fails(
+    cluster: ServerProcess,
+) -> None:
+    """Kill an idle replica: within 2 s it is out of the router (the ingress's watch of
+    the hub, not a failed call), so requests sent from then on never go to it (none
+    resent, none failed); its replacement is routed to once up."""
+    base = cluster.base_url
+    before = _healthy_pair(base)
+    victim = sorted(before)[0]
+    resent0 = _series_by_replica(base, "kvserve:router_resubmitted_total").get("", 0.0)
+    chosen0 = _chosen(base)
+    os.kill(before[victim], signal.SIGKILL)
+    killed_at = time.monotonic()
+    excluded_s = None
+    while time.monotonic() - killed_at < 5:
+        excluded = _series_by_replica(base, "kvserve:router_excluded_replicas").get("", 0.0)
+        if excluded >= 1:
+            excluded_s = time.monotonic() - killed_at
+            break
+        time.sleep(0.05)
+    assert excluded_s is not None and excluded_s < 2.0, excluded_s
+    assert httpx.get(base + "/health").status_code == 503  # below --min-healthy-replicas
+    listed = {r["replica"] for r in httpx.get(base + "/cluster/replicas").json()["replicas"]}
+    assert victim not in listed
+    # Distinct short prompts (no shared block): the router alternates on ties, so half
+    # of these would be offered to the dead replica if it were still a candidate.
+    for i in range(8):
+        r = httpx.post(
+            base + "/v1/completions",
+            json={"prompt": f"Count to {i}", "max_tokens": 2},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+    resent = _series_by_replica(base, "kvserve:router_resubmitted_total").get("", 0.0) - resent0
+    chosen = _chosen(base)
+    to_victim = chosen.get(victim, 0.0) - chosen0.get(victim, 0.0)
+    print(
+        f"idle kill: out of the router in {excluded_s:.2f} s; {resent:.0f} requests resent, "
+        f"dead replica ranked first {to_victim:.0f} times"
+    )
+    assert resent == 0
+    assert to_victim == 0  # not even offered (Ray would probe it, fail, and go on)
+    after = _healthy_pair(base)  # Ray's replacement, under a new name
+    assert victim not in after
+    done0 = _series_by_replica(base, "kvserve:request_success_total")
+    for i in range(8):
+        r = httpx.post(
+            base + "/v1/completions", json={"prompt": f"Name {i} rivers", "max_tokens": 2}
+        )
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # replicas push their counters every 0.5 s
+        done = _series_by_replica(base, "kvserve:request_success_total")
+        served = {r for r in after if done.get(r, 0.0) > done0.get(r, 0.0)}
+        if served == set(after):
+            break
+        time.sleep(0.25)
+    assert served == set(after), (served, after)  # the replacement takes requests too
+
+
 def _descendants(root: int) -> set[int]:
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):

@@ -146,3 +146,74 @@ def test_metrics_hub_drops_a_dead_replica_at_once() -> None:
     assert set(asyncio.run(hub.snapshot())) == {"a"}
     hub.push("b", 2, "late push from the dead replica", actor(b))
     assert set(asyncio.run(hub.snapshot())) == {"a"}
+
+
+def test_a_replica_the_hub_drops_leaves_the_router_at_once() -> None:
+    """The ingress's replica watch hands the replicas the hub stopped listing to the
+    router, which leaves them out of its ranking (no call to them has to fail first);
+    a replacement (new name) is routed to, and an all-excluded list falls back."""
+    pytest.importorskip("ray.serve")
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.exceptions import RayActorError
+
+    from kvserve.cluster import router as router_module
+    from kvserve.cluster import routing_state
+    from kvserve.cluster.metrics_hub import MetricsHub
+    from kvserve.cluster.remote_engine import RemoteEngine
+
+    def actor(alive: dict[str, bool]) -> object:
+        async def ready() -> bool:
+            if not alive["on"]:
+                raise RayActorError()
+            return True
+
+        return SimpleNamespace(__ray_ready__=SimpleNamespace(remote=ready))
+
+    hub = MetricsHub(stale_after_s=60.0)
+    hub_handle = SimpleNamespace(snapshot=SimpleNamespace(remote=hub.snapshot))
+    engine = object.__new__(RemoteEngine)  # only the watch's state
+    from kvserve.cluster.cluster_metrics import RouterMetrics
+
+    engine._hub, engine.router_metrics = hub_handle, RouterMetrics()
+    engine._seen_replicas, engine.num_live_replicas = set(), 0
+
+    # As Ray ships it: the router's module pickled by value (its globals are copies).
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(router_module)
+    try:
+        shipped = cloudpickle.loads(cloudpickle.dumps(router_module.KVServeRequestRouter))
+    finally:
+        cloudpickle.unregister_pickle_by_value(router_module)
+    router = object.__new__(shipped)
+    router.initialize_state()
+
+    def replica(name: str) -> object:
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name), routing_stats={})
+
+    def ranked(names: list[str]) -> list[str]:
+        ranks = asyncio.run(router.choose_replicas([replica(n) for n in names]))
+        return [rank[0].replica_id.unique_id for rank in ranks]
+
+    a, b = {"on": True}, {"on": True}
+    hub.push("a", 1, "", actor(a))
+    hub.push("b", 2, "", actor(b))
+    try:
+        asyncio.run(engine.snapshot_replicas())
+        assert sorted(ranked(["a", "b"])) == ["a", "b"]
+        b["on"] = False  # killed; Ray still offers it as a candidate
+        asyncio.run(engine.snapshot_replicas())
+        assert engine.num_live_replicas == 1
+        before = routing_state.chosen_counts().get("b", 0)
+        for _ in range(4):  # ties rotate: "b" would be first every other time
+            assert ranked(["a", "b"]) == ["a"]
+        assert routing_state.chosen_counts().get("b", 0) == before
+        assert b"kvserve:router_excluded_replicas 1.0" in engine.router_metrics.render()
+        hub.push("c", 3, "", actor({"on": True}))  # the replacement
+        asyncio.run(engine.snapshot_replicas())
+        assert sorted(ranked(["a", "b", "c"])) == ["a", "c"]
+        assert ranked(["b"]) == ["b"]  # nothing else: Ray's failure handling decides
+    finally:
+        routing_state.exclude_replicas(frozenset())

@@ -272,6 +272,9 @@ def test_openapi_limits_and_security(tokenizer: Any, default_server: tuple[str, 
     assert schemas["CompletionRequest"]["properties"]["max_tokens"]["maximum"] == 255
     assert schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["maximum"] == 255
     assert schemas["ChatCompletionRequest"]["properties"]["n"]["maximum"] == 128
+    for name in ("CompletionRequest", "ChatCompletionRequest"):  # as the server checks them
+        stop = schemas[name]["properties"]["stop_token_ids"]["anyOf"][0]["items"]
+        assert (stop["minimum"], stop["maximum"]) == (0, 49151), stop
     err = _error(httpx.post(url + "/v1/completions", json={"prompt": "hi", "n": 129}), 400)
     assert "128" in err["message"]  # the document and the server agree
     assert "chat_template" not in schemas["ChatCompletionRequest"]["properties"]

@@ -1,0 +1,41 @@
+"""What the ingress process's replica watch tells its request router: the replicas
+to leave out, and how often the router ranked each replica first.
+
+A module of its own because Ray Serve pickles the router's module *by value*
+(``RequestRouterConfig`` registers it with ``cloudpickle.register_pickle_by_value``):
+globals of ``router.py`` are copies in the process that runs the router, while this
+module is pickled by reference, so the router and ``RemoteEngine`` (both in the
+ingress process) share this one. Thread-safe: the router runs on Serve's router
+loop, the watch on the ingress's loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+_lock = threading.Lock()
+_excluded: frozenset[str] = frozenset()
+_chosen: Counter[str] = Counter()  # replica -> times ranked first
+
+
+def exclude_replicas(names: frozenset[str]) -> None:
+    """Keep the replicas ``names`` (``replica_id.unique_id``) out of every routing
+    decision of this process from now on; replaces the previous set."""
+    global _excluded
+    _excluded = frozenset(names)
+
+
+def excluded_replicas() -> frozenset[str]:
+    return _excluded
+
+
+def count_chosen(replica: str) -> None:
+    with _lock:
+        _chosen[replica] += 1
+
+
+def chosen_counts() -> dict[str, int]:
+    """{replica: times a router of this process ranked it first} (a copy)."""
+    with _lock:
+        return dict(_chosen)
