@@ -516,38 +516,61 @@ void store_cols(const float* acc, const float* bias, int64_t n0, int64_t nvalid,
   }
 }
 
+#if defined(__AVX512F__)
+// v rounded to T and back to fp32 (bf16: round to nearest even, as kvs::from_f32 for
+// values that are not NaN; the caller checks for NaN).
+template <typename T>
+inline __m512 round_to(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(-65536)));
+  }
+}
+#endif
+
 // silu(g) * u for 16 columns, g and u rounded to T first: the arithmetic of
 // kvs_silu_mul (csrc/fused_ops.cpp) on a [g | u] row in T, so the fused call gives what
-// the linear followed by kvs_silu_mul gives.
+// the linear followed by kvs_silu_mul gives (bitwise
+// where no value is NaN; NaN stays NaN).
 template <typename T>
 void store_silu(const float* g, const float* u, const float* bg, const float* bu, int64_t n0,
                 int64_t nvalid, T* out) {
-  T gr[kCols], ur[kCols];
-  float gs[kCols], us[kCols];
-  for (int64_t c = 0; c < nvalid; ++c) {
-    kvs::from_f32(bg != nullptr ? g[c] + bg[n0 + c] : g[c], gr + c);
-    kvs::from_f32(bu != nullptr ? u[c] + bu[n0 + c] : u[c], ur + c);
-    gs[c] = kvs::to_f32(gr[c]);
-    us[c] = kvs::to_f32(ur[c]);
-  }
 #if defined(__AVX512F__)
   if (nvalid == kCols) {
-    const __m512 one = _mm512_set1_ps(1.f);
-    const __m512 a = _mm512_loadu_ps(gs);
-    __m512 sig;
-    if constexpr (std::is_same_v<T, kvs::bf16_t>) {
-      const __m512 neg_log2e = _mm512_set1_ps(-1.4426950408889634f);
-      sig = _mm512_rcp14_ps(_mm512_add_ps(one, kvs::exp2_bf16(_mm512_mul_ps(a, neg_log2e))));
-    } else {
-      sig = _mm512_div_ps(one,
-                          _mm512_add_ps(one, kvs::exp512(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+    __m512 gv = _mm512_loadu_ps(g), uv = _mm512_loadu_ps(u);
+    if (bg != nullptr) {
+      gv = _mm512_add_ps(gv, _mm512_loadu_ps(bg + n0));
+      uv = _mm512_add_ps(uv, _mm512_loadu_ps(bu + n0));
     }
-    kvs::store16(out + n0, _mm512_mul_ps(_mm512_mul_ps(a, sig), _mm512_loadu_ps(us)));
-    return;
+    const __mmask16 nan =
+        _mm512_cmp_ps_mask(gv, gv, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(uv, uv, _CMP_UNORD_Q);
+    if (nan == 0) {
+      const __m512 one = _mm512_set1_ps(1.f);
+      const __m512 a = round_to<T>(gv);
+      __m512 sig;
+      if constexpr (std::is_same_v<T, kvs::bf16_t>) {
+        const __m512 neg_log2e = _mm512_set1_ps(-1.4426950408889634f);
+        sig = _mm512_rcp14_ps(_mm512_add_ps(one, kvs::exp2_bf16(_mm512_mul_ps(a, neg_log2e))));
+      } else {
+        sig = _mm512_div_ps(
+            one, _mm512_add_ps(one, kvs::exp512(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+      }
+      kvs::store16(out + n0, _mm512_mul_ps(_mm512_mul_ps(a, sig), round_to<T>(uv)));
+      return;
+    }
   }
 #endif
+  // column by column (a partial panel, NaN, or no AVX-512): kvs_silu_mul's scalar form
   for (int64_t c = 0; c < nvalid; ++c) {
-    kvs::from_f32(gs[c] / (1.f + std::exp(-gs[c])) * us[c], out + n0 + c);
+    T gr, ur;
+    kvs::from_f32(bg != nullptr ? g[c] + bg[n0 + c] : g[c], &gr);
+    kvs::from_f32(bu != nullptr ? u[c] + bu[n0 + c] : u[c], &ur);
+    const float gs = kvs::to_f32(gr), us = kvs::to_f32(ur);
+    kvs::from_f32(gs / (1.f + std::exp(-gs)) * us, out + n0 + c);
   }
 }
 
