@@ -518,7 +518,12 @@ class LlamaForCausalLM(nn.Module):
                 attn = attention(q, kv_cache, seqs, tables, seg, self.scale)  # [T, H, D]
             o = ops.o(attn.view(num_tokens, h * d))
             y = nk.add_rms_norm(residual, o, ops.post_attention_layernorm, eps)
-            pending = ops.down(nk.silu_mul(ops.gate_up(y)))
+            gu = ops.gate_up
+            if isinstance(gu, QuantLinear) and gu.fused_silu_capable:
+                act = gu.silu_mul(y)  # the same values in one native pass
+            else:
+                act = nk.silu_mul(gu(y))
+            pending = ops.down(act)
         if pending is not None:
             residual += pending
         return residual

@@ -65,6 +65,15 @@ def test_quantized_weights_are_the_files(quant_model, loaded_model) -> None:  # 
     assert quant_model.fingerprint != loaded_model.fingerprint  # KV differs: no sharing
 
 
+def test_decode_runs_fused_quantized_mlp(quant_model) -> None:  # type: ignore[no-untyped-def]
+    """Every layer's gate_up of the shipped file runs the fused linear+SiLU call (one
+    native pass per layer), and every projection and the lm_head one bound call."""
+    ops = quant_model.model._ops
+    assert all(o.gate_up.fused_silu_capable for o in ops)
+    lins = [lin for o in ops for lin in (o.qkv, o.o, o.gate_up, o.down)]
+    assert all(lin._fast is not None for lin in [*lins, quant_model.model._lm_head])
+
+
 def test_resident_weights_near_file_size(quant_model) -> None:  # type: ignore[no-untyped-def]
     from kvserve.model.loader import DEFAULT_MODEL_NAME, gguf_source
 

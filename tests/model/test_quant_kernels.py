@@ -135,3 +135,55 @@ def test_quant_ops_trace_as_opaque_operators(kernel) -> None:  # type: ignore[no
     ids = torch.tensor([1, 5, 63])
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(ids), fn(ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vector_quantizer_matches_scalar(kernel, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """The AVX-512 activation quantizer (vnni/avx2 paths) rounds as the scalar one:
+    ties to even, an all-zero block, a block with one large value."""
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(14)) * 3
+    x[0, :32] = torch.arange(32) - 15.5  # amax 15.5 -> halves land on exact ties
+    x[0, 31] = 127.0  # d_x = 1: x * (1/d_x) = k + 0.5 exactly
+    x[1, 32:64] = 0.0
+    x[2, 64:96] = 0.0
+    x[2, 70] = -1e4
+    x = x.to(dtype)
+    for fmt in sorted(FORMATS):
+        w = _random_weight(fmt, 32, 256, seed=15)
+        outs = {p: kernel.linear(x, w, path=p) for p in sorted(kernel.paths)}
+        for p, o in outs.items():
+            assert torch.equal(o, outs["scalar"]), (fmt, p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_silu_is_linear_then_native_silu(kernel, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """kvs_linear_quant_silu_mul gives bitwise what the linear followed by the native
+    kvs_silu_mul gives, on every path, alone or in a batch (row independence)."""
+    from kvserve.model.native import get_kernel
+
+    native = get_kernel()
+    assert native is not None
+    gen = torch.Generator().manual_seed(16)
+    x = (torch.randn(70, 192, generator=gen) * 2).to(dtype)
+    bias = torch.randn(96, generator=gen)
+    for fmt in ("q4_1", "q8_0"):
+        w = _random_weight(fmt, 96, 192, seed=17)  # gate 48 rows (3 panels), up 48
+        for b in (None, bias):
+            two = native.silu_mul(kernel.linear(x, w, b))
+            for path in sorted(kernel.paths):
+                fused = kernel.linear_silu_mul(x, w, b, path=path)
+                assert fused.shape == (70, 48) and fused.dtype == dtype
+                assert torch.equal(fused, two), (fmt, path, b is None)
+            alone = torch.cat([kernel.linear_silu_mul(x[i : i + 1], w, b) for i in range(9)])
+            assert torch.equal(alone, two[:9])
+        lin = QuantLinear([w], None, kernel)
+        assert lin.fused_silu_capable
+        assert torch.equal(lin.silu_mul(x), native.silu_mul(lin(x)))
+        gate, up = reference_linear(x.float(), w).chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+        torch.testing.assert_close(lin.silu_mul(x).float(), ref, rtol=0.03, atol=0.03)
+        portable = QuantLinear([w], None, None)  # no native library: linear, then SiLU
+        assert not portable.fused_silu_capable
+        torch.testing.assert_close(portable.silu_mul(x).float(), ref, rtol=0.03, atol=0.03)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernel.linear_silu_mul(x, _random_weight("q4_1", 48, 192, seed=18))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +25,9 @@ class QuantKernel:
         self._linear = lib.kvs_linear_quant
         self._linear.argtypes = [vp, i64, i64, i64, i32, vp, i32, i64, vp, vp, i64, i32, i32, i32]
         self._linear.restype = i32
+        self._silu = lib.kvs_linear_quant_silu_mul
+        self._silu.argtypes = self._linear.argtypes
+        self._silu.restype = i32
         self._embed = lib.kvs_quant_embed
         self._embed.argtypes = [vp, i32, i64, i64, vp, i64, vp, i32, i32]
         self._embed.restype = i32
@@ -42,14 +46,41 @@ class QuantKernel:
         """``x @ W^T + bias``: x [M, k] float32/bfloat16 (last dim contiguous), bias fp32
         [n] contiguous or None; into ``out`` ([M, n] view with contiguous last dim, x's
         dtype) or a new tensor. ``path`` one of PATHS (tests pin each)."""
+        return self._call(self._linear, x, w, w.n, bias, out, path)
+
+    def linear_silu_mul(
+        self,
+        x: torch.Tensor,
+        w: QuantWeight,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        path: str = "best",
+    ) -> torch.Tensor:
+        """``silu(g) * u`` where ``[g | u] = x @ W^T + bias`` (W a fused gate_up weight:
+        its first n/2 rows the gate; n/2 a multiple of 16) -> [M, n/2] in x's dtype, the
+        values ``kvs_silu_mul(linear(x))`` gives, in one pass over W."""
+        if w.n % 32 != 0:
+            raise ValueError(f"fused silu needs a multiple of 32 columns, got {w.n}")
+        return self._call(self._silu, x, w, w.n // 2, bias, out, path)
+
+    def _call(
+        self,
+        fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
+        x: torch.Tensor,
+        w: QuantWeight,
+        n_out: int,
+        bias: torch.Tensor | None,
+        out: torch.Tensor | None,
+        path: str,
+    ) -> torch.Tensor:
         rows, k = x.shape
         if k != w.k:
             raise ValueError(f"input has {k} features, weight expects {w.k}")
         if x.stride(1) != 1:
             x = x.contiguous()
         if out is None:
-            out = torch.empty(rows, w.n, dtype=x.dtype)
-        rc = self._linear(
+            out = torch.empty(rows, n_out, dtype=x.dtype)
+        rc = fn(
             x.data_ptr(),
             x.stride(0),
             rows,
@@ -68,6 +99,41 @@ class QuantKernel:
         if rc != 0:
             raise RuntimeError(f"kvs_linear_quant returned {rc} (path {path})")
         return out
+
+    def bind(
+        self, w: QuantWeight, bias: torch.Tensor | None = None, silu: bool = False
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A call ``f(x) -> out`` of :meth:`linear` (or :meth:`linear_silu_mul` with
+        ``silu``) on the best path with the weight's arguments fixed, for the decode
+        path's per-call cost. Rules: ``w.data`` and ``bias`` stay alive and unchanged
+        while ``f`` is used; x float32/bfloat16 [M, k]; out a new [M, n] (n/2 with silu)
+        tensor in x's dtype."""
+        if silu and w.n % 32 != 0:
+            raise ValueError(f"fused silu needs a multiple of 32 columns, got {w.n}")
+        fn = self._silu if silu else self._linear
+        k, n, code = w.k, w.n, w.fmt.code
+        n_out = n // 2 if silu else n
+        wptr = w.data.data_ptr()
+        bptr = None if bias is None else bias.data_ptr()
+        dtypes, empty, threads = _DTYPES, torch.empty, torch.get_num_threads
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            rows, kx = x.shape
+            if kx != k:
+                raise ValueError(f"input has {kx} features, weight expects {k}")
+            if x.stride(1) != 1:
+                x = x.contiguous()
+            dt = dtypes[x.dtype]
+            out = empty(rows, n_out, dtype=x.dtype)
+            rc = fn(
+                x.data_ptr(), x.stride(0), rows, k, dt, wptr, code, n, bptr,
+                out.data_ptr(), n_out, dt, 0, threads(),
+            )  # fmt: skip
+            if rc != 0:
+                raise RuntimeError(f"kvs_linear_quant returned {rc}")
+            return out
+
+        return run
 
     def embed(self, w: QuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` [T] int64 (each in [0, n)) of W, dequantized -> [T, k] ``dtype``."""

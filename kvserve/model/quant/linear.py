@@ -12,6 +12,8 @@ from kvserve.model import linear as _linear
 from kvserve.model.quant.formats import QuantWeight, reference_linear
 from kvserve.model.quant.kernel import QuantKernel
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
 
 class QuantLinear:
     """``y = x @ W^T + b`` with W given as one or more row blocks (``parts``, e.g. a
@@ -23,7 +25,18 @@ class QuantLinear:
     runs (same arithmetic, fp64 sums). Output dtype = x's dtype.
     """
 
-    __slots__ = ("__weakref__", "bias", "handle", "invariant", "kernel", "n", "parts", "offsets")
+    __slots__ = (
+        "__weakref__",
+        "_fast",
+        "_fast_silu",
+        "bias",
+        "handle",
+        "invariant",
+        "kernel",
+        "n",
+        "offsets",
+        "parts",
+    )
 
     @property
     def invariant_capable(self) -> bool:
@@ -51,6 +64,13 @@ class QuantLinear:
         # Batch-invariant mode (llama.set_batch_invariant) needs nothing here: every M
         # already runs the one native reduction order. The flag is kept for the caller.
         self.invariant = False
+        # one native call with the arguments bound (the decode path's per-call cost)
+        one = kernel is not None and len(parts) == 1
+        self._fast = kernel.bind(parts[0], self.bias) if one and kernel is not None else None
+        silu = one and kernel is not None and n % 32 == 0
+        self._fast_silu = (
+            kernel.bind(parts[0], self.bias, silu=True) if silu and kernel is not None else None
+        )
         self.handle = next(_linear._handles)
         _linear._LINEARS[self.handle] = self
 
@@ -69,7 +89,9 @@ class QuantLinear:
 
     def eager(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32/bfloat16 -> [M, n] in x's dtype."""
-        if self.kernel is None or x.dtype not in (torch.float32, torch.bfloat16):
+        if self._fast is not None and x.dtype in _NATIVE_DTYPES:
+            return self._fast(x)
+        if self.kernel is None or x.dtype not in _NATIVE_DTYPES:
             out = torch.cat([reference_linear(x, p) for p in self.parts], 1)
             if self.bias is not None:
                 out = out + self.bias
@@ -81,6 +103,21 @@ class QuantLinear:
             b = None if self.bias is None else self.bias[off : off + p.n]
             self.kernel.linear(x, p, b, out=out[:, off : off + p.n])
         return out
+
+    @property
+    def fused_silu_capable(self) -> bool:
+        """Whether :meth:`silu_mul` runs as one native call (one part, n % 32 == 0)."""
+        return self._fast_silu is not None
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """For a fused gate_up layer (first n/2 outputs the gate): ``silu(g) * u`` [M, n/2]
+        in x's dtype, the values of ``kvs_silu_mul(self(x))`` (the native SiLU of
+        csrc/fused_ops.cpp on the linear's rounded output), in one pass over W where
+        :attr:`fused_silu_capable`; otherwise the linear, then PyTorch's SiLU."""
+        if self._fast_silu is not None and x.dtype in _NATIVE_DTYPES:
+            return self._fast_silu(x)
+        gate, up = self.eager(x).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
 
 
 class QuantEmbedding:
