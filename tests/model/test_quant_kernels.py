@@ -159,9 +159,9 @@ def test_vector_quantizer_matches_scalar(kernel, dtype: torch.dtype) -> None:  #
 def test_fused_silu_is_linear_then_native_silu(kernel, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     """kvs_linear_quant_silu_mul gives bitwise what the linear followed by the native
     kvs_silu_mul gives, on every path, alone or in a batch (row independence)."""
-    from kvserve.model.native import get_kernel
+    from kvserve.model.kernels.backend import default_backend
 
-    native = get_kernel()
+    native = default_backend().norms
     assert native is not None
     gen = torch.Generator().manual_seed(16)
     x = (torch.randn(70, 192, generator=gen) * 2).to(dtype)
