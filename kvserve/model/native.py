@@ -46,6 +46,7 @@ _SOURCES = [
         "linear_panels.cpp",
         "prefill_vec.cpp",
         "linear_quant.cpp",
+        "attention_kv8.cpp",  # 8-bit KV cache (bindings: kvserve.model.kernels_kv8)
     )
 ]
 _HEADERS = [_CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources
