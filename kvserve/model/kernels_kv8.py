@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "int8")
+from kvserve.config import KV_CACHE_DTYPES
 KV8_TORCH_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.uint8}
 KV8_NAMES = {torch.int8: "int8", torch.uint8: "fp8_e4m3"}
 _FMT = {torch.int8: 0, torch.uint8: 1}
@@ -88,6 +88,20 @@ def resolve_kv_cache_dtype(name: str | None, model_dtype: torch.dtype) -> KVCach
         f"invalid kv_cache_dtype={name!r}: use one of {', '.join(KV_CACHE_DTYPES)} "
         "(for example: --kv-cache-dtype int8)"
     )
+
+
+def kv_cache_fingerprint(
+    fingerprint: str, kv_format: KVCacheFormat | None, model_dtype: torch.dtype
+) -> str:
+    """The prefix-cache salt of a model whose KV is stored in ``kv_format``: the model
+    fingerprint itself when the cache holds the model dtype (``auto``; None), else a
+    digest of it and the format, so engines with different KV formats never share or
+    exchange blocks (their hashes differ)."""
+    if kv_format is None or kv_format.torch_dtype == model_dtype:
+        return fingerprint
+    from kvserve.kv_cache.hashing import model_fingerprint
+
+    return model_fingerprint(fingerprint, ("kv_cache_dtype", kv_format.name))
 
 
 def is_kv8(kv_cache: torch.Tensor) -> bool:

@@ -83,8 +83,10 @@ class InputBatch:
         device: torch.device,
         attention_backend: ResolvedBackend = "portable",
         batch_invariant: bool = False,
+        kv_8bit: bool = False,
     ) -> None:
         self.block_size = block_size
+        self.kv_8bit = kv_8bit  # 8-bit KV cache: one kernel call over every row
         self.attention_backend: ResolvedBackend = attention_backend
         self.batch_invariant = batch_invariant  # per-row attention (docs/determinism.md)
         self.num_kv_blocks = num_kv_blocks
@@ -200,6 +202,7 @@ class InputBatch:
             device=self.device,
             backend=self.attention_backend,
             batch_invariant=self.batch_invariant,
+            kv_8bit=self.kv_8bit,
         )
         dev = self.device
         return StepInputs(
