@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from kvserve.config import KV_CACHE_DTYPES
+
 KV8_TORCH_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.uint8}
 KV8_NAMES = {torch.int8: "int8", torch.uint8: "fp8_e4m3"}
 _FMT = {torch.int8: 0, torch.uint8: 1}
@@ -83,6 +84,12 @@ def resolve_kv_cache_dtype(name: str | None, model_dtype: torch.dtype) -> KVCach
     if name in KV8_TORCH_DTYPES:
         return KVCacheFormat(name, KV8_TORCH_DTYPES[name])
     if name in ("bfloat16", "float32"):
+        if getattr(torch, name) != model_dtype:  # the float kernels read the model dtype
+            raise ValueError(
+                f"invalid kv_cache_dtype={name!r} with model dtype "
+                f"{str(model_dtype).removeprefix('torch.')}: a float KV cache holds the model "
+                f"dtype (for example: --kv-cache-dtype auto, int8 or fp8_e4m3, or --dtype {name})"
+            )
         return KVCacheFormat(name, getattr(torch, name))
     raise ValueError(
         f"invalid kv_cache_dtype={name!r}: use one of {', '.join(KV_CACHE_DTYPES)} "

@@ -59,8 +59,12 @@ def test_resolve_kv_cache_dtype():
     assert resolve_kv_cache_dtype(None, torch.float32).torch_dtype == torch.float32
     assert resolve_kv_cache_dtype("int8", torch.bfloat16).row_bytes(64) == 68
     assert resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16).torch_dtype == torch.uint8
+    assert resolve_kv_cache_dtype("fp8", torch.float32).name == "fp8_e4m3"  # vLLM's alias
+    assert resolve_kv_cache_dtype("bfloat16", torch.bfloat16).torch_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="kv_cache_dtype='int4'.*int8"):
         resolve_kv_cache_dtype("int4", torch.bfloat16)
+    with pytest.raises(ValueError, match="float KV cache holds the model dtype"):
+        resolve_kv_cache_dtype("float32", torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
