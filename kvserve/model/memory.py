@@ -35,9 +35,7 @@ class MemoryReport:
         mb = 1e6
         rt = "?" if self.runtime is None else f"{self.runtime / mb:.0f}"
         kv_what = ", ".join(
-            x
-            for x in (self.kv_format, f"{self.kv_blocks} blocks" if self.kv_blocks else "")
-            if x
+            x for x in (self.kv_format, f"{self.kv_blocks} blocks" if self.kv_blocks else "") if x
         )
         return (
             f"weights {self.weights / mb:.1f} MB ({self.weight_formats}), KV "
