@@ -98,7 +98,7 @@ def resolve_kv_cache_dtype(name: str | None, model_dtype: torch.dtype) -> KVCach
 
 
 def kv_cache_fingerprint(
-    fingerprint: str, kv_format: KVCacheFormat | None, model_dtype: torch.dtype
+    fingerprint: str, kv_format: KVCacheFormat | None, model_dtype: torch.dtype | None
 ) -> str:
     """The prefix-cache salt of a model whose KV is stored in ``kv_format``: the model
     fingerprint itself when the cache holds the model dtype (``auto``; None), else a
