@@ -32,12 +32,12 @@ CACHE_SPAN_BYTES = 512 << 20  # per format: layers cycle through at most this mu
 def _caches(fmt: Any, shape: tuple[int, ...], model_dtype: Any, count: int, gen: Any) -> list[Any]:
     import torch
 
-    from kvserve.model.kernels_kv8 import quantize_rows
+    from kvserve.model.kernels_kv8 import quantize_cache
 
     out = []
     for _ in range(count):
         x = torch.randn(shape, generator=gen)
-        out.append(quantize_rows(x, fmt.torch_dtype) if fmt.is_8bit else x.to(model_dtype))
+        out.append(quantize_cache(x, fmt.torch_dtype) if fmt.is_8bit else x.to(model_dtype))
     return out
 
 

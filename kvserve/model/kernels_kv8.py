@@ -12,7 +12,11 @@ paged KV cache stores K and V:
 8-bit layout, one tensor per layer (same dims as the float cache, one wider row)::
 
     kv_cache: [2, Hk, num_blocks, block_size, D + 4]   int8 (int8 codes) or uint8 (fp8)
-    row bytes: D codes, then the row's fp32 scale (native byte order)
+    the bytes of one (K|V, head, block) are a page of block_size * (D + 4) bytes:
+      fp8:  rows, token t = D codes then its fp32 scale (native byte order)
+      int8: the block's codes, then its block_size fp32 scales; K codes in groups of
+            16 tokens x 4 dims, V codes in token pairs (the AVX512-VNNI kernel's
+            operand order; :func:`rows_to_pages` / :func:`pages_to_rows` convert)
 
 The tensor dtype names the format (``torch.int8`` = int8, ``torch.uint8`` = fp8_e4m3),
 so every block-level copy (forks, KV transfer, offload) moves codes and scales
@@ -21,9 +25,11 @@ never change when later tokens are appended (no requantization), so a cached blo
 reads the same whoever wrote the rest of it, and the per-token scale was measured
 more accurate than a per-block one (docs/quantization.md).
 
-Attention over the 8-bit cache is ``csrc/attention_kv8.cpp`` (AVX-512 and a portable
-scalar reference), one call for the whole batch, every row reading all its keys
-(the step's own included) from the cache; a row's result depends only on its
+Attention over the 8-bit cache is ``csrc/attention_kv8.cpp`` (int8: AVX512-VNNI
+integer dot products, queries quantized to int8 per row and P.V weights to int16 per
+part; fp8: AVX-512 fp32 on decoded values; both with a portable scalar reference that
+does the same arithmetic), one call for the whole batch, every row reading all its
+keys (the step's own included) from the cache; a row's result depends only on its
 position and keys (see the source).
 """
 
@@ -154,9 +160,64 @@ def dequantize_rows(rows: torch.Tensor) -> torch.Tensor:
     return vals * scale
 
 
+def _k_page_perm(bs: int, d: int) -> torch.Tensor:
+    """Page byte i of a K page's codes holds row-major code ``perm[i]`` (t * D + d)."""
+    t = torch.arange(bs).view(1, bs, 1)
+    g = torch.arange(d // 4).view(d // 4, 1, 1)
+    r = torch.arange(4).view(1, 1, 4)
+    return (t * d + g * 4 + r).reshape(-1)  # page order: [D/4, bs, 4]
+
+
+def _v_page_perm(bs: int, d: int) -> torch.Tensor:
+    """The same for V pages: token pairs interleaved ([bs/2, D, 2]), rows if bs is odd."""
+    if bs % 2:
+        return torch.arange(bs * d)
+    p = torch.arange(bs // 2).view(bs // 2, 1, 1)
+    dd = torch.arange(d).view(1, d, 1)
+    s = torch.arange(2).view(1, 1, 2)
+    return ((2 * p + s) * d + dd).reshape(-1)
+
+
+def rows_to_pages(rows: torch.Tensor) -> torch.Tensor:
+    """int8 rows ``[2, Hk, blocks, bs, D + 4]`` (codes then scale per token) -> the int8
+    cache's page layout (same shape; see ``csrc/attention_kv8.cpp``)."""
+    raw = rows.view(torch.uint8)
+    two, hk, nb, bs, row = raw.shape
+    d = row - SCALE_BYTES
+    codes = raw[..., :d].reshape(two, hk, nb, bs * d)
+    scales = raw[..., d:].reshape(two, hk, nb, bs * SCALE_BYTES)
+    k = codes[0][..., _k_page_perm(bs, d)]
+    v = codes[1][..., _v_page_perm(bs, d)]
+    pages = torch.cat([torch.stack([k, v]), scales], dim=-1)
+    return pages.view(two, hk, nb, bs, row).view(torch.int8)
+
+
+def pages_to_rows(pages: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`rows_to_pages`."""
+    raw = pages.view(torch.uint8)
+    two, hk, nb, bs, row = raw.shape
+    d = row - SCALE_BYTES
+    flat = raw.reshape(two, hk, nb, bs * row)
+    codes = torch.empty(two, hk, nb, bs * d, dtype=torch.uint8)
+    codes[0][..., _k_page_perm(bs, d)] = flat[0][..., : bs * d]
+    codes[1][..., _v_page_perm(bs, d)] = flat[1][..., : bs * d]
+    scales = flat[..., bs * d :].reshape(two, hk, nb, bs, SCALE_BYTES)
+    out = torch.cat([codes.view(two, hk, nb, bs, d), scales], dim=-1)
+    return out.view(torch.int8)
+
+
 def dequantize_cache(kv_cache: torch.Tensor) -> torch.Tensor:
     """A whole 8-bit layer cache -> float32 ``[2, Hk, blocks, block_size, D]``."""
+    if kv_cache.dtype == torch.int8:
+        return dequantize_rows(pages_to_rows(kv_cache))
     return dequantize_rows(kv_cache)
+
+
+def quantize_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float ``[2, Hk, blocks, block_size, D]`` -> an 8-bit layer cache of ``dtype`` in
+    its layout (what ``kvs_kv8_write`` stores for those values)."""
+    rows = quantize_rows(x, dtype)
+    return rows_to_pages(rows) if dtype == torch.int8 else rows
 
 
 # ------------------------------------------------------------ native kernels
@@ -170,14 +231,16 @@ class KV8Kernel:
         lib = ctypes.CDLL(path)
         i64, i32, vp, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
         self._write = lib.kvs_kv8_write
-        self._write.argtypes = [vp, vp, i64, i64, i32, i32, i32, vp, i64, vp, i32, i32]
+        self._write.argtypes = [vp, vp, i64, i64, i32, i32, i32, vp, i64, vp, i32, i32, i32]
         self._write.restype = i32
         self._attn = lib.kvs_kv8_attention
         self._attn.argtypes = [vp, i64, i64, vp, vp, i64, i32, i32, i32, i32, vp, i64, vp, i64]
         self._attn.argtypes += [i32, f32, i32, i32, i32, i32, i32, vp, vp, i32]
         self._attn.restype = i32
         lib.kvs_kv8_avx512.restype = i32
-        self.avx512: bool = bool(lib.kvs_kv8_avx512())
+        bits = int(lib.kvs_kv8_avx512())
+        self.avx512: bool = bool(bits & 1)  # fp8's AVX-512 path
+        self.int8_vnni: bool = bool(bits & 2)  # int8's AVX512-VNNI path
 
     def write(
         self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
@@ -200,6 +263,7 @@ class KV8Kernel:
             kv_cache.shape[2] * kv_cache.shape[3],
             slots.data_ptr(),
             _FMT[kv_cache.dtype],
+            kv_cache.shape[3],
             torch.get_num_threads(),
         )
         if rc != 0:
@@ -234,7 +298,7 @@ class KV8Kernel:
         if out is None:
             out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
         name = isa if isa is not None else os.environ.get(ISA_ENV_VAR, "auto")
-        if name == "avx512" and not self.avx512:
+        if name == "avx512" and not (self.int8_vnni if kv_cache.dtype == torch.int8 else self.avx512):
             raise RuntimeError("the AVX-512 8-bit KV kernel is not built on this CPU")
         code = 1 if name == "portable" else 0
         rc = self._attn(
