@@ -123,7 +123,8 @@ _TYPES: dict[str, type] = {
     "done": Done,
     "error": Error,
 }
-# field -> (accepted types) per kind; every field is required.
+# field -> (accepted types) per kind; every field is required but those in _OPTIONAL
+# (absent: the dataclass default, e.g. a peer that does not send the KV dtype).
 _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "prefill": {
         "req_id": (str,),
@@ -153,6 +154,7 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "error": {"req_id": (str,), "message": (str,)},
 }
+_OPTIONAL = {("prefill", "kv_dtype")}
 
 
 def encode_message(msg: Message) -> list[bytes | memoryview]:
@@ -193,6 +195,8 @@ def decode_message(frames: Sequence[bytes | memoryview]) -> Message:
     values: dict[str, Any] = {}
     for name, types in spec.items():
         if name not in header:
+            if (kind, name) in _OPTIONAL:
+                continue
             raise WireError(f"{kind}: missing field {name!r}")
         value = header[name]
         ok = any(
