@@ -298,7 +298,9 @@ class KV8Kernel:
         if out is None:
             out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
         name = isa if isa is not None else os.environ.get(ISA_ENV_VAR, "auto")
-        if name == "avx512" and not (self.int8_vnni if kv_cache.dtype == torch.int8 else self.avx512):
+        if name == "avx512" and not (
+            self.int8_vnni if kv_cache.dtype == torch.int8 else self.avx512
+        ):
             raise RuntimeError("the AVX-512 8-bit KV kernel is not built on this CPU")
         code = 1 if name == "portable" else 0
         rc = self._attn(

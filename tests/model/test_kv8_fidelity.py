@@ -70,7 +70,7 @@ def _logits(loaded, ids: list[int], kv_name: str, decode_tail: int) -> torch.Ten
 def test_kv8_tracks_bf16_kv(
     bf16_model, kv_name: str, min_agree: float, max_err: float, mean_err: float
 ) -> None:
-    """Measured: int8 99.1 % agreement, max 3.05, mean 0.26; fp8 98.4 %, 3.94, 0.39
+    """Measured: int8 99.1 % agreement, max 3.16, mean 0.28; fp8 98.4 %, 3.94, 0.39
     (logits up to 39.5; bf16 weights vs HF fp32 are held to max 3.0, mean 0.3)."""
     agree_n = total = 0
     worst = mean = 0.0

@@ -158,7 +158,9 @@ def test_attention_portable_avx512_reference(dtype, d, seg):
         # quantized per part (int16): the reference gets the same queries, and the
         # int16 weights' rounding is the tolerance; fp8 runs fp32 arithmetic
         qs = q.abs().amax(-1, keepdim=True) / 127
-        ref, ref_lse = _reference((q / qs).round().clamp(-127, 127) * qs, cache, seqs, tables, scale)
+        ref, ref_lse = _reference(
+            (q / qs).round().clamp(-127, 127) * qs, cache, seqs, tables, scale
+        )
         tol = {"atol": 2e-3, "rtol": 1e-3}
     else:
         ref, ref_lse = _reference(q, cache, seqs, tables, scale)
