@@ -16,6 +16,8 @@ from kvserve.spec_decode.config import SpeculativeConfig
 
 SchedulerPolicy = Literal["mixed", "separated"]
 HashAlgo = Literal["sha256", "builtin"]
+# --kv-cache-dtype choices (vLLM's names; "fp8" is accepted as fp8_e4m3)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3", "int8")
 VALID_KV_SEGMENT_SIZES = (0, 512, 1024, 2048, 4096)
 
 
@@ -34,6 +36,9 @@ class CacheConfig:
     kv_cache_memory_gib: float = 1.0
     enable_prefix_caching: bool = True
     hash_algo: HashAlgo = "sha256"
+    # how K/V are stored: "auto" (the model dtype), "bfloat16", "float32", or 8-bit
+    # "int8" / "fp8_e4m3" (kvserve.model.kernels_kv8; docs/quantization.md)
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
         check_int("block_size", self.block_size, "block_size=16")
@@ -59,6 +64,13 @@ class CacheConfig:
         if self.hash_algo not in ("sha256", "builtin"):
             raise config_error(
                 "hash_algo", self.hash_algo, "must be 'sha256' or 'builtin'", "hash_algo='sha256'"
+            )
+        if self.kv_cache_dtype not in (*KV_CACHE_DTYPES, "fp8"):
+            raise config_error(
+                "kv_cache_dtype",
+                self.kv_cache_dtype,
+                f"must be one of {', '.join(KV_CACHE_DTYPES)}",
+                "kv_cache_dtype='int8' (--kv-cache-dtype int8)",
             )
 
 

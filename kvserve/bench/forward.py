@@ -185,6 +185,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "quantization values (e.g. none,auto), against the memory-bandwidth limit",
     )
     parser.add_argument(
+        "--kv-formats",
+        default="",
+        help="also time decode attention (--attention-batches x --attention-contexts, "
+        "interleaved) and whole-model decode (--decode-batches) with each of these "
+        "comma-separated KV cache dtypes (e.g. auto,int8,fp8_e4m3), against the "
+        "memory-bandwidth limit",
+    )
+    parser.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -204,6 +212,7 @@ class _KvserveDriver:
         kv_segment_size: int,
         num_blocks: int,
         batch_invariant: bool | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         from kvserve.config import CacheConfig, SchedulerConfig
         from kvserve.request import SamplingParams
@@ -211,7 +220,9 @@ class _KvserveDriver:
 
         self.runner = ModelRunner(
             loaded,
-            CacheConfig(block_size=block_size, num_kv_blocks=num_blocks),
+            CacheConfig(
+                block_size=block_size, num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype
+            ),
             SchedulerConfig(),
             batch_invariant=batch_invariant,
         )
@@ -493,6 +504,38 @@ def run(args: argparse.Namespace) -> int:
             del fmt_loaded
         results["weight_formats"] = {"read_bandwidth_gb_s": bw, "rows": rows}
 
+    kv_names = [f for f in args.kv_formats.split(",") if f]
+    if kv_names:
+        from kvserve.bench import kv_formats
+        from kvserve.bench.weight_formats import read_bandwidth_gb_s as bandwidth
+
+        bw = bandwidth(_CLOCK)
+        results["kv_formats"] = {
+            "read_bandwidth_gb_s": bw,
+            "attention": kv_formats.attention_rows(
+                loaded.model.config,
+                loaded.dtype,
+                kv_names,
+                args.attention_batches,
+                args.attention_contexts,
+                bw,
+                clock=_CLOCK,
+            ),
+            "decode": kv_formats.decode_rows(
+                loaded,
+                kv_names,
+                lambda m, name: _KvserveDriver(
+                    m, args.block_size, args.kv_segment_size, num_blocks, kv_cache_dtype=name
+                ),
+                args.decode_batches,
+                args.context,
+                args.decode_steps,
+                bw,
+                _CLOCK,
+                prompts,
+            ),
+        }
+
     _print_table(results)
     if args.json:
         with open(args.json, "w") as f:
@@ -552,6 +595,10 @@ def _print_table(r: dict[str, Any]) -> None:
         from kvserve.bench.weight_formats import print_rows
 
         print_rows(r["weight_formats"]["rows"], r["weight_formats"]["read_bandwidth_gb_s"])
+    if "kv_formats" in r:
+        from kvserve.bench.kv_formats import print_rows as print_kv_rows
+
+        print_kv_rows(r["kv_formats"])
     if "attention" in r:
         from kvserve.bench.attention_bench import print_attention_table
 

@@ -73,6 +73,13 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("num_kv_blocks", "cache", int, "KV blocks to allocate (overrides kv_cache_memory_gib)"),
     _Option("kv_cache_memory_gib", "cache", float, "GiB of memory for the KV cache"),
     _Option("hash_algo", "cache", str, "prefix-cache block hash: sha256 (default) or builtin"),
+    _Option(
+        "kv_cache_dtype",
+        "cache",
+        str,
+        "KV cache storage: auto (default: the model dtype), bfloat16, float32, int8 or "
+        "fp8_e4m3 (8-bit codes with per-token scales; docs/quantization.md)",
+    ),
     _Option("max_num_seqs", "scheduler", int, "most requests running at once"),
     _Option("max_num_batched_tokens", "scheduler", int, "token budget per step"),
     _Option("scheduler_policy", "scheduler", str, "mixed (default) or separated"),

@@ -123,7 +123,7 @@ class EngineCore:
             self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
             hash_algo=config.cache.hash_algo,
-            model_fingerprint=loaded.fingerprint,
+            model_fingerprint=_kv_fingerprint(loaded, self.runner),
         )
         self.kv_connector = kv_connector
         if kv_connector is not None:
@@ -477,6 +477,17 @@ def _metrics(request: Request) -> RequestMetrics:
         last_token_time=request.last_token_time,
         finished_time=request.finished_time,
     )
+
+
+def _kv_fingerprint(loaded: ModelInfo, runner: Runner) -> str:
+    """The block-hash salt: the model's fingerprint, and the KV cache format when it is
+    not the model dtype (an int8 cache's blocks never match a bfloat16 one's)."""
+    kv_format = getattr(runner, "kv_format", None)
+    if kv_format is None:
+        return loaded.fingerprint
+    from kvserve.model.kernels_kv8 import kv_cache_fingerprint
+
+    return kv_cache_fingerprint(loaded.fingerprint, kv_format, getattr(loaded, "dtype", None))
 
 
 def _model_runner(

@@ -19,7 +19,10 @@ the alternative:
                               prompt (token budget >= max_model_len, no chunk cap)
     tokenizer                 must be the model's folder (kvserve loads the
                               tokenizer that comes with the model)
-    swap_space, disable_log_stats, kv_cache_dtype="auto"   accepted, no effect
+    swap_space, disable_log_stats   accepted, no effect
+
+(``kv_cache_dtype`` is one of kvserve's own engine options: auto, bfloat16, float32,
+int8, fp8_e4m3.)
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ VLLM_OPTIONS = (
     "tokenizer",
     "swap_space",
     "disable_log_stats",
-    "kv_cache_dtype",
 )
 # Sampling fields a generation_config.json may set, as vLLM reads them.
 GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -123,12 +125,6 @@ def translate_vllm_options(options: dict[str, Any]) -> tuple[dict[str, Any], lis
             f"tokenizer={tokenizer!r} differs from the model: kvserve loads the tokenizer "
             "that comes with the model (its folder or GGUF); drop tokenizer= or point model= "
             "at a folder holding both"
-        )
-    kv_dtype = options.get("kv_cache_dtype")
-    if kv_dtype not in (None, "auto"):
-        raise ValueError(
-            f"kv_cache_dtype={kv_dtype!r} cannot be honoured: the KV cache uses the model's "
-            "dtype (set it with dtype=, e.g. bfloat16); use kv_cache_dtype='auto'"
         )
     for name in ("swap_space", "disable_log_stats"):
         if options.get(name) not in (None, False):

@@ -329,10 +329,12 @@ def run(args: argparse.Namespace) -> int:
                 device=config.model.device,
                 quantization=config.model.quantization,
             )
+            from kvserve.model.kernels_kv8 import resolve_kv_cache_dtype
+
             connector = build_connector(
                 kv_config,
                 block_size=config.cache.block_size,
-                kv_dtype=loaded.dtype_name,
+                kv_dtype=resolve_kv_cache_dtype(config.cache.kv_cache_dtype, loaded.dtype).name,
                 hash_algo=config.cache.hash_algo,
             )
             return EngineCore(config, loaded=loaded, kv_connector=connector)

@@ -106,7 +106,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--trust-remote-code", action="store_true", default=None, help="no effect")
     gpu.add_argument("--swap-space", type=float, default=None, help="no effect")
     gpu.add_argument("--disable-log-stats", action="store_true", default=None, help="no effect")
-    gpu.add_argument("--kv-cache-dtype", default=None, help="auto only")
     gpu.add_argument("--tokenizer", default=None, help="the model's own only")
 
 
@@ -152,7 +151,6 @@ def engine_options(
             "enable_chunked_prefill",
             "swap_space",
             "disable_log_stats",
-            "kv_cache_dtype",
             "tokenizer",
         )
     }

@@ -57,7 +57,13 @@ from kvserve.request import Request
 logger = logging.getLogger(__name__)
 
 PING_INTERVAL_S = 0.25
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,  # 8-bit KV formats (kvserve.model.kernels_kv8)
+    "fp8_e4m3": torch.uint8,
+}
 
 
 @dataclass
@@ -204,6 +210,7 @@ class DecodeConnector:
                 first_block=first,
                 num_blocks=num,
                 cache_salt=request.cache_salt,
+                kv_dtype=self.kv_dtype,
             ),
         )
 
@@ -328,6 +335,13 @@ class DecodeConnector:
         self._wake()
 
     def _on_chunk(self, remote: _Remote, chunk: Chunk, now: float) -> None:
+        if chunk.dtype != self.kv_dtype:  # before the hashes (they differ too)
+            remote.error = (
+                f"KV cache dtype mismatch: the prefill peer sent {chunk.dtype} KV but this "
+                f"worker's KV cache is {self.kv_dtype}; start both with the same "
+                "--kv-cache-dtype"
+            )
+            return
         num = len(remote.block_ids)
         new_pos: list[int] = []
         for j, (index, digest) in enumerate(
@@ -344,11 +358,6 @@ class DecodeConnector:
                 return
             if i not in remote.received:
                 new_pos.append(j)
-        if chunk.dtype != self.kv_dtype:
-            remote.error = (
-                f"chunk dtype {chunk.dtype} but this worker's KV cache is {self.kv_dtype}"
-            )
-            return
         self.stats.received(memoryview(chunk.payload).nbytes, len(chunk.block_indices))
         remote.busy_s += max(0.0, now - max(chunk.saved_time, remote.last_recv))
         remote.last_recv = now

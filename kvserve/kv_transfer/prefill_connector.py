@@ -34,7 +34,13 @@ from kvserve.request import Request
 
 logger = logging.getLogger(__name__)
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.int8: "int8",  # 8-bit caches: the tensor dtype names the format (kernels_kv8)
+    torch.uint8: "fp8_e4m3",
+}
 
 
 @dataclass
@@ -242,6 +248,11 @@ class PrefillConnector:
         self._event.clear()
 
     # ------------------------------------------------------------------ worker side
+    @property
+    def kv_dtype(self) -> str | None:
+        """This worker's KV cache format name (None before :meth:`register_kv_cache`)."""
+        return None if self._kv_cache is None else DTYPE_NAMES[self._kv_cache.dtype]
+
     def register_kv_cache(self, kv_cache: Any) -> None:
         self._kv_cache = kv_cache
         # [L, 2, Hk, blocks, B, D]: per token 2 (K, V) x L x Hk x D elements.

@@ -68,6 +68,12 @@ class PrefillService:
                 self._loop.call_soon_threadsafe(self._spawn, peer, msg, req_id)
 
     def _check(self, msg: PrefillRequest) -> str | None:
+        mine = self.connector.kv_dtype
+        if msg.kv_dtype is not None and mine is not None and msg.kv_dtype != mine:
+            return (
+                f"KV cache dtype mismatch: this prefill worker stores {mine} KV, the decode "
+                f"worker {msg.kv_dtype}; start both with the same --kv-cache-dtype"
+            )
         bs = self.connector.block_size
         n = len(msg.prompt_token_ids)
         if msg.num_blocks < 1 or (msg.first_block + msg.num_blocks) * bs > n:

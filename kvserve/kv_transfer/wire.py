@@ -27,7 +27,10 @@ from typing import Any
 
 WIRE_VERSION = 1
 MAX_HEADER_BYTES = 1 << 22  # a 32k-token prompt as JSON fits comfortably
-DTYPES = ("float32", "bfloat16", "float16")
+# KV cache formats a chunk may carry (int8 / fp8_e4m3: 8-bit codes and per-row fp32
+# scales, one byte per element of a [.., D + 4] row; kvserve.model.kernels_kv8)
+DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3")
+_ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1}
 
 
 class WireError(ValueError):
@@ -37,13 +40,15 @@ class WireError(ValueError):
 @dataclass
 class PrefillRequest:
     """Decode -> prefill: compute ``prompt_token_ids`` and push the KV of blocks
-    ``[first_block, first_block + num_blocks)`` (full blocks only)."""
+    ``[first_block, first_block + num_blocks)`` (full blocks only). ``kv_dtype``: the
+    decode worker's KV cache format; a prefill worker storing another refuses."""
 
     req_id: str
     prompt_token_ids: list[int]
     first_block: int
     num_blocks: int
     cache_salt: str | None = None
+    kv_dtype: str | None = None
     kind: str = field(default="prefill", init=False)
 
 
@@ -118,7 +123,8 @@ _TYPES: dict[str, type] = {
     "done": Done,
     "error": Error,
 }
-# field -> (accepted types) per kind; every field is required.
+# field -> (accepted types) per kind; every field is required but those in _OPTIONAL
+# (absent: the dataclass default, e.g. a peer that does not send the KV dtype).
 _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "prefill": {
         "req_id": (str,),
@@ -126,6 +132,7 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
         "first_block": (int,),
         "num_blocks": (int,),
         "cache_salt": (str, type(None)),
+        "kv_dtype": (str, type(None)),
     },
     "cancel": {"req_id": (str,)},
     "claim": {"req_id": (str,)},
@@ -147,6 +154,7 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     },
     "error": {"req_id": (str,), "message": (str,)},
 }
+_OPTIONAL = {("prefill", "kv_dtype")}
 
 
 def encode_message(msg: Message) -> list[bytes | memoryview]:
@@ -187,6 +195,8 @@ def decode_message(frames: Sequence[bytes | memoryview]) -> Message:
     values: dict[str, Any] = {}
     for name, types in spec.items():
         if name not in header:
+            if (kind, name) in _OPTIONAL:
+                continue
             raise WireError(f"{kind}: missing field {name!r}")
         value = header[name]
         ok = any(
@@ -219,7 +229,7 @@ def _decode_chunk(values: dict[str, Any], frames: Sequence[bytes | memoryview]) 
         raise WireError("chunk: shape must be [L, 2, Hk, num_blocks, B, D] matching the indices")
     if len(set(values["block_indices"])) != n:
         raise WireError("chunk: repeated block index")
-    elem = 4 if values["dtype"] == "float32" else 2
+    elem = _ELEM_BYTES[values["dtype"]]
     expected = elem
     for dim in shape:
         expected *= dim

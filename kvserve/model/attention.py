@@ -76,6 +76,7 @@ from kvserve.model.attention_metadata import (  # noqa: F401  (re-exported)
     resolve_attention_backend,
 )
 from kvserve.model.kernels.ops import paged_attention_op, write_kv_and_attend_op
+from kvserve.model.kernels_kv8 import is_kv8, kv8_paged_attention
 
 _NEG_INF = float("-inf")
 
@@ -243,6 +244,8 @@ def paged_attention(
     (skipping padding), then runs segmented prefill per request and one batched decode
     call. Returns [T, H, D]; padding and dummy rows hold meaningless values.
     """
+    if is_kv8(kv_cache):  # 8-bit codes + scales: their own write and kernel
+        return kv8_paged_attention(q, k, v, kv_cache, meta, scale)
     nb = meta.native
     if nb is not None and torch.compiler.is_compiling():
         if nb.prefills or meta.write_rows is not None:

@@ -205,6 +205,7 @@ def build_attention_metadata(
     kv_dtype: torch.dtype = torch.float32,
     batch_invariant: bool = False,
     kernels: KernelBackend | None = None,
+    kv_8bit: bool = False,
 ) -> AttentionMetadata:
     """Build per-step attention metadata from plain per-request specs.
 
@@ -225,6 +226,10 @@ def build_attention_metadata(
     is computed the same way whatever chunk, batch or prefix grouping it is in (no
     cascade split, no flash/AMX prefill path). Needs the native kernel (else
     RuntimeError).
+
+    ``kv_8bit``: the cache is 8-bit (:mod:`kvserve.model.kernels_kv8`): every prefill
+    is whole (prior_only 0) in ``native.seqs`` and there is no cascade split, so one
+    8-bit kernel call covers every row. Needs the native kernel (else RuntimeError).
     """
     if kv_segment_size < 0:
         raise ValueError(f"kv_segment_size={kv_segment_size} must be >= 0 (0 = one pass)")
@@ -240,6 +245,11 @@ def build_attention_metadata(
                 f"native paged attention is unavailable for {kv_dtype} on {device} "
                 "(needs a C++ compiler, the CPU and float32/bfloat16): use backend='auto'"
             )
+    if kv_8bit and kernel is None:
+        raise RuntimeError(
+            "an 8-bit KV cache needs the native kernel (a C++ compiler, the CPU): use "
+            "kv_cache_dtype='auto'"
+        )
     if batch_invariant and kernel is None:
         raise RuntimeError(
             "batch_invariant attention needs the native kernel (a C++ compiler, the CPU, "
@@ -247,7 +257,14 @@ def build_attention_metadata(
         )
     if kernel is not None:
         meta = _build_native(
-            seqs, kernels, num_tokens, num_dummy_decode_rows, block_size, kv_segment_size, kv_dtype
+            seqs,
+            kernels,
+            num_tokens,
+            num_dummy_decode_rows,
+            block_size,
+            kv_segment_size,
+            kv_dtype,
+            kv_8bit,
         )
         if batch_invariant:
             assert meta.native is not None
@@ -346,6 +363,7 @@ def _build_native(
     block_size: int,
     kv_segment_size: int,
     kv_dtype: torch.dtype,
+    kv_8bit: bool = False,
 ) -> AttentionMetadata:
     """Native-kernel metadata: per-request rows, block tables, KV write slots."""
     num_seqs = len(seqs) + num_dummy
@@ -379,6 +397,7 @@ def _build_native(
             s.num_tokens <= NATIVE_WHOLE_MAX_TOKENS
             or s.cached_seq_len + s.num_tokens <= NATIVE_WHOLE_MAX_CONTEXT
         )
+        whole = whole or (bool(prior_only) and kv_8bit)
         if whole:
             info[i] = (row, s.num_rows, s.num_tokens, s.cached_seq_len, 0)
             prefills.append(
@@ -426,7 +445,7 @@ def _build_native(
             torch.from_numpy(np.ascontiguousarray(table[in_kernel])),
             prefills,
             *amx_split,
-            cascade=_cascade_split(info, table, block_size),
+            cascade=None if kv_8bit else _cascade_split(info, table, block_size),
             prefill_amx=kernels.prefill_amx,
             prefill_vec=kernels.prefill_vec,
         ),

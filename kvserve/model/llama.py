@@ -27,6 +27,7 @@ from kvserve.model.arch import ModelArchConfig  # noqa: F401  (re-exported)
 from kvserve.model.attention import AttentionMetadata, native_attention, paged_attention
 from kvserve.model.kernels.backend import KernelBackend, default_backend
 from kvserve.model.kernels.paged_attention import PagedAttention
+from kvserve.model.kernels_kv8 import is_kv8, kv8_paged_attention
 from kvserve.model.linear import FastLinear, mkldnn_linear_works
 from kvserve.model.quant.formats import QuantWeight
 from kvserve.model.quant.kernel import QuantKernel
@@ -505,17 +506,27 @@ class LlamaForCausalLM(nn.Module):
         seqs, tables, seg = meta.native.seqs, meta.native.block_tables, meta.kv_segment_size
         residual = self.embed(input_ids).float()  # [T, hidden] fp32
         pending: torch.Tensor | None = None  # the last sublayer's output, not yet added
+        no_write: torch.Tensor | None = None  # all -1 slots (8-bit caches are written apart)
         for ops, kv_cache in zip(self._ops, kv_caches, strict=True):
             y = nk.add_rms_norm(residual, pending, ops.input_layernorm, eps)
             qkv = ops.qkv(y)  # [T, (H + 2Hk) * D]
-            nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv_cache, meta.slot_mapping)
-            q = qkv[:, : h * d].view(num_tokens, h, d)
-            if meta.native.prefills or meta.native.cascade is not None:
-                k = qkv[:, h * d : (h + hk) * d].view(num_tokens, hk, d)
-                v = qkv[:, (h + hk) * d :].view(num_tokens, hk, d)
-                attn = native_attention(q, k, v, kv_cache, meta, self.scale)
+            if is_kv8(kv_cache):  # RoPE only, then the quantized write and 8-bit attention
+                if no_write is None:
+                    no_write = torch.full((num_tokens,), -1, dtype=torch.int64)
+                nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv_cache, no_write)
+                qkv3 = qkv.view(num_tokens, h + 2 * hk, d)
+                attn = kv8_paged_attention(
+                    qkv3[:, :h], qkv3[:, h : h + hk], qkv3[:, h + hk :], kv_cache, meta, self.scale
+                )
             else:
-                attn = attention(q, kv_cache, seqs, tables, seg, self.scale)  # [T, H, D]
+                nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv_cache, meta.slot_mapping)
+                q = qkv[:, : h * d].view(num_tokens, h, d)
+                if meta.native.prefills or meta.native.cascade is not None:
+                    k = qkv[:, h * d : (h + hk) * d].view(num_tokens, hk, d)
+                    v = qkv[:, (h + hk) * d :].view(num_tokens, hk, d)
+                    attn = native_attention(q, k, v, kv_cache, meta, self.scale)
+                else:
+                    attn = attention(q, kv_cache, seqs, tables, seg, self.scale)  # [T, H, D]
             o = ops.o(attn.view(num_tokens, h * d))
             y = nk.add_rms_norm(residual, o, ops.post_attention_layernorm, eps)
             gu = ops.gate_up

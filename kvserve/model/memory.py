@@ -21,19 +21,25 @@ def _rss_bytes() -> int | None:
 class MemoryReport:
     """Bytes: ``weights`` (every weight copy the kernels hold), ``kv`` (the KV cache
     tensor), ``runtime`` (resident set minus both: interpreter, libraries, buffers;
-    None where /proc is unavailable)."""
+    None where /proc is unavailable). ``kv_format`` / ``kv_blocks``: the KV cache's
+    storage (e.g. ``int8``) and its capacity in blocks (empty / 0 when unknown)."""
 
     weights: int
     kv: int
     runtime: int | None
     weight_formats: str
+    kv_format: str = ""
+    kv_blocks: int = 0
 
     def describe(self) -> str:
         mb = 1e6
         rt = "?" if self.runtime is None else f"{self.runtime / mb:.0f}"
+        kv_what = ", ".join(
+            x for x in (self.kv_format, f"{self.kv_blocks} blocks" if self.kv_blocks else "") if x
+        )
         return (
             f"weights {self.weights / mb:.1f} MB ({self.weight_formats}), KV "
-            f"{self.kv / mb:.1f} MB, runtime {rt} MB"
+            f"{self.kv / mb:.1f} MB{f' ({kv_what})' if kv_what else ''}, runtime {rt} MB"
         )
 
 
@@ -47,4 +53,12 @@ def memory_report(engine: Any) -> MemoryReport:
     kv = 0 if kv_tensor is None else kv_tensor.numel() * kv_tensor.element_size()
     rss = _rss_bytes()
     runtime = None if rss is None else max(rss - weights - kv, 0)
-    return MemoryReport(weights, kv, runtime, getattr(loaded, "quantization", "float"))
+    kv_format = getattr(engine.runner, "kv_format", None)
+    return MemoryReport(
+        weights,
+        kv,
+        runtime,
+        getattr(loaded, "quantization", "float"),
+        kv_format=getattr(kv_format, "name", ""),
+        kv_blocks=int(getattr(engine.runner, "num_kv_blocks", 0) or 0),
+    )

@@ -85,9 +85,11 @@ class InputBatch:
         attention_backend: ResolvedBackend = "portable",
         batch_invariant: bool = False,
         kernels: KernelBackend | None = None,
+        kv_8bit: bool = False,
     ) -> None:
         self.block_size = block_size
         self.kernels = kernels  # the runner's backend (None: the default one)
+        self.kv_8bit = kv_8bit  # 8-bit KV cache: one kernel call over every row
         self.attention_backend: ResolvedBackend = attention_backend
         self.batch_invariant = batch_invariant  # per-row attention (docs/determinism.md)
         self.num_kv_blocks = num_kv_blocks
@@ -204,6 +206,7 @@ class InputBatch:
             backend=self.attention_backend,
             batch_invariant=self.batch_invariant,
             kernels=self.kernels,
+            kv_8bit=self.kv_8bit,
         )
         dev = self.device
         return StepInputs(

@@ -19,6 +19,7 @@ import torch
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
+from kvserve.model.kernels_kv8 import KVCacheFormat, resolve_kv_cache_dtype
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -34,11 +35,14 @@ from kvserve.worker.prompt_logprobs import score
 from kvserve.worker.sampler import Sampler, SamplingRequestState
 
 
-def kv_cache_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
-    """Bytes one KV block takes over all layers (K and V)."""
+def kv_cache_bytes_per_block(
+    loaded: LoadedModel, block_size: int, kv_format: KVCacheFormat | None = None
+) -> int:
+    """Bytes one KV block takes over all layers (K and V; 8-bit formats: codes and
+    their per-row scales). ``kv_format`` None: the model dtype."""
     cfg = loaded.model.config
-    elem = torch.empty((), dtype=loaded.dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    fmt = kv_format or resolve_kv_cache_dtype("auto", loaded.dtype)
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * fmt.row_bytes(cfg.head_dim)
 
 
 def allocate_kv_cache(
@@ -47,19 +51,24 @@ def allocate_kv_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    kv_format: KVCacheFormat | None = None,
 ) -> torch.Tensor:
-    """Zeroed cache ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``.
+    """Zeroed cache ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``
+    (8-bit ``kv_format``: last dim ``head_dim + 4``, see :mod:`kvserve.model.kernels_kv8`).
 
     ``cache[i]`` is layer ``i``'s view in the layout of ``kvserve.model.attention``.
     """
     cfg = model.config
+    last = cfg.head_dim
+    if kv_format is not None:
+        dtype, last = kv_format.torch_dtype, kv_format.last_dim(cfg.head_dim)
     return torch.zeros(
         cfg.num_layers,
         2,
         cfg.num_kv_heads,
         num_blocks,
         block_size,
-        cfg.head_dim,
+        last,
         dtype=dtype,
         device=device,
     )
@@ -126,7 +135,8 @@ class ModelRunner:
         self.device = loaded.device
         self.block_size = cache_config.block_size
         self.scheduler_config = scheduler_config
-        per_block = kv_cache_bytes_per_block(loaded, self.block_size)
+        self.kv_format = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, loaded.dtype)
+        per_block = kv_cache_bytes_per_block(loaded, self.block_size, self.kv_format)
         if cache_config.num_kv_blocks is not None:
             num_blocks = int(cache_config.num_kv_blocks)
         else:
@@ -138,8 +148,14 @@ class ModelRunner:
                 f"(block 0 is the null block) (for example: kv_cache_memory_gib=1.0)"
             )
         self.num_kv_blocks: int = num_blocks
+        if self.kv_format.is_8bit and compile:
+            raise ValueError(
+                f"invalid kv_cache_dtype={self.kv_format.name!r} with compile=True: compiled "
+                "decode graphs read float KV caches only (for example: --kv-cache-dtype "
+                "int8 without --compile)"
+            )
         self.kv_cache = allocate_kv_cache(
-            self.model, num_blocks, self.block_size, loaded.dtype, self.device
+            self.model, num_blocks, self.block_size, loaded.dtype, self.device, self.kv_format
         )
         self.kv_caches: list[torch.Tensor] = list(self.kv_cache.unbind(0))
         pad = getattr(loaded.hf_config, "pad_token_id", None)
@@ -149,6 +165,12 @@ class ModelRunner:
         # attention metadata and the sampler (docs/kernels.md)
         self.kernels = self.model.kernels
         self.attention_backend = resolve_attention_backend(loaded.dtype, self.device, self.kernels)
+        if self.kv_format.is_8bit and self.attention_backend != "native":
+            raise ValueError(
+                f"invalid kv_cache_dtype={self.kv_format.name!r}: an 8-bit KV cache needs "
+                "kvserve's native CPU kernels (a C++ compiler, device cpu, KVSERVE_ATTENTION "
+                "not 'portable') (for example: --kv-cache-dtype auto)"
+            )
         self.batch_invariant = resolve_batch_invariant(
             batch_invariant, self.model, self.attention_backend, compile
         )
@@ -162,6 +184,7 @@ class ModelRunner:
             attention_backend=self.attention_backend,
             batch_invariant=self.batch_invariant,
             kernels=self.kernels,
+            kv_8bit=self.kv_format.is_8bit,
         )
         self.sampler = sampler if sampler is not None else Sampler(kernels=self.kernels)
         self.kv_connector: KVConnectorWorker | None = None
