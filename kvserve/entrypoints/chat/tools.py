@@ -20,9 +20,13 @@ output text into OpenAI's ``tool_calls`` (whole or streamed).
 
 ``required`` and named choice are enforced by the engine's grammar engine
 (``kvserve.structured``, llguidance), so their arguments always parse and validate
-against the function's JSON schema, whatever the model: unless the output is cut
-by ``max_tokens`` (``finish_reason: "length"``). When a choice made calls and the
-model stopped, its ``finish_reason`` is ``"tool_calls"``.
+against the function's JSON schema, whatever the model; their constraint has
+``within_max_tokens``, so the call also always ends within ``max_tokens`` (near the
+end of the budget the engine closes it on the shortest completion it knows, e.g.
+ends a runaway string argument; ``kvserve.structured.budget``), and a
+``max_tokens`` too small for the shortest valid call is a 400 saying how large it
+must be. When a choice made calls and the model stopped, its ``finish_reason`` is
+``"tool_calls"``.
 
 Rules for callers: build one :class:`ToolOutput` per response and give it each
 choice's deltas in order (:meth:`ToolOutput.chunk_delta`), or the whole text
@@ -99,7 +103,9 @@ class ToolPlan:
     def structured(self) -> StructuredOutputsParams | None:
         """The grammar forcing the output (``required`` / named), else None."""
         if self.mode == "named":
-            return StructuredOutputsParams(json=self._parameters(self.named or ""))
+            return StructuredOutputsParams(
+                json=self._parameters(self.named or ""), within_max_tokens=True
+            )
         if self.mode != "required":
             return None
         items = [
@@ -121,7 +127,7 @@ class ToolPlan:
         }
         if not self.parallel:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, within_max_tokens=True)
 
     def _parameters(self, name: str) -> dict[str, Any]:
         tool = next(t for t in self.tools if t.function.name == name)
