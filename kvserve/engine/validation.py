@@ -116,7 +116,8 @@ def validate_request(
             raise RequestError(
                 f"max_tokens={params.max_tokens} is too small for this output: the shortest "
                 f"complete one (e.g. the forced tool call with minimal arguments) takes {need} "
-                f"tokens; send max_tokens >= {need}, and more to leave its arguments room",
+                f"tokens; send max_tokens >= {need}, and more to leave its arguments room, "
+                f"for example max_tokens = {need + max(need, 32)}",
                 param="max_tokens",
             )
         if params.max_tokens is None and room < need:

@@ -323,17 +323,36 @@ class RequiredCallsParser(ToolParser):
 class ToolOutput:
     """Per choice of one response: its parser and whether it made calls."""
 
-    def __init__(self, plan: ToolPlan, num_choices: int) -> None:
+    def __init__(self, plan: ToolPlan, num_choices: int, max_tokens: int | None = None) -> None:
         self.plan = plan
         self.parsers = [plan.new_parser() for _ in range(num_choices)]
         self.called = [False] * num_choices
+        self.max_tokens = max_tokens
 
     @property
     def active(self) -> bool:
         return self.parsers[0] is not None if self.parsers else False
 
-    def finish_reason(self, index: int, reason: str | None) -> str | None:
+    @property
+    def forced(self) -> bool:
+        """The output is tool calls only (``required`` / named choice)."""
+        return self.plan.mode in ("required", "named")
+
+    def finish_reason(
+        self, index: int, reason: str | None, num_output_tokens: int | None = None
+    ) -> str | None:
+        """``"tool_calls"`` for a choice that made calls and stopped; ``"length"`` for a
+        forced call that used all of ``max_tokens`` (the engine closed it on its
+        budget: complete and valid, but its arguments may be shortened), as OpenAI
+        says ``"length"`` whenever the request's token limit was reached."""
         if reason == "stop" and self.called[index]:
+            if (
+                self.forced
+                and self.max_tokens is not None
+                and num_output_tokens is not None
+                and num_output_tokens >= self.max_tokens
+            ):
+                return "length"
             return "tool_calls"
         return reason
 
