@@ -269,18 +269,19 @@ class NamedCallParser(ToolParser):
         self.function = function
         self.id = new_call_id()
         self.started = False
+        self.held = ""  # the first text, sent after the header (as OpenAI streams)
 
     def feed(self, delta_text: str) -> list[ToolDelta]:
-        out = []
         if not self.started:
+            # the header alone first (arguments ""), its text with the next delta
             self.started = True
-            out.append(ToolDelta(index=0, id=self.id, name=self.function, arguments=""))
-        if delta_text:
-            out.append(ToolDelta(index=0, arguments=delta_text))
-        return out
+            self.held = delta_text
+            return [ToolDelta(index=0, id=self.id, name=self.function, arguments="")]
+        text, self.held = self.held + delta_text, ""
+        return [ToolDelta(index=0, arguments=text)] if text else []
 
     def finish(self) -> list[ToolDelta]:
-        return self.feed("") if not self.started else []
+        return self.feed("")  # the header if nothing came, else the held text
 
     def extract(self, text: str) -> ExtractedToolCalls:
         return ExtractedToolCalls(

@@ -71,17 +71,19 @@ def test_forced_stream_opens_like_openai() -> None:
     delta = first["delta"]
     assert delta["role"] == "assistant" and delta["content"] is None
     (header,) = delta["tool_calls"]
-    assert header["index"] == 0 and header["type"] == "function" and header["id"]
-    assert header["function"]["name"] == "get_weather"
+    assert header == {  # OpenAI's header: empty arguments, the text follows
+        "index": 0,
+        "id": header["id"],
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": ""},
+    }
     later = r.chunk(0, RequestDelta("x", [6], 'ty": "Paris"}', num_output_tokens=2))
     assert later is not None and "role" not in later["delta"]
-    assert later["delta"]["tool_calls"] == [
-        {"index": 0, "function": {"arguments": 'ty": "Paris"}'}}
-    ]
+    (piece,) = later["delta"]["tool_calls"]
+    assert piece == {"index": 0, "function": {"arguments": '{"city": "Paris"}'}}
     last = r.chunk(0, RequestDelta("x", [2], "", finish_reason="stop", num_output_tokens=3))
     assert last is not None and last["delta"] == {} and last["finish_reason"] == "tool_calls"
-    arguments = delta["tool_calls"][0]["function"]["arguments"] + 'ty": "Paris"}'
-    assert json.loads(arguments) == {"city": "Paris"}
+    assert json.loads(piece["function"]["arguments"]) == {"city": "Paris"}
     # auto keeps the role chunk first (the model may answer in text)
     auto = _renderer("auto")
     assert auto.opening_chunks(1)[0]["delta"] == {"role": "assistant", "content": ""}
