@@ -9,7 +9,9 @@ scale-out ingress (:class:`kvserve.cluster.remote_engine.RemoteEngine`).
       logit_bias    every id in [0, vocab_size)
       allowed_token_ids, stop_token_ids  every id in [0, vocab_size)
       structured    compiles (GrammarCompiler.check): a bad or unsatisfiable
-                    schema/regex/grammar is refused here, never inside a step
+                    schema/regex/grammar is refused here, never inside a step;
+                    with within_max_tokens (forced tool calls), max_tokens (or the
+                    room left by the prompt) fits the shortest complete output
 
 Rules a caller must keep: call it before queueing anything; it raises
 :class:`~kvserve.request.RequestError` (a ValueError naming the field in ``param``,
@@ -40,6 +42,8 @@ class GrammarChecker(Protocol):
     """Compiles a constraint or raises RequestError (``GrammarCompiler``)."""
 
     def check(self, params: StructuredOutputsParams) -> None: ...
+
+    def min_output_tokens(self, params: StructuredOutputsParams) -> int | None: ...
 
 
 def validate_request(
@@ -103,3 +107,23 @@ def validate_request(
             f"structured outputs are not available for this model: {e}",
             param="structured_outputs",
         ) from None
+    if params.structured_outputs.within_max_tokens:
+        need = grammar.min_output_tokens(params.structured_outputs)
+        if need is None:
+            return
+        room = limits.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is not None and params.max_tokens < need:
+            raise RequestError(
+                f"max_tokens={params.max_tokens} is too small for this output: the shortest "
+                f"complete one (e.g. the forced tool call with minimal arguments) takes {need} "
+                f"tokens; send max_tokens >= {need}, and more to leave its arguments room, "
+                f"for example max_tokens = {need + max(need, 32)}",
+                param="max_tokens",
+            )
+        if params.max_tokens is None and room < need:
+            raise RequestError(
+                f"the prompt leaves {room} tokens of max_model_len={limits.max_model_len} but "
+                f"the shortest complete output (e.g. the forced tool call with minimal "
+                f"arguments) takes {need}: shorten the prompt",
+                param="messages",
+            )

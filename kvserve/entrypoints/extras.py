@@ -32,7 +32,8 @@ def ignored_fields(req: BaseModel, prefix: str = "") -> list[str]:
     known = sorted(name for name in KNOWN_IGNORED if name in sent)
     unused = getattr(req, "unused_fields", None)
     lost = unused() if callable(unused) else []
-    names = [prefix + n for n in extra + known + lost]
+    # (pydantic counts extras as set too: each name once, in first-seen order)
+    names = [prefix + n for n in dict.fromkeys(extra + known + lost)]
     for name in names:
         if name not in _logged and len(_logged) < MAX_LOGGED_NAMES:
             _logged.add(name)

@@ -125,7 +125,7 @@ def request_error_to_api(err: RequestError, names: dict[str, str]) -> APIError:
     if param != err.param:
         text += f" ({err.param} is this request's {param})"
     example = example_for(param)
-    if example:
+    if example and "for example" not in str(err):  # the message's own example wins
         text += f"; for example {example}"
     return bad_request(text, param=param, code=err.code)
 

@@ -307,6 +307,7 @@ class ChatRenderer:
         self.prompt_ids = prompt_ids
         # Function calling (chat/tools.py): parses each choice's text into tool_calls.
         self.tools = tools if tools is not None and tools.active else None
+        self._unopened: set[int] = set()  # forced calls: choices whose role is not sent
 
     def response_fields(self, choices: list[Choice]) -> dict[str, Any]:
         """vLLM's top-level ``prompt_logprobs`` when asked for."""
@@ -329,6 +330,11 @@ class ChatRenderer:
         }
 
     def opening_chunks(self, num_choices: int) -> list[dict[str, Any]]:
+        if self.tools is not None and self.tools.forced:
+            # As OpenAI streams a call: the role opens in the call's first chunk
+            # ({"role": "assistant", "content": null, "tool_calls": [header]}).
+            self._unopened = set(range(num_choices))
+            return []
         return [
             {
                 "index": i,
@@ -347,9 +353,12 @@ class ChatRenderer:
         finish_reason: str | None = delta.finish_reason
         if self.tools is not None:
             body = self.tools.chunk_delta(index, delta.new_text, delta.finished)
-            finish_reason = self.tools.finish_reason(index, finish_reason)
+            finish_reason = self.tools.finish_reason(index, finish_reason, delta.num_output_tokens)
             if not (body or delta.finished or lp or carries_prompt_lps):
                 return None
+            if index in self._unopened:
+                self._unopened.discard(index)
+                body = {"role": "assistant", "content": None, **body}
         else:
             if not (delta.new_text or delta.finished or lp or carries_prompt_lps):
                 return None
@@ -373,7 +382,9 @@ class ChatRenderer:
             message = {"role": "assistant", "content": content, "refusal": None}
             if calls:
                 message["tool_calls"] = calls
-            finish_reason = self.tools.finish_reason(choice.index, finish_reason)
+            finish_reason = self.tools.finish_reason(
+                choice.index, finish_reason, choice.num_output_tokens
+            )
         return {
             "index": choice.index,
             "message": message,

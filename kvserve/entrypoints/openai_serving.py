@@ -517,7 +517,9 @@ class OpenAIServing:
             params = dataclasses.replace(params, structured_outputs=forced)
             names = {**names, **TOOL_PARAM_NAMES}
         streams = await self.submit(req_id, [(text, ids, params)], req.cache_salt, names)
-        renderer = ChatRenderer(req, self.token_texts, ids, ToolOutput(plan, len(streams)))
+        renderer = ChatRenderer(
+            req, self.token_texts, ids, ToolOutput(plan, len(streams), max_tokens)
+        )
         return Generation(
             req_id, streams, renderer, _include_usage(req), [0] * len(streams), n=params.n
         )

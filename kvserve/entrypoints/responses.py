@@ -569,5 +569,13 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str) -> dict[st
 async def start_response(serving: OpenAIServing, req: ResponsesRequest) -> ResponseRun:
     """Validate ``req`` and queue it; the caller must drain or abort the run."""
     chat = to_chat(req)
-    gen = await serving.start_chat(chat)
+    try:
+        gen = await serving.start_chat(chat)
+    except APIError as e:
+        if e.param == "max_completion_tokens":  # the chat field this request's maps to
+            note = " (max_tokens is this request's max_completion_tokens)"
+            e.param = "max_output_tokens"
+            e.message = e.message.replace(note, "").replace("max_tokens", "max_output_tokens")
+            e.args = (e.message,)
+        raise
     return ResponseRun(serving, req, chat, gen)

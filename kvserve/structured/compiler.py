@@ -19,6 +19,10 @@ is a 400 before anything is queued; :meth:`GrammarCompiler.matcher` hands out a
 fresh copy of the compiled matcher (``deep_copy``: the compiled lexer and parser
 tables are shared, only the parse state is new). Thread-safe: the server checks
 on its event loop thread while the model runner asks for matchers on the engine's.
+
+For ``within_max_tokens`` constraints (forced tool calls) :meth:`min_output_tokens`
+is the length of the closing plan from the start (``kvserve.structured.budget``),
+cached with the compiled grammar: the smallest ``max_tokens`` the engine accepts.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvserve.request import RequestError
+from kvserve.structured.budget import ClosingTables, closing_plan
 from kvserve.structured.params import StructuredOutputsParams
 
 # JSON output style: compact, no free whitespace (a schema's x-guidance overrides it).
@@ -65,6 +70,8 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._min_tokens: dict[tuple[str, str], int | None] = {}
+        self._tables: ClosingTables | None = None
         self.num_compiled = 0  # cache misses, for tests and stats
 
     def _llg_tokenizer(self) -> Any:
@@ -96,6 +103,37 @@ class GrammarCompiler:
     def matcher(self, params: StructuredOutputsParams) -> Any:
         """A fresh ``llguidance.LLMatcher`` at the start of the constrained output."""
         return self._compiled(params).deep_copy()
+
+    def closing_tables(self) -> ClosingTables:
+        """The closing-plan tables of this tokenizer (built on first use, ~0.1 s)."""
+        with self._lock:
+            if self._tables is None:
+                tok = self._llg_tokenizer()
+                n = min(int(tok.vocab_size), self.vocab_size)
+                # ids past the tokenizer's vocabulary (padding) are never chosen
+                raw = [tok.decode_bytes([i]) for i in range(n)] + [b""] * (self.vocab_size - n)
+                special = {i for i in range(n) if tok.is_special_token(i)}
+                special.discard(self.eos_token_id if self.eos_token_id is not None else -1)
+                self._tables = ClosingTables(raw, self.eos_token_id, special)
+            return self._tables
+
+    def min_output_tokens(self, params: StructuredOutputsParams) -> int | None:
+        """Tokens (EOS included) of the closing plan from the start of ``params``'s
+        output: a ``max_tokens`` below it cannot end in a complete output. None when
+        the plan walk finds no end (the constraint is then served unguarded).
+        Compiles ``params`` first (RequestError as :meth:`check`)."""
+        key = params.key()
+        with self._lock:
+            if key in self._min_tokens:
+                return self._min_tokens[key]
+        matcher = self.matcher(params)
+        plan = closing_plan(matcher, 0, self.closing_tables(), self.eos_token_id)
+        value = len(plan) if plan is not None else None
+        with self._lock:
+            self._min_tokens[key] = value
+            while len(self._min_tokens) > self.cache_size:
+                self._min_tokens.pop(next(iter(self._min_tokens)))
+        return value
 
     def _compiled(self, params: StructuredOutputsParams) -> Any:
         key = params.key()

@@ -28,6 +28,14 @@ class StructuredOutputsParams:
     whole output matches; ``choice``: the output is one of these strings;
     ``grammar``: a Lark grammar (llguidance's dialect; GBNF is accepted too);
     ``json_object``: any JSON object.
+
+    ``within_max_tokens`` (not a constraint, a rule about how it ends; forced tool
+    calls set it): the output always completes to a string the constraint accepts
+    within ``max_tokens``. Near the end of the budget the engine steers the output
+    onto the shortest completion it knows (``kvserve.structured.budget``), e.g.
+    closing a runaway JSON string; a ``max_tokens`` too small for even that is
+    refused before anything is queued. Without it an output cut by ``max_tokens``
+    ends where it was cut (``finish_reason: "length"``).
     """
 
     json: dict[str, Any] | str | None = None
@@ -35,6 +43,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    within_max_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.choice is not None and not isinstance(self.choice, tuple):

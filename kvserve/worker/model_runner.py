@@ -14,6 +14,8 @@ block pool from :attr:`ModelRunner.num_kv_blocks`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
@@ -32,7 +34,7 @@ from kvserve.structured.matcher import StructuredBatch
 from kvserve.worker.compiled_step import CompiledDecode
 from kvserve.worker.input_batch import InputBatch, StepInputs
 from kvserve.worker.prompt_logprobs import score
-from kvserve.worker.sampler import Sampler, SamplingRequestState
+from kvserve.worker.sampler import Sampler, SamplerOutput, SamplingRequestState
 
 
 def kv_cache_bytes_per_block(
@@ -329,6 +331,10 @@ class ModelRunner:
         if mask is not None:
             mask = mask.index_select(0, torch.tensor(mask_rows, device=mask.device))
         result = self.sampler(logits, states, token_mask=mask)
+        if self.structured is not None and self.structured.budgets:
+            fork_entries = {k for _, k in forks}
+            owners = [inputs.sample_req_ids[i] for i in mask_rows]
+            self._vet(owners, [k not in fork_entries for k in range(len(owners))], logits, result)
         bs = self.block_size
         for req_id, first, count in spans:
             samples = result.token_ids[first : first + count]
@@ -389,6 +395,9 @@ class ModelRunner:
             mask = mask.index_select(0, index.to(mask.device)) if mask is not None else None
         result = self.sampler(logits, states, token_mask=mask)
         num_own = len(inputs.sample_req_ids)
+        if self.structured is not None and self.structured.budgets:
+            owners = [inputs.sample_req_ids[i] for i in rows]
+            self._vet(owners, [k < num_own for k in range(len(owners))], logits, result)
         for k, (req_id, state, token_id, lp) in enumerate(
             zip(req_ids, states, result.token_ids, result.logprobs, strict=True)
         ):
@@ -399,6 +408,24 @@ class ModelRunner:
                 state.output_token_ids.append(token_id)
                 if self.structured is not None:
                     self.structured.accept(req_id, token_id)
+
+    def _vet(
+        self, owners: list[str], own: list[bool], logits: torch.Tensor, result: SamplerOutput
+    ) -> None:
+        """Keep constrained outputs that must end within max_tokens on a complete
+        path (``StructuredBatch.vet``): entry ``k`` of ``result`` (sampled from
+        ``logits[k]`` for ``owners[k]``, or a fork of it) may be replaced by the
+        closing plan's next token; its logprob is then that token's."""
+        assert self.structured is not None
+        for k, owner in enumerate(owners):
+            forced = self.structured.vet(owner, result.token_ids[k], own=own[k])
+            if forced is None:
+                continue
+            result.token_ids[k] = forced
+            lp = result.logprobs[k]
+            if lp is not None:
+                row = torch.log_softmax(logits[k].float(), dim=-1)
+                result.logprobs[k] = dataclasses.replace(lp, sampled_logprob=float(row[forced]))
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (all layers, K and V): ``dst <- src`` for each pair."""

@@ -182,6 +182,37 @@ def test_json_schema_output_parses_and_validates(llm: LLM) -> None:
     llm.engine.check_no_leaks()
 
 
+def test_within_max_tokens_closes_every_sample(llm: LLM) -> None:
+    """``within_max_tokens`` through the model runner (forks of n=3 included, logprobs
+    of replaced tokens): every sample of a runaway-inducing prompt ends as JSON that
+    validates, within max_tokens; a max_tokens below the shortest is refused."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"title": {"type": "string"}, "text": {"type": "string"}},
+        "required": ["title", "text"],
+        "additionalProperties": False,
+    }
+    so = StructuredOutputsParams(json=schema, within_max_tokens=True)
+    ask = [{"role": "user", "content": "Write the full text of a 5000 word novel as JSON."}]
+    with pytest.raises(ValueError, match="max_tokens >= ") as e:
+        llm.chat(ask, SamplingParams(max_tokens=1, structured_outputs=so), use_tqdm=False)
+    least = int(str(e.value).split("max_tokens >= ")[1].split(",")[0])
+    for max_tokens in (least, least + 4, 30):
+        params = SamplingParams(
+            n=3, temperature=1.2, seed=5, max_tokens=max_tokens, logprobs=0, structured_outputs=so
+        )
+        out = llm.chat(ask, params, use_tqdm=False)[0]
+        for comp in out.outputs:
+            assert len(comp.token_ids) <= max_tokens
+            jsonschema.validate(json.loads(comp.text), schema)
+            assert comp.finish_reason == "stop"
+            assert comp.logprobs is not None and len(comp.logprobs) == len(comp.token_ids)
+            assert all(pos.sampled_logprob <= 0 for pos in comp.logprobs)
+    llm.engine.check_no_leaks()
+
+
 def test_logit_bias(llm: LLM) -> None:
     token = llm.tokenizer.encode(" banana", add_special_tokens=False)[0]
     params = SamplingParams(temperature=0.0, max_tokens=3, logit_bias={token: 100.0})

@@ -20,9 +20,13 @@ output text into OpenAI's ``tool_calls`` (whole or streamed).
 
 ``required`` and named choice are enforced by the engine's grammar engine
 (``kvserve.structured``, llguidance), so their arguments always parse and validate
-against the function's JSON schema, whatever the model: unless the output is cut
-by ``max_tokens`` (``finish_reason: "length"``). When a choice made calls and the
-model stopped, its ``finish_reason`` is ``"tool_calls"``.
+against the function's JSON schema, whatever the model; their constraint has
+``within_max_tokens``, so the call also always ends within ``max_tokens`` (near the
+end of the budget the engine closes it on the shortest completion it knows, e.g.
+ends a runaway string argument; ``kvserve.structured.budget``), and a
+``max_tokens`` too small for the shortest valid call is a 400 saying how large it
+must be. When a choice made calls and the model stopped, its ``finish_reason`` is
+``"tool_calls"``.
 
 Rules for callers: build one :class:`ToolOutput` per response and give it each
 choice's deltas in order (:meth:`ToolOutput.chunk_delta`), or the whole text
@@ -99,7 +103,9 @@ class ToolPlan:
     def structured(self) -> StructuredOutputsParams | None:
         """The grammar forcing the output (``required`` / named), else None."""
         if self.mode == "named":
-            return StructuredOutputsParams(json=self._parameters(self.named or ""))
+            return StructuredOutputsParams(
+                json=self._parameters(self.named or ""), within_max_tokens=True
+            )
         if self.mode != "required":
             return None
         items = [
@@ -121,7 +127,7 @@ class ToolPlan:
         }
         if not self.parallel:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, within_max_tokens=True)
 
     def _parameters(self, name: str) -> dict[str, Any]:
         tool = next(t for t in self.tools if t.function.name == name)
@@ -263,18 +269,19 @@ class NamedCallParser(ToolParser):
         self.function = function
         self.id = new_call_id()
         self.started = False
+        self.held = ""  # the first text, sent after the header (as OpenAI streams)
 
     def feed(self, delta_text: str) -> list[ToolDelta]:
-        out = []
         if not self.started:
+            # the header alone first (arguments ""), its text with the next delta
             self.started = True
-            out.append(ToolDelta(index=0, id=self.id, name=self.function, arguments=""))
-        if delta_text:
-            out.append(ToolDelta(index=0, arguments=delta_text))
-        return out
+            self.held = delta_text
+            return [ToolDelta(index=0, id=self.id, name=self.function, arguments="")]
+        text, self.held = self.held + delta_text, ""
+        return [ToolDelta(index=0, arguments=text)] if text else []
 
     def finish(self) -> list[ToolDelta]:
-        return self.feed("") if not self.started else []
+        return self.feed("")  # the header if nothing came, else the held text
 
     def extract(self, text: str) -> ExtractedToolCalls:
         return ExtractedToolCalls(
@@ -317,17 +324,36 @@ class RequiredCallsParser(ToolParser):
 class ToolOutput:
     """Per choice of one response: its parser and whether it made calls."""
 
-    def __init__(self, plan: ToolPlan, num_choices: int) -> None:
+    def __init__(self, plan: ToolPlan, num_choices: int, max_tokens: int | None = None) -> None:
         self.plan = plan
         self.parsers = [plan.new_parser() for _ in range(num_choices)]
         self.called = [False] * num_choices
+        self.max_tokens = max_tokens
 
     @property
     def active(self) -> bool:
         return self.parsers[0] is not None if self.parsers else False
 
-    def finish_reason(self, index: int, reason: str | None) -> str | None:
+    @property
+    def forced(self) -> bool:
+        """The output is tool calls only (``required`` / named choice)."""
+        return self.plan.mode in ("required", "named")
+
+    def finish_reason(
+        self, index: int, reason: str | None, num_output_tokens: int | None = None
+    ) -> str | None:
+        """``"tool_calls"`` for a choice that made calls and stopped; ``"length"`` for a
+        forced call that used all of ``max_tokens`` (the engine closed it on its
+        budget: complete and valid, but its arguments may be shortened), as OpenAI
+        says ``"length"`` whenever the request's token limit was reached."""
         if reason == "stop" and self.called[index]:
+            if (
+                self.forced
+                and self.max_tokens is not None
+                and num_output_tokens is not None
+                and num_output_tokens >= self.max_tokens
+            ):
+                return "length"
             return "tool_calls"
         return reason
 

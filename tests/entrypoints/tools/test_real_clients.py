@@ -167,3 +167,18 @@ def test_responses_api_items_and_stream(tool_server: str) -> None:
 
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+
+
+def test_responses_budget_refusal_names_max_output_tokens(tool_server: str) -> None:
+    client = openai.OpenAI(base_url=tool_server + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model=MODEL,
+            input=QUESTION,
+            tools=[{"type": "function", **WEATHER["function"]}],
+            tool_choice="required",
+            max_output_tokens=2,
+        )
+    body = e.value.body
+    assert isinstance(body, dict) and body["param"] == "max_output_tokens"
+    assert "max_output_tokens >= " in body["message"] and "max_completion" not in body["message"]

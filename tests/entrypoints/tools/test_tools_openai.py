@@ -164,3 +164,73 @@ def test_refusals(client: openai.OpenAI) -> None:
             response_format={"type": "json_object"},
             max_tokens=5,
         )
+
+
+EMAIL = {
+    "type": "function",
+    "function": {
+        "name": "send_email",
+        "description": "Send an email",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "to": {"type": "string"},
+                "subject": {"type": "string"},
+                "body": {"type": "string"},
+            },
+            "required": ["to", "subject", "body"],
+        },
+    },
+}
+RUNAWAY = [
+    {
+        "role": "user",
+        "content": "Email alice@example.com the complete text of War and Peace, every chapter",
+    }
+]
+
+
+def test_forced_call_closes_within_a_tiny_budget(client: openai.OpenAI) -> None:
+    """A runaway-inducing prompt at budgets down to the smallest accepted: the call
+    still parses and validates, never past max_tokens, streamed and not; below the
+    smallest, a 400 saying how large max_tokens must be."""
+    named = {"type": "function", "function": {"name": "send_email"}}
+    kwargs = dict(model=MODEL, messages=RUNAWAY, tools=[EMAIL], tool_choice=named, seed=3)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kwargs, max_tokens=2)
+    body = e.value.body
+    assert isinstance(body, dict) and body.get("param") == "max_tokens"
+    least = int(str(body["message"]).split("max_tokens >= ")[1].split(",")[0])
+    assert 5 < least < 30
+    schema = EMAIL["function"]["parameters"]
+    for max_tokens in (least, least + 3, 40):
+        r = client.chat.completions.create(**kwargs, max_tokens=max_tokens, temperature=1.0)
+        c = r.choices[0]
+        (call,) = c.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+        assert r.usage.completion_tokens <= max_tokens
+        # all of the budget used = closed on it ("length"); else the model ended it
+        closed = r.usage.completion_tokens == max_tokens
+        assert c.finish_reason == ("length" if closed else "tool_calls")
+        chunks = list(
+            client.chat.completions.create(
+                **kwargs, max_tokens=max_tokens, temperature=1.0, stream=True
+            )
+        )
+        first = chunks[0].choices[0].delta
+        assert first.role == "assistant" and first.content is None and first.tool_calls
+        arguments = "".join(
+            tc.function.arguments or ""
+            for ch in chunks
+            if ch.choices
+            for tc in ch.choices[0].delta.tool_calls or []
+        )
+        jsonschema.validate(json.loads(arguments), schema)
+        assert chunks[-1].choices[0].finish_reason in ("length", "tool_calls")
+    # required with parallel calls: the repeated calls end when the budget closes them
+    r = client.chat.completions.create(
+        model=MODEL, messages=RUNAWAY, tools=[EMAIL], tool_choice="required", max_tokens=60
+    )
+    assert r.choices[0].message.tool_calls and r.usage.completion_tokens <= 60
+    for call in r.choices[0].message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schema)
