@@ -209,11 +209,11 @@ def build_attention_metadata(
     ``"native"`` raises RuntimeError when the kernel is unavailable; ``"portable"``
     always uses PyTorch ops.
 
-    ``batch_invariant``: every row, prefill or decode, becomes a one-row request of the
-    native kernel at its own position (see :func:`_per_row_seqs`), so a row's attention
-    is computed the same way whatever chunk, batch or prefix grouping it is in (no
-    cascade split, no flash/AMX prefill path). Needs the native kernel (else
-    RuntimeError).
+    ``batch_invariant``: every request runs whole (prior and new keys) in one paged
+    kernel call whose key parts are split at absolute positions only (see
+    :func:`_invariant_seqs`), so a row's attention is computed the same way whatever
+    chunk, batch or prefix grouping it is in (no cascade split, no flash/AMX/vector
+    prefill path). Needs the native kernel (else RuntimeError).
     """
     if kv_segment_size < 0:
         raise ValueError(f"kv_segment_size={kv_segment_size} must be >= 0 (0 = one pass)")
@@ -239,7 +239,7 @@ def build_attention_metadata(
         )
         if batch_invariant:
             assert meta.native is not None
-            meta.native = _per_row_seqs(
+            meta.native = _invariant_seqs(
                 seqs, meta.native, num_dummy_decode_rows, num_tokens, block_size
             )
         return meta
@@ -414,45 +414,33 @@ def _build_native(
     )
 
 
-def _per_row_seqs(
+def _invariant_seqs(
     seqs: Sequence[SeqSpec], nb: NativeBatch, num_dummy: int, num_tokens: int, block_size: int
 ) -> NativeBatch:
-    """The batch-invariant view of a native batch: one kernel seq per row.
+    """The batch-invariant view of a native batch: every request whole in one kernel call.
 
-    Row ``j`` of a request with ``cached_seq_len = c`` becomes the one-row seq
-    ``(row, 1, 1, c + j, 0)`` over the request's block table: a decode row at position
-    ``c + j``, attending to keys ``[0, c + j]`` (the step's K/V are written before
-    attention runs). A decode row is the same seq, so a position's attention is one
-    computation, the key walk split only at absolute positions (``kv_segment_size``
-    segments, blocks), however the position was scheduled. Padding rows get
-    ``num_tokens = 0`` (zero output); dummy rows stay one token at the null block.
+    Each request is the seq ``(token_start, num_rows, num_tokens, cached_seq_len, 0)``
+    over its block table: row ``j`` attends to keys ``[0, cached_seq_len + j]`` (the
+    step's K/V are written before attention runs), prior and new keys in one walk.
+    The paged kernel splits that walk only at absolute positions (``kv_segment_size``
+    segments, multiples of 512: ``csrc/paged_attention.cpp``), and keys past a row's
+    own limit leave its result unchanged, so a position's attention is bitwise the
+    same whether it is a decode row, a row of a prefill chunk of any size or start,
+    or next to any other request. Prefill rows keep their row tiles (K/V read once
+    per 16 rows). No cascade split, no flash, AMX or vector-prefill kernel. Padding
+    rows (``num_tokens < num_rows``) get zero output; dummy rows stay one token at
+    the null block.
     """
-    starts: list[int] = []
-    ctxs: list[int] = []
-    valid: list[int] = []
-    which: list[int] = []
-    for i, s in enumerate(seqs):
-        starts.extend(range(s.token_start, s.token_start + s.num_rows))
-        ctxs.extend(range(s.cached_seq_len, s.cached_seq_len + s.num_rows))
-        valid.extend([1] * s.num_tokens + [0] * (s.num_rows - s.num_tokens))
-        which.extend([i] * s.num_rows)
-    row = len(starts)
-    starts.extend(range(row, row + num_dummy))
-    ctxs.extend([0] * num_dummy)
-    valid.extend([1] * num_dummy)
-    which.extend(range(len(seqs), len(seqs) + num_dummy))
-    assert len(starts) == num_tokens
-    info = np.zeros((num_tokens, 5), dtype=np.int64)
-    info[:, 0] = starts
-    info[:, 1] = 1
-    info[:, 2] = valid
-    info[:, 3] = ctxs
-    # one table row per request (dummies last: the null block), then one per row
+    info = np.zeros((len(seqs) + num_dummy, 5), dtype=np.int64)
     need = [-(-(s.cached_seq_len + s.num_tokens) // block_size) for s in seqs]
-    full = np.zeros((len(seqs) + num_dummy, max([1, *need])), dtype=np.int64)
+    table = np.zeros((len(seqs) + num_dummy, max([1, *need])), dtype=np.int64)
     for i, s in enumerate(seqs):
-        full[i, : need[i]] = np.asarray(s.block_ids[: need[i]], dtype=np.int64)
-    table = full[np.asarray(which, dtype=np.int64)]
+        info[i] = (s.token_start, s.num_rows, s.num_tokens, s.cached_seq_len, 0)
+        table[i, : need[i]] = np.asarray(s.block_ids[: need[i]], dtype=np.int64)
+    row = sum(s.num_rows for s in seqs)
+    for j in range(num_dummy):
+        info[len(seqs) + j] = (row + j, 1, 1, 0, 0)
+    assert row + num_dummy == num_tokens
     return NativeBatch(nb.kernel, torch.from_numpy(info), torch.from_numpy(table), [])
 
 

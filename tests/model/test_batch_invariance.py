@@ -126,17 +126,19 @@ def test_long_prompt_chunked_and_decoded(model_of, segment: int) -> None:
     assert first_mismatch(s, ref) is None
 
 
-def test_per_row_metadata_is_decode_form() -> None:
-    """The invariant metadata turns every row into a one-row seq at its own position."""
+def test_invariant_metadata_runs_requests_whole() -> None:
+    """The invariant metadata: every request whole (prior and new keys) in the paged
+    kernel, no prior-only split, no cascade, no flash/vector-prefill part."""
     if _KERNEL is None:
         pytest.skip("needs the native kernel")
     specs = [
         SeqSpec(0, 4, 3, 16, [1, 2]),  # a prefill chunk with one padding row
         SeqSpec(4, 1, 1, 40, [3, 4, 5]),  # a decode row
+        SeqSpec(5, 1, 1, 40, [3, 4, 6]),  # a decode row sharing 2 blocks (cascade off)
     ]
     meta = build_attention_metadata(
         specs,
-        num_tokens=7,
+        num_tokens=8,
         num_dummy_decode_rows=2,
         block_size=16,
         kv_segment_size=512,
@@ -145,22 +147,20 @@ def test_per_row_metadata_is_decode_form() -> None:
     )
     nb = meta.native
     assert nb is not None and nb.prefills == [] and nb.cascade is None
+    assert nb.prefill_seqs is None and nb.decode_seqs is None
     np.testing.assert_array_equal(
         nb.seqs.numpy(),
         [
-            [0, 1, 1, 16, 0],
-            [1, 1, 1, 17, 0],
-            [2, 1, 1, 18, 0],
-            [3, 1, 0, 19, 0],  # padding: no token, zero output
+            [0, 4, 3, 16, 0],  # whole: rows attend to [0, 16 + j]
             [4, 1, 1, 40, 0],
-            [5, 1, 1, 0, 0],  # dummy rows: the null block
-            [6, 1, 1, 0, 0],
+            [5, 1, 1, 40, 0],
+            [6, 1, 1, 0, 0],  # dummy rows: the null block
+            [7, 1, 1, 0, 0],
         ],
     )
-    assert nb.block_tables.shape == (7, 3)
-    np.testing.assert_array_equal(nb.block_tables[:4].numpy(), [[1, 2, 0]] * 4)
-    np.testing.assert_array_equal(nb.block_tables[4].numpy(), [3, 4, 5])
-    np.testing.assert_array_equal(nb.block_tables[5:].numpy(), [[0, 0, 0]] * 2)
+    np.testing.assert_array_equal(
+        nb.block_tables.numpy(), [[1, 2, 0], [3, 4, 5], [3, 4, 6], [0, 0, 0], [0, 0, 0]]
+    )
 
 
 @needs_f32

@@ -22,11 +22,17 @@
 // attends the new tokens among themselves and merges with the returned lse; a row
 // with no key gets output 0 and lse -inf).
 // Rows j >= num_tokens are padding: their output is zero. The keys are walked in
-// parts: segments of `seg` tokens over the prior context [0, cached_seq_len) (the
-// last one partial, bounded at cached_seq_len; seg <= 0 means one segment), then the
-// new tokens [cached_seq_len, ...) causally; every part is split further at block
-// boundaries. Parts are merged with the exact online-softmax rule (running max m,
-// running sum l, output rescaled by exp(m_old - m_new)).
+// parts at ABSOLUTE positions: [0, P), [P, 2P), ... with P = seg (seg <= 0: 512),
+// further split at multiples of 512, each part bounded at the last key any row of the
+// tile sees (rows see only keys below their own limit: the rest score -inf). The
+// split points depend on seg alone, never on cached_seq_len, the tile or the batch,
+// so a query row at position p gets bitwise the same result as a decode row at p,
+// in any chunk, tile or batch (BATCH INVARIANCE, docs/determinism.md): keys past a
+// row's limit give it probability 0, which leaves its max, sums and output
+// unchanged. Parts are merged with the exact online-softmax rule (running max m,
+// running sum l, output rescaled by exp(m_old - m_new)). A new decode specialisation
+// must keep exactly this arithmetic per row (same parts, same 16-key groups from the
+// block start, same sum order) or the invariance tests fail.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -105,6 +111,17 @@ struct Args {
 };
 
 inline int64_t batch_row(const Args& a, int64_t i) { return a.row_map ? a.row_map[i] : i; }
+
+constexpr int64_t kPartMax = 512;  // keys per part at most (the AVX-512 score buffer)
+
+// End of the key part that starts at the absolute position p0 (itself a split point):
+// the next multiple of seg (seg <= 0: no segments) or of kPartMax, whichever is first.
+// Depends on seg and p0 only (batch invariance, see the top of the file).
+inline int64_t part_end(int seg, int64_t p0) {
+  int64_t e = (p0 / kPartMax + 1) * kPartMax;
+  if (seg > 0) e = std::min<int64_t>(e, (p0 / seg + 1) * seg);
+  return e;
+}
 
 // How a finished row is written: out = old * w_old + acc * w_acc, where acc is the
 // unnormalised sum (running sum l, max mx). Also stores the row's log-sum-exp, merged
@@ -208,10 +225,7 @@ void run_task(const Args& a, const Task& task, std::vector<float>& buf) {
   while (t0 < lmax) {
     // end of this part: block boundary, segment boundary (prior context), lmax
     int64_t t1 = std::min<int64_t>((t0 / bs + 1) * bs, lmax);
-    if (t0 < ctx) {
-      const int64_t seg_end = a.seg > 0 ? std::min<int64_t>((t0 / a.seg + 1) * a.seg, ctx) : ctx;
-      t1 = std::min(t1, seg_end);
-    }
+    t1 = std::min(t1, part_end(a.seg, t0));  // absolute split points (see the top)
     const int nk = static_cast<int>(t1 - t0);
     const int64_t block = bt[t0 / bs];
     const int64_t off = (block * bs + t0 % bs) * D;
@@ -456,7 +470,7 @@ inline void accumulate_pv_dp_n(float* acc, const bf16_t* pb, int64_t ps, int mco
 }
 #endif  // __AVX512BF16__
 
-constexpr int kMaxPart = 512;
+constexpr int kMaxPart = static_cast<int>(kPartMax);
 #ifndef KVS_PREFETCH_BLOCKS
 #define KVS_PREFETCH_BLOCKS 4
 #endif
@@ -517,11 +531,8 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
 
   int64_t p0 = 0;
   while (p0 < lmax) {
-    // the part [p0, p1): a segment of the prior context (partial last one bounded at
-    // ctx) or the new tokens; at most kMaxPart keys
-    int64_t p1 = lmax;
-    if (p0 < ctx) p1 = a.seg > 0 ? std::min<int64_t>((p0 / a.seg + 1) * a.seg, ctx) : ctx;
-    p1 = std::min<int64_t>(p1, p0 + kMaxPart);
+    // the part [p0, p1): absolute split points (see the top), bounded at lmax
+    const int64_t p1 = std::min<int64_t>(part_end(a.seg, p0), lmax);
     const int n = static_cast<int>(p1 - p0);
 
     // 1. scores of every query against the part's keys, -inf where not visible
