@@ -471,6 +471,46 @@ inline void accumulate_pv_dp_n(float* acc, const bf16_t* pb, int64_t ps, int mco
 #endif  // __AVX512BF16__
 
 constexpr int kMaxPart = static_cast<int>(kPartMax);
+constexpr int kKeyLanesMinM = 8;  // queries per tile from which Q.K runs in key lanes
+typedef uint32_t u32k __attribute__((may_alias));
+
+// The 16 scores of one query against a transposed key group kt ([D units][16 keys]):
+// the same numbers, bit for bit, as scores16 / scores16_dp. Those compute, per key,
+// lane l of a 16-lane vector (the products of head-dim unit l, 16 + l, ... chained in
+// that order: mul then FMAs, or vdpbf16ps from zero for kDp) and reduce the 16 lanes
+// with hsum16, whose tree is ((G0 + G1) + (G2 + G3)), G_q = (x[4q] + x[4q + 2]) +
+// (x[4q + 1] + x[4q + 3]). Here the lanes are the keys: P[l] is lane l of every key
+// at once (the same chain, the query unit broadcast), then the same tree over P.
+// q: the query as run_task_avx512 keeps it (fp32, split order for bf16; raw bf16
+// pairs for kDp).
+template <int DV, bool kDp>
+inline __m512 scores16_keylanes(const float* q, const float* kt) {
+  __m512 P[16];
+  if constexpr (kDp) {
+#if defined(__AVX512BF16__)
+    const u32k* qd = reinterpret_cast<const u32k*>(q);
+    const u32k* kd = reinterpret_cast<const u32k*>(kt);
+    for (int l = 0; l < 16; ++l) {
+      __m512 x = _mm512_setzero_ps();
+      for (int j = 0; j < DV / 2; ++j)
+        x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_set1_epi32(static_cast<int>(qd[16 * j + l])),
+                             (__m512bh)_mm512_loadu_si512(kd + (16 * j + l) * 16));
+      P[l] = x;
+    }
+#endif
+  } else {
+    for (int l = 0; l < 16; ++l) {
+      __m512 x = _mm512_mul_ps(_mm512_set1_ps(q[l]), _mm512_loadu_ps(kt + l * 16));
+      for (int dv = 1; dv < DV; ++dv)
+        x = _mm512_fmadd_ps(_mm512_set1_ps(q[16 * dv + l]), _mm512_loadu_ps(kt + (16 * dv + l) * 16), x);
+      P[l] = x;
+    }
+  }
+  __m512 G[4];
+  for (int g = 0; g < 4; ++g)
+    G[g] = _mm512_add_ps(_mm512_add_ps(P[4 * g], P[4 * g + 2]), _mm512_add_ps(P[4 * g + 1], P[4 * g + 3]));
+  return _mm512_add_ps(_mm512_add_ps(G[0], G[1]), _mm512_add_ps(G[2], G[3]));
+}
 #ifndef KVS_PREFETCH_BLOCKS
 #define KVS_PREFETCH_BLOCKS 4
 #endif
@@ -496,7 +536,8 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   if (M == 0) return;
 
   constexpr int64_t PS = kMaxPart + 32;  // row stride of the score buffers
-  const size_t need = static_cast<size_t>(M) * (2 * D + PS + 4) + 16 * D + 16 + (kDp ? M * PS / 2 + 16 : 0);
+  const size_t need =
+      static_cast<size_t>(M) * (2 * D + PS + 4) + 32 * D + 16 + (kDp ? M * PS / 2 + 16 : 0);
   if (buf.size() < need) buf.resize(need);
   float* qf = buf.data();   // [M, D] queries, fp32 (split order for bf16)
   float* acc = qf + M * D;  // [M, D] (split order for bf16)
@@ -505,7 +546,12 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   float* l = mx + M;        // [M]
   int64_t* lim = reinterpret_cast<int64_t*>(l + M);  // [M] keys each query sees
   float* kw = reinterpret_cast<float*>(lim + M);     // [16, D] widened K rows (bf16)
-  bf16_t* pb = reinterpret_cast<bf16_t*>(kw + 16 * D);  // [M, PS] bf16 probabilities (kDp)
+  float* kt = kw + 16 * D;                            // [D, 16] a key group transposed
+  bf16_t* pb = reinterpret_cast<bf16_t*>(kt + 16 * D);  // [M, PS] bf16 probabilities (kDp)
+  // Q.K in key lanes (one K transpose per 16 keys, shared by the tile's M queries)
+  // where the tile is big enough to pay for the transpose; bitwise equal to the
+  // per-query form (see scores16_keylanes), so the choice never changes a result.
+  const bool keylanes = M >= kKeyLanesMinM;
 
   int64_t lmax = 0;
   for (int64_t r = task.r0; r < r_end; ++r)
@@ -566,6 +612,13 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
           }
           kf = kw;
         }
+        if (keylanes) {  // kt[u][i] = unit u of key i (a float, or a bf16 pair for kDp)
+          constexpr int U = kDp ? D / 2 : D;
+          const u32k* src = kDp ? reinterpret_cast<const u32k*>(krow) : reinterpret_cast<const u32k*>(kf);
+          u32k* dst = reinterpret_cast<u32k*>(kt);
+          for (int i = 0; i < 16; ++i)
+            for (int u = 0; u < U; ++u) dst[u * 16 + i] = i < nk ? src[i * U + u] : 0u;
+        }
         const __mmask16 in_part = static_cast<__mmask16>((1u << nk) - 1u);
         for (int m = 0; m < m_hi; ++m) {
           const int64_t vis = lim[m] - g0;  // keys of these 16 this query sees
@@ -573,6 +626,9 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
               vis >= 16 ? in_part
                         : (vis <= 0 ? 0 : static_cast<__mmask16>(in_part & ((1u << vis) - 1u)));
           __m512 x = neg_inf;
+          if (keylanes) {
+            if (valid) x = _mm512_mul_ps(scores16_keylanes<DV, kDp>(qf + m * D, kt), scale);
+          } else
 #if defined(__AVX512BF16__)
           if constexpr (kDp) {
             __m512bh qb[DV / 2];
