@@ -94,6 +94,14 @@ class NativePrefill:
     whole: bool = False
 
 
+# The automatic mode's reach (``invariant_max_context``, docs/determinism.md): prefill
+# chunks whose context ends at most this many tokens in run whole in the paged kernel
+# (absolute key parts: the decode computation), and rows this short are never cascade-
+# grouped, so requests up to this length are batch invariant by default. Longer chunks
+# keep the fast prefill kernels (vector/AMX/flash), where invariant attention measured
+# 0.88x (2,048-token prefill) and 0.83x (512 over 2,048 cached), AMD Zen 5, bfloat16.
+AUTO_INVARIANT_MAX_CONTEXT = 1024
+
 # A shared prefix is attended as a cascade group only from this many tokens on (below
 # it, the per-row vector kernel reads it just as cheaply).
 CASCADE_MIN_SHARED_TOKENS = 64
@@ -195,6 +203,7 @@ def build_attention_metadata(
     backend: AttentionBackend = "auto",
     kv_dtype: torch.dtype = torch.float32,
     batch_invariant: bool = False,
+    invariant_max_context: int = 0,
 ) -> AttentionMetadata:
     """Build per-step attention metadata from plain per-request specs.
 
@@ -214,6 +223,12 @@ def build_attention_metadata(
     :func:`_invariant_seqs`), so a row's attention is computed the same way whatever
     chunk, batch or prefix grouping it is in (no cascade split, no flash/AMX/vector
     prefill path). Needs the native kernel (else RuntimeError).
+
+    ``invariant_max_context`` (native kernel only; ignored with ``batch_invariant``):
+    the same for every position below it: prefill chunks crossing it are split there
+    (:func:`_split_at_reach`), the part whose context ends within it runs whole in
+    the paged kernel and its rows join no cascade group; the rest takes the fast
+    route. So requests of at most this many tokens are invariant. 0: none.
     """
     if kv_segment_size < 0:
         raise ValueError(f"kv_segment_size={kv_segment_size} must be >= 0 (0 = one pass)")
@@ -234,8 +249,19 @@ def build_attention_metadata(
             "float32/bfloat16): use batch_invariant=False"
         )
     if kernel is not None:
+        split_heads: set[int] = set()
+        if invariant_max_context > 0 and not batch_invariant:
+            seqs, split_heads = _split_at_reach(seqs, invariant_max_context)
         meta = _build_native(
-            seqs, kernel, num_tokens, num_dummy_decode_rows, block_size, kv_segment_size, kv_dtype
+            seqs,
+            kernel,
+            num_tokens,
+            num_dummy_decode_rows,
+            block_size,
+            kv_segment_size,
+            kv_dtype,
+            0 if batch_invariant else invariant_max_context,
+            split_heads,
         )
         if batch_invariant:
             assert meta.native is not None
@@ -329,12 +355,19 @@ def _build_native(
     block_size: int,
     kv_segment_size: int,
     kv_dtype: torch.dtype,
+    invariant_max_context: int = 0,
+    split_heads: set[int] | None = None,
 ) -> AttentionMetadata:
-    """Native-kernel metadata: per-request rows, block tables, KV write slots."""
+    """Native-kernel metadata: per-request rows, block tables, KV write slots.
+
+    Requests whose context ends within ``invariant_max_context`` tokens are marked
+    invariant: prefill chunks whole in the paged kernel (prior_only 0, with the
+    decode rows in the AMX/vector split), rows never cascade-grouped."""
     num_seqs = len(seqs) + num_dummy
     info = np.zeros((num_seqs, 5), dtype=np.int64)
     prefills: list[NativePrefill] = []
     in_kernel = np.ones(num_seqs, dtype=bool)
+    invariant = np.zeros(num_seqs, dtype=bool)  # the paged kernel's decode form
     nblocks = [-(-(s.cached_seq_len + s.num_tokens) // block_size) for s in seqs]
     table = np.zeros((num_seqs, max([1, *nblocks])), dtype=np.int64)
     slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
@@ -347,7 +380,8 @@ def _build_native(
             )
         if s.num_rows > 1 and seen_single:
             raise ValueError("prefill requests (num_rows > 1) must come before one-row requests")
-        seen_single = seen_single or s.num_rows == 1
+        # (a piece of a chunk split at the reach may be one row: not a decode request)
+        seen_single = seen_single or (s.num_rows == 1 and i not in (split_heads or ()))
         nb = nblocks[i]
         if len(s.block_ids) < nb:
             raise ValueError(
@@ -357,11 +391,13 @@ def _build_native(
         bt = np.asarray(s.block_ids[:nb], dtype=np.int64)
         table[i, :nb] = bt
         prior_only = int(s.num_rows > 1)
+        invariant[i] = s.cached_seq_len + s.num_tokens <= invariant_max_context
         whole = bool(prior_only) and kv_dtype == torch.float32
         whole = whole and (
             s.num_tokens <= NATIVE_WHOLE_MAX_TOKENS
             or s.cached_seq_len + s.num_tokens <= NATIVE_WHOLE_MAX_CONTEXT
         )
+        whole = whole or (bool(prior_only) and bool(invariant[i]))
         if whole:
             info[i] = (row, s.num_rows, s.num_tokens, s.cached_seq_len, 0)
             prefills.append(
@@ -393,7 +429,7 @@ def _build_native(
     else:
         write_rows = torch.from_numpy(np.nonzero(valid)[0].astype(np.int64))
         write_slots = torch.from_numpy(slot_mapping[valid])
-    amx_split = _amx_split(info, table) if prefills else (None, None, None, None)
+    amx_split = _amx_split(info, table, invariant) if prefills else (None, None, None, None)
     return AttentionMetadata(
         num_tokens=num_tokens,
         slot_mapping=slots_t,
@@ -409,9 +445,38 @@ def _build_native(
             torch.from_numpy(np.ascontiguousarray(table[in_kernel])),
             prefills,
             *amx_split,
-            cascade=_cascade_split(info, table, block_size),
+            cascade=_cascade_split(info, table, block_size, invariant),
         ),
     )
+
+
+def _split_at_reach(seqs: Sequence[SeqSpec], reach: int) -> tuple[list[SeqSpec], set[int]]:
+    """Prefill chunks that cross position ``reach`` split in two requests there: rows
+    at positions below it (context ending within the reach: the invariant form) and
+    the rest (the fast kernels; they read the head's keys from the pages, written
+    before attention runs). So a position below the reach is computed in decode form
+    by whichever request computes it, and the KV a prefix-cache hit reuses there is
+    the same bits. Returns the specs and the indices of the split pieces (either may
+    be one row without being a decode request)."""
+    out: list[SeqSpec] = []
+    heads: set[int] = set()
+    for s in seqs:
+        k = reach - s.cached_seq_len
+        if s.num_rows > 1 and 0 < k < s.num_tokens:
+            heads.update((len(out), len(out) + 1))
+            out.append(SeqSpec(s.token_start, k, k, s.cached_seq_len, s.block_ids))
+            out.append(
+                SeqSpec(
+                    s.token_start + k,
+                    s.num_rows - k,
+                    s.num_tokens - k,
+                    s.cached_seq_len + k,
+                    s.block_ids,
+                )
+            )
+        else:
+            out.append(s)
+    return out, heads
 
 
 def _invariant_seqs(
@@ -444,17 +509,22 @@ def _invariant_seqs(
     return NativeBatch(nb.kernel, torch.from_numpy(info), torch.from_numpy(table), [])
 
 
-def _cascade_split(info: np.ndarray, table: np.ndarray, block_size: int) -> CascadeSplit | None:
+def _cascade_split(
+    info: np.ndarray, table: np.ndarray, block_size: int, invariant: np.ndarray | None = None
+) -> CascadeSplit | None:
     """Group one-row requests by their shared leading blocks (see :class:`CascadeSplit`).
 
     Rows are grouped by their first block; a group of two or more whose common leading
     blocks (all full and before every member's own token) hold at least
     ``CASCADE_MIN_SHARED_TOKENS`` tokens becomes a cascade group. None when none does.
+    ``invariant`` rows are never grouped; the invariant prefill requests run with the
+    one-row requests (whole, in the vector kernel).
     """
-    one_row = np.nonzero(info[:, 1] == 1)[0]
+    inv = np.zeros(len(info), dtype=bool) if invariant is None else invariant
+    one_row = np.nonzero((info[:, 1] == 1) | inv)[0]
     # full blocks strictly before the row's own token (cached_seq_len tokens precede it)
     max_shared = info[one_row, 3] // block_size
-    candidates = one_row[max_shared > 0]
+    candidates = one_row[(max_shared > 0) & (info[one_row, 1] == 1) & ~inv[one_row]]
     if len(candidates) < 2:
         return None
     by_first: dict[int, list[int]] = {}
@@ -496,10 +566,13 @@ def _cascade_split(info: np.ndarray, table: np.ndarray, block_size: int) -> Casc
 
 
 def _amx_split(
-    info: np.ndarray, table: np.ndarray
+    info: np.ndarray, table: np.ndarray, invariant: np.ndarray | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(decode seqs, their tables, prefill seqs with prior_only 0, their tables)."""
+    """(decode seqs, their tables, prefill seqs with prior_only 0, their tables);
+    ``invariant`` prefill requests go with the decode seqs (the paged kernel)."""
     is_prefill = info[:, 1] > 1
+    if invariant is not None:
+        is_prefill &= ~invariant
     prefill = info[is_prefill].copy()
     prefill[:, 4] = 0
     return (

@@ -313,6 +313,24 @@ class LlamaForCausalLM(nn.Module):
         and the long-prompt workloads would pay that. docs/determinism.md has the table."""
         return False
 
+    @property
+    def auto_invariance_cheap(self) -> bool:
+        """Whether the automatic mode (invariance for requests up to
+        ``AUTO_INVARIANT_MAX_CONTEXT`` tokens, docs/determinism.md) may run: supported,
+        and every linear's invariant routing costs nothing measurable. Quantized
+        linears always run one reduction order; bfloat16 panels at every M matched
+        oneDNN's time from 16 to 512 rows off AMX (AMX tiles: not measured, so off);
+        float32 panels at every M: not measured cheap, so off."""
+        if not self.batch_invariant_supported:
+            return False
+        for lin in self._linears():
+            if isinstance(lin, QuantLinear):
+                continue
+            panels = getattr(lin, "panels", None)
+            if panels is None or panels.dtype != torch.bfloat16 or getattr(lin, "amx", True):
+                return False
+        return True
+
     def set_batch_invariant(self, on: bool) -> None:
         """Route every linear through the native panels at any row count (``on``) or
         through the fastest kernel per row count. The attention side of the mode is in

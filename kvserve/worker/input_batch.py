@@ -83,10 +83,12 @@ class InputBatch:
         device: torch.device,
         attention_backend: ResolvedBackend = "portable",
         batch_invariant: bool = False,
+        invariant_max_context: int = 0,
     ) -> None:
         self.block_size = block_size
         self.attention_backend: ResolvedBackend = attention_backend
-        self.batch_invariant = batch_invariant  # per-row attention (docs/determinism.md)
+        self.batch_invariant = batch_invariant  # invariant attention (docs/determinism.md)
+        self.invariant_max_context = invariant_max_context  # the automatic mode's reach
         self.num_kv_blocks = num_kv_blocks
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
@@ -200,6 +202,7 @@ class InputBatch:
             device=self.device,
             backend=self.attention_backend,
             batch_invariant=self.batch_invariant,
+            invariant_max_context=self.invariant_max_context,
         )
         dev = self.device
         return StepInputs(

@@ -106,6 +106,54 @@ def test_logits_bitwise_whatever_the_schedule(model_of, seed: int) -> None:
             assert first_mismatch(s, alone) is None
 
 
+@given(seed=st.integers(0, 2**31 - 1))
+@settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+def test_automatic_mode_short_requests_bitwise(model_of, seed: int) -> None:
+    """The default (automatic) mode: a request within ``invariant_max_context`` gets
+    bitwise the logits it gets alone, beside requests past that reach (which take the
+    fast prefill kernels and cascade groups) and prefix-cache siblings."""
+    rng = random.Random(seed)
+    loaded = model_of
+    reach = 160
+    segment = rng.choice([0, 32, 64])  # one size for every run: it sets the key parts
+
+    def harness(blocks: int) -> Harness:
+        return Harness(
+            loaded.model,
+            loaded.dtype,
+            num_blocks=blocks,
+            kv_segment_size=segment,
+            batch_invariant=False,
+            invariant_max_context=reach,
+        )
+
+    h = harness(160)
+    target_tokens = _tokens(rng, rng.randint(16, reach - 10))
+    ref = harness(16).run_alone(target_tokens)
+    shared = 80
+    system = _tokens(rng, shared)
+    donor = h.new_seq(system + _tokens(rng, 100))  # past the reach
+    h.step([(donor, len(donor.tokens))])
+    others = [h.new_seq(system + _tokens(rng, rng.randint(90, 150)), donor, shared)]
+    others += [h.new_seq(_tokens(rng, rng.randint(reach, 240))) for _ in range(2)]
+    others += [h.new_seq(_tokens(rng, rng.randint(2, 60))) for _ in range(rng.randint(0, 3))]
+    if len(target_tokens) > shared + 8 and rng.random() < 0.6:
+        target_tokens = system + target_tokens[shared:]
+        ref = harness(16).run_alone(target_tokens)
+        target = h.new_seq(target_tokens, prefix_from=donor, shared=shared)
+    else:
+        target = h.new_seq(target_tokens)
+    _random_schedule(h, target, others, rng)
+    assert first_mismatch(target, ref) is None, (
+        f"mismatch at position {first_mismatch(target, ref)}"
+    )
+
+
 @pytest.mark.parametrize("segment", [0, 512])
 def test_long_prompt_chunked_and_decoded(model_of, segment: int) -> None:
     """A 600-token prompt in chunks crossing a 512-token segment, then decode rows in a
@@ -190,6 +238,15 @@ def test_resolve_batch_invariant_rules(loaded_model) -> None:
     with pytest.raises(ValueError, match="native kernels"):
         resolve_batch_invariant(True, model, "portable", False)
     assert resolve_batch_invariant(False, model, "native", False) is False
+    from kvserve.model.attention_metadata import AUTO_INVARIANT_MAX_CONTEXT
+    from kvserve.worker.model_runner import resolve_auto_invariance
+
+    assert resolve_auto_invariance(True, model, "native", False) == 0
+    assert resolve_auto_invariance(False, model, "native", False) == 0
+    assert resolve_auto_invariance(None, model, "native", True) == 0  # compile
+    assert resolve_auto_invariance(None, model, "portable", False) == 0
+    want = AUTO_INVARIANT_MAX_CONTEXT if model.auto_invariance_cheap else 0
+    assert resolve_auto_invariance(None, model, "native", False) == want
     assert resolve_batch_invariant(None, model, "native", True) is False  # compile wins
     auto = resolve_batch_invariant(None, model, "native", False)
     assert auto == (model.batch_invariant_supported and model.batch_invariant_default)
