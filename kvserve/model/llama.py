@@ -305,12 +305,13 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def batch_invariant_default(self) -> bool:
-        """Off: batch-invariant mode is opt-in (``--batch-invariant``). Its linears cost
-        about nothing off AMX, but its attention runs every prefill row as its own
-        decode-form row, which measured (AMD Zen 5, bf16, ``kvserve bench forward``,
-        2026-12-01) 0.79x the tok/s of a 2,048-token prefill and 0.70x of 512 new tokens
-        over a 2,048-token prefix, against 1.00x at 512 tokens; the step-time budget
-        and the long-prompt workloads would pay that. docs/determinism.md has the table."""
+        """Off: the full mode (every length) is opt-in (``--batch-invariant``). Its
+        linears cost about nothing off AMX, but it runs long prefill chunks whole in the
+        paged kernel instead of the vector/AMX prefill kernels, which measured (AMD Zen
+        5, bf16, ``kvserve bench forward --clock cpu --threads 1``, 2026-12-01) 0.88x the
+        tok/s of a 2,048-token prefill and 0.83x of 512 new tokens over a 2,048-token
+        prefix. The automatic default covers requests up to 1,024 tokens instead
+        (``auto_invariance_cheap``); docs/determinism.md has the table."""
         return False
 
     @property
