@@ -211,6 +211,46 @@ def test_invariant_metadata_runs_requests_whole() -> None:
     )
 
 
+def test_automatic_metadata_splits_at_the_reach() -> None:
+    """The automatic mode: a chunk crossing the reach is split there, its head (and
+    every request within the reach) runs whole with the decode rows in the paged
+    kernel, and only rows past the reach form cascade groups."""
+    if _KERNEL is None:
+        pytest.skip("needs the native kernel")
+    shared = list(range(1, 9))  # 8 shared blocks: 128 tokens
+    specs = [
+        SeqSpec(0, 40, 40, 80, list(range(20, 28))),  # crosses 100: head 20 rows, tail 20
+        SeqSpec(40, 1, 1, 90, [*shared[:5], 30, 31]),  # decode within the reach
+        SeqSpec(41, 1, 1, 90, [*shared[:5], 32, 33]),  # its sibling: no cascade group
+        SeqSpec(42, 1, 1, 200, [*shared, 34, 35, 36, 37, 38]),  # past the reach
+        SeqSpec(43, 1, 1, 200, [*shared, 40, 41, 42, 43, 44]),  # cascade with the one above
+    ]
+    meta = build_attention_metadata(
+        specs,
+        num_tokens=44,
+        block_size=16,
+        kv_segment_size=64,
+        kv_dtype=torch.bfloat16,
+        invariant_max_context=100,
+    )
+    nb = meta.native
+    assert nb is not None
+    c = nb.cascade
+    if nb.decode_seqs is None:  # no AMX/vector prefill kernel: one call, head whole
+        np.testing.assert_array_equal(
+            nb.seqs[:2].numpy(), [[0, 20, 20, 80, 0], [20, 20, 20, 100, 0]]
+        )
+        return
+    assert c is not None
+    np.testing.assert_array_equal(
+        c.decode_seqs[:3].numpy(), [[0, 20, 20, 80, 0], [40, 1, 1, 90, 0], [41, 1, 1, 90, 0]]
+    )
+    assert nb.prefill_seqs is not None
+    np.testing.assert_array_equal(nb.prefill_seqs.numpy(), [[20, 20, 20, 100, 0]])
+    np.testing.assert_array_equal(c.row_map.numpy(), [42, 43])  # only the long ones
+    np.testing.assert_array_equal(c.group_seqs.numpy(), [[0, 2, 2, 128, 1]])
+
+
 @needs_f32
 def test_linear_rows_invariant_at_every_m(loaded_model) -> None:
     """In invariant mode a linear's row is bitwise the same at every row count."""
