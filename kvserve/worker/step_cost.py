@@ -231,7 +231,7 @@ def calibrate(
         "step-time model (%d steps in %.1f s, median fit error %.0f%%): %s",
         len(samples),
         time.perf_counter() - t0,
-        100 * sorted(fit_err)[len(fit_err) // 2],
+        100 * sorted(fit_err)[len(fit_err) // 2] if fit_err else float("nan"),
         model.describe(),
     )
     return model
