@@ -64,7 +64,7 @@ OPTIONS: tuple[_Option, ...] = (
         "model",
         bool,
         "a request's logits bitwise the same whatever else runs, however it is chunked "
-        "or cached, at every length (default: automatic, requests up to 1,024 tokens "
+        "or cached, at every length (default: automatic, requests up to 512 tokens "
         "where that is cheap; --batch-invariant costs up to 0.83x on long prompts; "
         "docs/determinism.md)",
     ),

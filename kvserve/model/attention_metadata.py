@@ -99,8 +99,9 @@ class NativePrefill:
 # (absolute key parts: the decode computation), and rows this short are never cascade-
 # grouped, so requests up to this length are batch invariant by default. Longer chunks
 # keep the fast prefill kernels (vector/AMX/flash), where invariant attention measured
-# 0.88x (2,048-token prefill) and 0.83x (512 over 2,048 cached), AMD Zen 5, bfloat16.
-AUTO_INVARIANT_MAX_CONTEXT = 1024
+# (AMD Zen 5, bf16, Q4_1, one thread, CPU clock) 0.86-0.94x on 1,024-token prefills,
+# 0.88x on 2,048 and 0.83x on 512 over 2,048 cached, against 0.97-1.05x at 512.
+AUTO_INVARIANT_MAX_CONTEXT = 512
 
 # A shared prefix is attended as a cascade group only from this many tokens on (below
 # it, the per-row vector kernel reads it just as cheaply).

@@ -310,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
         paged kernel instead of the vector/AMX prefill kernels, which measured (AMD Zen
         5, bf16, ``kvserve bench forward --clock cpu --threads 1``, 2026-12-01) 0.88x the
         tok/s of a 2,048-token prefill and 0.83x of 512 new tokens over a 2,048-token
-        prefix. The automatic default covers requests up to 1,024 tokens instead
+        prefix. The automatic default covers requests up to 512 tokens instead
         (``auto_invariance_cheap``); docs/determinism.md has the table."""
         return False
 
