@@ -1,9 +1,15 @@
 """Batch-invariance targets (issue 25, docs/determinism.md): greedy tokens + logprobs
 and seeded samples bitwise identical alone, in mixed batches of 1..32, after a
-prefix-cache hit and after preemption, per dtype.
+prefix-cache hit and after preemption, per configuration (dtype x weights x mode).
+Prints one JSON line per configuration with the counts per mode: requests the mode
+guarantees (all in the full mode; prompt + max tokens within the reach in the
+automatic default) and requests beyond it, each as [identical to alone, compared].
 
     PYTHONPATH=. python benchmarks/batch_invariance.py --dtypes bfloat16,float32 \\
+        --weights auto,none --modes default,invariant \\
         --num-prompts 20 --min-len 16 --max-len 2000 --max-tokens 8
+
+Exit status 1 when a guaranteed request differs.
 """
 
 from __future__ import annotations
@@ -25,31 +31,57 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--preempt-blocks", type=int, default=0, help="0: skip the preemption run")
-    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument(
+        "--weights",
+        default="auto",
+        help="comma-separated --quantization values: auto (the default GGUF's Q4_1), none",
+    )
+    ap.add_argument(
+        "--modes",
+        default="default,invariant",
+        help="comma-separated: default (automatic), invariant (--batch-invariant), off",
+    )
     args = ap.parse_args()
+    mode_values = {"default": None, "invariant": True, "off": False}
     prompts = make_prompts(
         args.num_prompts, args.min_len, args.max_len, shared_prefix=args.shared_prefix
     )
     failed = False
-    for dtype in args.dtypes.split(","):
+    configs = [
+        (d, w, m)
+        for d in args.dtypes.split(",")
+        for w in args.weights.split(",")
+        for m in args.modes.split(",")
+    ]
+    for dtype, weights, mode in configs:
+        if mode not in mode_values:
+            ap.error(f"--modes: {mode!r} is not one of {sorted(mode_values)}")
         t0 = time.perf_counter()
-        rep = check_invariance(
-            prompts,
-            dtype=dtype,
-            batch_invariant=args.batch_invariant,
-            max_tokens=args.max_tokens,
-            max_num_seqs=args.max_num_seqs,
-            preempt_blocks=args.preempt_blocks or None,
-        )
+        try:
+            rep = check_invariance(
+                prompts,
+                dtype=dtype,
+                batch_invariant=mode_values[mode],
+                max_tokens=args.max_tokens,
+                max_num_seqs=args.max_num_seqs,
+                preempt_blocks=args.preempt_blocks or None,
+                quantization=weights,
+            )
+        except ValueError as e:  # a mode this build/CPU cannot run
+            print(json.dumps({"dtype": dtype, "weights": weights, "mode": mode, "error": str(e)}))
+            continue
         failed = failed or bool(rep.mismatches)
         print(
             json.dumps(
                 {
                     "dtype": rep.dtype,
+                    "weights": rep.weights,
+                    "mode": mode,
                     "batch_invariant": rep.batch_invariant,
+                    "invariant_max_context": rep.invariant_max_context,
                     "prompts": rep.num_prompts,
                     "prompt_lens": [min(rep.prompt_lens), max(rep.prompt_lens)],
-                    "modes": rep.modes,
+                    "counts": rep.counts,
                     "mismatches": rep.mismatches,
                     "seconds": round(time.perf_counter() - t0, 1),
                 }

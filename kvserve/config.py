@@ -296,7 +296,8 @@ class ModelConfig:
     max_model_len: int | None = None  # None: min(model's context, 8192)
     compile: bool = False  # decode steps as torch.compile graphs, one per decode bucket
     # a row's logits bitwise independent of batch, chunking and cache (docs/determinism.md);
-    # None: on where cheap (every CPU without AMX-BF16, and not with compile)
+    # True: every length; None: automatic, positions below 512 where cheap (quantized or
+    # bfloat16-panel linears, no AMX, not with compile); False: off
     batch_invariant: bool | None = None
 
 

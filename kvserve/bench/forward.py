@@ -407,6 +407,7 @@ def run(args: argparse.Namespace) -> int:
         "cpu_count": os.cpu_count(),
         "context": args.context,
         "batch_invariant": kv.runner.batch_invariant,
+        "invariant_max_context": kv.runner.invariant_max_context,
         "prefill": {},
         "cached_prefill": {},
         "decode": {},

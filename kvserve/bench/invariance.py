@@ -13,7 +13,9 @@ and logprobs:
 
 Greedy requests ask for logprobs; seeded sampled requests (temperature, top-p) check
 that a draw depends only on the seed and the position. :func:`check_invariance`
-returns the mismatches (an empty list when everything matched).
+returns the counts per mode and the mismatches among the requests the engine's mode
+guarantees (every request in the full mode; in the automatic default, those whose
+prompt + ``max_tokens`` fit its reach); requests past the reach are counted apart.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ class InvarianceReport:
     prompt_lens: list[int]
     modes: list[str]
     mismatches: list[str] = field(default_factory=list)
+    # the automatic mode's reach (0: off; the full mode covers every length)
+    invariant_max_context: int = 0
+    weights: str = ""
+    # mode -> [requests identical to alone, requests compared], split by whether the
+    # request (prompt + max_tokens) is within the guarantee (the full mode, or the
+    # automatic mode's reach) or past it
+    counts: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
 
 def make_prompts(
@@ -122,7 +131,15 @@ def check_invariance(
         num_prompts=len(prompts),
         prompt_lens=[len(p) for p in prompts],
         modes=["alone", "batched", "cache_hit"],
+        invariant_max_context=int(getattr(llm.engine.runner, "invariant_max_context", 0)),
+        weights=str(getattr(llm.engine.loaded, "quantization", "")),
     )
+
+    def covered(i: int) -> bool:
+        if report.batch_invariant:
+            return True
+        reach = report.invariant_max_context
+        return len(prompts[i]) + max_tokens <= reach
 
     def run(idx: list[int], salt: str) -> dict[int, list[tuple[Any, ...]]]:
         outs = llm.generate(
@@ -138,8 +155,13 @@ def check_invariance(
         alone.update(run([i], f"alone-{i}"))
 
     def compare(mode: str, got: dict[int, list[tuple[Any, ...]]]) -> None:
+        tally = report.counts.setdefault(mode, {"guaranteed": [0, 0], "beyond": [0, 0]})
         for i, sig in sorted(got.items()):
-            if sig != alone[i]:
+            kind = "guaranteed" if covered(i) else "beyond"
+            tally[kind][1] += 1
+            if sig == alone[i]:
+                tally[kind][0] += 1
+            elif kind == "guaranteed":
                 report.mismatches.append(f"{mode}: prompt {i} ({len(prompts[i])} tokens)")
 
     groups = _groups(len(prompts), max_num_seqs, rng)

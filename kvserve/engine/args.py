@@ -64,7 +64,8 @@ OPTIONS: tuple[_Option, ...] = (
         "model",
         bool,
         "a request's logits bitwise the same whatever else runs, however it is chunked "
-        "or cached (default: on where cheap, i.e. without AMX-BF16 and --compile; "
+        "or cached, at every length (default: automatic, requests up to 512 tokens "
+        "where that is cheap; --batch-invariant costs up to 0.83x on long prompts; "
         "docs/determinism.md)",
     ),
     _Option("max_model_len", "shared", int, "longest prompt + output a request may have"),

@@ -396,7 +396,7 @@ def _native_attention_amx(
         out = nb.kernel(q, kv_cache, decode_seqs, decode_tables, seg, scale, lse=lse)
     else:
         out = torch.empty(q.shape, dtype=q.dtype)
-    if nb.prefill_seqs is not None:
+    if nb.prefill_seqs is not None and nb.prefill_seqs.shape[0]:
         assert nb.prefill_tables is not None
         prefill(q, kv_cache, nb.prefill_seqs, nb.prefill_tables, scale, out)
     if c is not None:

@@ -97,6 +97,15 @@ class NativePrefill:
     whole: bool = False
 
 
+# The automatic mode's reach (``invariant_max_context``, docs/determinism.md): prefill
+# chunks whose context ends at most this many tokens in run whole in the paged kernel
+# (absolute key parts: the decode computation), and rows this short are never cascade-
+# grouped, so requests up to this length are batch invariant by default. Longer chunks
+# keep the fast prefill kernels (vector/AMX/flash), where invariant attention measured
+# (AMD Zen 5, bf16, Q4_1, one thread, CPU clock) 0.86-0.94x on 1,024-token prefills,
+# 0.88x on 2,048 and 0.83x on 512 over 2,048 cached, against 0.97-1.05x at 512.
+AUTO_INVARIANT_MAX_CONTEXT = 512
+
 # A shared prefix is attended as a cascade group only from this many tokens on (below
 # it, the per-row vector kernel reads it just as cheaply).
 CASCADE_MIN_SHARED_TOKENS = 64
@@ -206,6 +215,7 @@ def build_attention_metadata(
     batch_invariant: bool = False,
     kernels: KernelBackend | None = None,
     kv_8bit: bool = False,
+    invariant_max_context: int = 0,
 ) -> AttentionMetadata:
     """Build per-step attention metadata from plain per-request specs.
 
@@ -221,11 +231,17 @@ def build_attention_metadata(
     always uses PyTorch ops. ``kernels``: the runner's backend (default:
     :func:`default_backend`); its ``attention`` family decides what "available" means.
 
-    ``batch_invariant``: every row, prefill or decode, becomes a one-row request of the
-    native kernel at its own position (see :func:`_per_row_seqs`), so a row's attention
-    is computed the same way whatever chunk, batch or prefix grouping it is in (no
-    cascade split, no flash/AMX prefill path). Needs the native kernel (else
-    RuntimeError).
+    ``batch_invariant``: every request runs whole (prior and new keys) in one paged
+    kernel call whose key parts are split at absolute positions only (see
+    :func:`_invariant_seqs`), so a row's attention is computed the same way whatever
+    chunk, batch or prefix grouping it is in (no cascade split, no flash/AMX/vector
+    prefill path). Needs the native kernel (else RuntimeError).
+
+    ``invariant_max_context`` (native kernel only; ignored with ``batch_invariant``):
+    the same for every position below it: prefill chunks crossing it are split there
+    (:func:`_split_at_reach`), the part whose context ends within it runs whole in
+    the paged kernel and its rows join no cascade group; the rest takes the fast
+    route. So requests of at most this many tokens are invariant. 0: none.
 
     ``kv_8bit``: the cache is 8-bit (:mod:`kvserve.model.kernels_kv8`): every prefill
     is whole (prior_only 0) in ``native.seqs`` and there is no cascade split, so one
@@ -256,6 +272,9 @@ def build_attention_metadata(
             "float32/bfloat16): use batch_invariant=False"
         )
     if kernel is not None:
+        split_heads: set[int] = set()
+        if invariant_max_context > 0 and not batch_invariant and not kv_8bit:
+            seqs, split_heads = _split_at_reach(seqs, invariant_max_context)
         meta = _build_native(
             seqs,
             kernels,
@@ -265,10 +284,12 @@ def build_attention_metadata(
             kv_segment_size,
             kv_dtype,
             kv_8bit,
+            0 if batch_invariant else invariant_max_context,
+            split_heads,
         )
         if batch_invariant:
             assert meta.native is not None
-            meta.native = _per_row_seqs(
+            meta.native = _invariant_seqs(
                 seqs, meta.native, num_dummy_decode_rows, num_tokens, block_size
             )
         return meta
@@ -364,12 +385,19 @@ def _build_native(
     kv_segment_size: int,
     kv_dtype: torch.dtype,
     kv_8bit: bool = False,
+    invariant_max_context: int = 0,
+    split_heads: set[int] | None = None,
 ) -> AttentionMetadata:
-    """Native-kernel metadata: per-request rows, block tables, KV write slots."""
+    """Native-kernel metadata: per-request rows, block tables, KV write slots.
+
+    Requests whose context ends within ``invariant_max_context`` tokens are marked
+    invariant: prefill chunks whole in the paged kernel (prior_only 0, with the
+    decode rows in the AMX/vector split), rows never cascade-grouped."""
     num_seqs = len(seqs) + num_dummy
     info = np.zeros((num_seqs, 5), dtype=np.int64)
     prefills: list[NativePrefill] = []
     in_kernel = np.ones(num_seqs, dtype=bool)
+    invariant = np.zeros(num_seqs, dtype=bool)  # the paged kernel's decode form
     nblocks = [-(-(s.cached_seq_len + s.num_tokens) // block_size) for s in seqs]
     table = np.zeros((num_seqs, max([1, *nblocks])), dtype=np.int64)
     slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
@@ -382,7 +410,8 @@ def _build_native(
             )
         if s.num_rows > 1 and seen_single:
             raise ValueError("prefill requests (num_rows > 1) must come before one-row requests")
-        seen_single = seen_single or s.num_rows == 1
+        # (a piece of a chunk split at the reach may be one row: not a decode request)
+        seen_single = seen_single or (s.num_rows == 1 and i not in (split_heads or ()))
         nb = nblocks[i]
         if len(s.block_ids) < nb:
             raise ValueError(
@@ -392,12 +421,13 @@ def _build_native(
         bt = np.asarray(s.block_ids[:nb], dtype=np.int64)
         table[i, :nb] = bt
         prior_only = int(s.num_rows > 1)
+        invariant[i] = s.cached_seq_len + s.num_tokens <= invariant_max_context
         whole = bool(prior_only) and kv_dtype == torch.float32
         whole = whole and (
             s.num_tokens <= NATIVE_WHOLE_MAX_TOKENS
             or s.cached_seq_len + s.num_tokens <= NATIVE_WHOLE_MAX_CONTEXT
         )
-        whole = whole or (bool(prior_only) and kv_8bit)
+        whole = whole or (bool(prior_only) and (kv_8bit or bool(invariant[i])))
         if whole:
             info[i] = (row, s.num_rows, s.num_tokens, s.cached_seq_len, 0)
             prefills.append(
@@ -429,7 +459,7 @@ def _build_native(
     else:
         write_rows = torch.from_numpy(np.nonzero(valid)[0].astype(np.int64))
         write_slots = torch.from_numpy(slot_mapping[valid])
-    amx_split = _amx_split(info, table) if prefills else (None, None, None, None)
+    amx_split = _amx_split(info, table, invariant) if prefills else (None, None, None, None)
     return AttentionMetadata(
         num_tokens=num_tokens,
         slot_mapping=slots_t,
@@ -445,66 +475,88 @@ def _build_native(
             torch.from_numpy(np.ascontiguousarray(table[in_kernel])),
             prefills,
             *amx_split,
-            cascade=None if kv_8bit else _cascade_split(info, table, block_size),
+            cascade=None if kv_8bit else _cascade_split(info, table, block_size, invariant),
             prefill_amx=kernels.prefill_amx,
             prefill_vec=kernels.prefill_vec,
         ),
     )
 
 
-def _per_row_seqs(
+def _split_at_reach(seqs: Sequence[SeqSpec], reach: int) -> tuple[list[SeqSpec], set[int]]:
+    """Prefill chunks that cross position ``reach`` split in two requests there: rows
+    at positions below it (context ending within the reach: the invariant form) and
+    the rest (the fast kernels; they read the head's keys from the pages, written
+    before attention runs). So a position below the reach is computed in decode form
+    by whichever request computes it, and the KV a prefix-cache hit reuses there is
+    the same bits. Returns the specs and the indices of the split pieces (either may
+    be one row without being a decode request)."""
+    out: list[SeqSpec] = []
+    heads: set[int] = set()
+    for s in seqs:
+        k = reach - s.cached_seq_len
+        if s.num_rows > 1 and 0 < k < s.num_tokens:
+            heads.update((len(out), len(out) + 1))
+            out.append(SeqSpec(s.token_start, k, k, s.cached_seq_len, s.block_ids))
+            out.append(
+                SeqSpec(
+                    s.token_start + k,
+                    s.num_rows - k,
+                    s.num_tokens - k,
+                    s.cached_seq_len + k,
+                    s.block_ids,
+                )
+            )
+        else:
+            out.append(s)
+    return out, heads
+
+
+def _invariant_seqs(
     seqs: Sequence[SeqSpec], nb: NativeBatch, num_dummy: int, num_tokens: int, block_size: int
 ) -> NativeBatch:
-    """The batch-invariant view of a native batch: one kernel seq per row.
+    """The batch-invariant view of a native batch: every request whole in one kernel call.
 
-    Row ``j`` of a request with ``cached_seq_len = c`` becomes the one-row seq
-    ``(row, 1, 1, c + j, 0)`` over the request's block table: a decode row at position
-    ``c + j``, attending to keys ``[0, c + j]`` (the step's K/V are written before
-    attention runs). A decode row is the same seq, so a position's attention is one
-    computation, the key walk split only at absolute positions (``kv_segment_size``
-    segments, blocks), however the position was scheduled. Padding rows get
-    ``num_tokens = 0`` (zero output); dummy rows stay one token at the null block.
+    Each request is the seq ``(token_start, num_rows, num_tokens, cached_seq_len, 0)``
+    over its block table: row ``j`` attends to keys ``[0, cached_seq_len + j]`` (the
+    step's K/V are written before attention runs), prior and new keys in one walk.
+    The paged kernel splits that walk only at absolute positions (``kv_segment_size``
+    segments, multiples of 512: ``csrc/paged_attention.cpp``), and keys past a row's
+    own limit leave its result unchanged, so a position's attention is bitwise the
+    same whether it is a decode row, a row of a prefill chunk of any size or start,
+    or next to any other request. Prefill rows keep their row tiles (K/V read once
+    per 16 rows). No cascade split, no flash, AMX or vector-prefill kernel. Padding
+    rows (``num_tokens < num_rows``) get zero output; dummy rows stay one token at
+    the null block.
     """
-    starts: list[int] = []
-    ctxs: list[int] = []
-    valid: list[int] = []
-    which: list[int] = []
-    for i, s in enumerate(seqs):
-        starts.extend(range(s.token_start, s.token_start + s.num_rows))
-        ctxs.extend(range(s.cached_seq_len, s.cached_seq_len + s.num_rows))
-        valid.extend([1] * s.num_tokens + [0] * (s.num_rows - s.num_tokens))
-        which.extend([i] * s.num_rows)
-    row = len(starts)
-    starts.extend(range(row, row + num_dummy))
-    ctxs.extend([0] * num_dummy)
-    valid.extend([1] * num_dummy)
-    which.extend(range(len(seqs), len(seqs) + num_dummy))
-    assert len(starts) == num_tokens
-    info = np.zeros((num_tokens, 5), dtype=np.int64)
-    info[:, 0] = starts
-    info[:, 1] = 1
-    info[:, 2] = valid
-    info[:, 3] = ctxs
-    # one table row per request (dummies last: the null block), then one per row
+    info = np.zeros((len(seqs) + num_dummy, 5), dtype=np.int64)
     need = [-(-(s.cached_seq_len + s.num_tokens) // block_size) for s in seqs]
-    full = np.zeros((len(seqs) + num_dummy, max([1, *need])), dtype=np.int64)
+    table = np.zeros((len(seqs) + num_dummy, max([1, *need])), dtype=np.int64)
     for i, s in enumerate(seqs):
-        full[i, : need[i]] = np.asarray(s.block_ids[: need[i]], dtype=np.int64)
-    table = full[np.asarray(which, dtype=np.int64)]
+        info[i] = (s.token_start, s.num_rows, s.num_tokens, s.cached_seq_len, 0)
+        table[i, : need[i]] = np.asarray(s.block_ids[: need[i]], dtype=np.int64)
+    row = sum(s.num_rows for s in seqs)
+    for j in range(num_dummy):
+        info[len(seqs) + j] = (row + j, 1, 1, 0, 0)
+    assert row + num_dummy == num_tokens
     return NativeBatch(nb.kernel, torch.from_numpy(info), torch.from_numpy(table), [])
 
 
-def _cascade_split(info: np.ndarray, table: np.ndarray, block_size: int) -> CascadeSplit | None:
+def _cascade_split(
+    info: np.ndarray, table: np.ndarray, block_size: int, invariant: np.ndarray | None = None
+) -> CascadeSplit | None:
     """Group one-row requests by their shared leading blocks (see :class:`CascadeSplit`).
 
     Rows are grouped by their first block; a group of two or more whose common leading
     blocks (all full and before every member's own token) hold at least
     ``CASCADE_MIN_SHARED_TOKENS`` tokens becomes a cascade group. None when none does.
+    ``invariant`` rows are never grouped; the invariant prefill requests run with the
+    one-row requests (whole, in the vector kernel).
     """
-    one_row = np.nonzero(info[:, 1] == 1)[0]
+    inv = np.zeros(len(info), dtype=bool) if invariant is None else invariant
+    one_row = np.nonzero((info[:, 1] == 1) | inv)[0]
     # full blocks strictly before the row's own token (cached_seq_len tokens precede it)
     max_shared = info[one_row, 3] // block_size
-    candidates = one_row[max_shared > 0]
+    candidates = one_row[(max_shared > 0) & (info[one_row, 1] == 1) & ~inv[one_row]]
     if len(candidates) < 2:
         return None
     by_first: dict[int, list[int]] = {}
@@ -546,10 +598,13 @@ def _cascade_split(info: np.ndarray, table: np.ndarray, block_size: int) -> Casc
 
 
 def _amx_split(
-    info: np.ndarray, table: np.ndarray
+    info: np.ndarray, table: np.ndarray, invariant: np.ndarray | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(decode seqs, their tables, prefill seqs with prior_only 0, their tables)."""
+    """(decode seqs, their tables, prefill seqs with prior_only 0, their tables);
+    ``invariant`` prefill requests go with the decode seqs (the paged kernel)."""
     is_prefill = info[:, 1] > 1
+    if invariant is not None:
+        is_prefill &= ~invariant
     prefill = info[is_prefill].copy()
     prefill[:, 4] = 0
     return (

@@ -318,13 +318,32 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def batch_invariant_default(self) -> bool:
-        """Off: batch-invariant mode is opt-in (``--batch-invariant``). Its linears cost
-        about nothing off AMX, but its attention runs every prefill row as its own
-        decode-form row, which measured (AMD Zen 5, bf16, ``kvserve bench forward``,
-        2026-12-01) 0.79x the tok/s of a 2,048-token prefill and 0.70x of 512 new tokens
-        over a 2,048-token prefix, against 1.00x at 512 tokens; the step-time budget
-        and the long-prompt workloads would pay that. docs/determinism.md has the table."""
+        """Off: the full mode (every length) is opt-in (``--batch-invariant``). Its
+        linears cost about nothing off AMX, but it runs long prefill chunks whole in the
+        paged kernel instead of the vector/AMX prefill kernels, which measured (AMD Zen
+        5, bf16, ``kvserve bench forward --clock cpu --threads 1``, 2026-12-01) 0.88x the
+        tok/s of a 2,048-token prefill and 0.83x of 512 new tokens over a 2,048-token
+        prefix. The automatic default covers requests up to 512 tokens instead
+        (``auto_invariance_cheap``); docs/determinism.md has the table."""
         return False
+
+    @property
+    def auto_invariance_cheap(self) -> bool:
+        """Whether the automatic mode (invariance for requests up to
+        ``AUTO_INVARIANT_MAX_CONTEXT`` tokens, docs/determinism.md) may run: supported,
+        and every linear's invariant routing costs nothing measurable. Quantized
+        linears always run one reduction order; bfloat16 panels at every M matched
+        oneDNN's time from 16 to 512 rows off AMX (AMX tiles: not measured, so off);
+        float32 panels at every M: not measured cheap, so off."""
+        if not self.batch_invariant_supported:
+            return False
+        for lin in self._linears():
+            if isinstance(lin, QuantLinear):
+                continue
+            panels = getattr(lin, "panels", None)
+            if panels is None or panels.dtype != torch.bfloat16 or getattr(lin, "amx", True):
+                return False
+        return True
 
     def set_batch_invariant(self, on: bool) -> None:
         """Route every linear through the native panels at any row count (``on``) or

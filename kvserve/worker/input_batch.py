@@ -86,12 +86,14 @@ class InputBatch:
         batch_invariant: bool = False,
         kernels: KernelBackend | None = None,
         kv_8bit: bool = False,
+        invariant_max_context: int = 0,
     ) -> None:
         self.block_size = block_size
         self.kernels = kernels  # the runner's backend (None: the default one)
         self.kv_8bit = kv_8bit  # 8-bit KV cache: one kernel call over every row
         self.attention_backend: ResolvedBackend = attention_backend
-        self.batch_invariant = batch_invariant  # per-row attention (docs/determinism.md)
+        self.batch_invariant = batch_invariant  # invariant attention (docs/determinism.md)
+        self.invariant_max_context = invariant_max_context  # the automatic mode's reach
         self.num_kv_blocks = num_kv_blocks
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
@@ -207,6 +209,7 @@ class InputBatch:
             batch_invariant=self.batch_invariant,
             kernels=self.kernels,
             kv_8bit=self.kv_8bit,
+            invariant_max_context=self.invariant_max_context,
         )
         dev = self.device
         return StepInputs(

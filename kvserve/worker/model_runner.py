@@ -21,6 +21,7 @@ import torch
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
+from kvserve.model.attention_metadata import AUTO_INVARIANT_MAX_CONTEXT
 from kvserve.model.kernels_kv8 import KVCacheFormat, resolve_kv_cache_dtype
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
@@ -109,6 +110,19 @@ def resolve_batch_invariant(
     return bool(requested)
 
 
+def resolve_auto_invariance(
+    requested: bool | None, model: LlamaForCausalLM, backend: str, compile: bool
+) -> int:
+    """The automatic mode's reach (docs/determinism.md): with ``batch_invariant``
+    unset (None), no ``compile``, the native backend and cheap invariant linears
+    (``model.auto_invariance_cheap``), requests whose context is at most
+    ``AUTO_INVARIANT_MAX_CONTEXT`` tokens are batch invariant (returns that length);
+    otherwise 0 (``True`` covers every length, ``False`` none)."""
+    if requested is not None or compile or backend != "native":
+        return 0
+    return AUTO_INVARIANT_MAX_CONTEXT if model.auto_invariance_cheap else 0
+
+
 class ModelRunner:
     """Executes scheduled steps on one model; see the module docstring for the cache.
 
@@ -176,7 +190,10 @@ class ModelRunner:
         self.batch_invariant = resolve_batch_invariant(
             batch_invariant, self.model, self.attention_backend, compile
         )
-        self.model.set_batch_invariant(self.batch_invariant)
+        self.invariant_max_context = resolve_auto_invariance(
+            batch_invariant, self.model, self.attention_backend, compile
+        )
+        self.model.set_batch_invariant(self.batch_invariant or self.invariant_max_context > 0)
         self.input_batch = InputBatch(
             block_size=self.block_size,
             num_kv_blocks=num_blocks,
@@ -187,6 +204,7 @@ class ModelRunner:
             batch_invariant=self.batch_invariant,
             kernels=self.kernels,
             kv_8bit=self.kv_format.is_8bit,
+            invariant_max_context=self.invariant_max_context,
         )
         self.sampler = sampler if sampler is not None else Sampler(kernels=self.kernels)
         self.kv_connector: KVConnectorWorker | None = None

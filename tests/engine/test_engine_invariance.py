@@ -26,3 +26,18 @@ def test_engine_alone_batched_cached_preempted_bfloat16() -> None:
     )
     assert rep.batch_invariant  # opt-in (docs/determinism.md)
     assert rep.mismatches == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_K is None or not _K.linear_bf16_available, reason="needs AVX512-BF16")
+def test_engine_default_mode_short_requests() -> None:
+    """No flag, the default Q4_1 weights: requests within the automatic reach are
+    invariant alone vs batched vs cache hits, beside a request past the reach that
+    shares their system prompt (it computes the shared blocks in some batches)."""
+    prompts = make_prompts(5, 16, 300, seed=5, shared_prefix=48)
+    prompts.append(prompts[1][:48] + make_prompts(1, 1100, 1100, seed=6)[0])
+    rep = check_invariance(prompts, max_tokens=5, max_num_seqs=6)
+    assert not rep.batch_invariant and rep.invariant_max_context >= 512
+    assert rep.counts["batched"]["guaranteed"] == [5, 5]
+    assert rep.counts["cache_hit"]["guaranteed"] == [5, 5]
+    assert rep.mismatches == []

@@ -106,6 +106,54 @@ def test_logits_bitwise_whatever_the_schedule(model_of, seed: int) -> None:
             assert first_mismatch(s, alone) is None
 
 
+@given(seed=st.integers(0, 2**31 - 1))
+@settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+def test_automatic_mode_short_requests_bitwise(model_of, seed: int) -> None:
+    """The default (automatic) mode: a request within ``invariant_max_context`` gets
+    bitwise the logits it gets alone, beside requests past that reach (which take the
+    fast prefill kernels and cascade groups) and prefix-cache siblings."""
+    rng = random.Random(seed)
+    loaded = model_of
+    reach = 160
+    segment = rng.choice([0, 32, 64])  # one size for every run: it sets the key parts
+
+    def harness(blocks: int) -> Harness:
+        return Harness(
+            loaded.model,
+            loaded.dtype,
+            num_blocks=blocks,
+            kv_segment_size=segment,
+            batch_invariant=False,
+            invariant_max_context=reach,
+        )
+
+    h = harness(160)
+    target_tokens = _tokens(rng, rng.randint(16, reach - 10))
+    ref = harness(16).run_alone(target_tokens)
+    shared = 80
+    system = _tokens(rng, shared)
+    donor = h.new_seq(system + _tokens(rng, 100))  # past the reach
+    h.step([(donor, len(donor.tokens))])
+    others = [h.new_seq(system + _tokens(rng, rng.randint(90, 150)), donor, shared)]
+    others += [h.new_seq(_tokens(rng, rng.randint(reach, 240))) for _ in range(2)]
+    others += [h.new_seq(_tokens(rng, rng.randint(2, 60))) for _ in range(rng.randint(0, 3))]
+    if len(target_tokens) > shared + 8 and rng.random() < 0.6:
+        target_tokens = system + target_tokens[shared:]
+        ref = harness(16).run_alone(target_tokens)
+        target = h.new_seq(target_tokens, prefix_from=donor, shared=shared)
+    else:
+        target = h.new_seq(target_tokens)
+    _random_schedule(h, target, others, rng)
+    assert first_mismatch(target, ref) is None, (
+        f"mismatch at position {first_mismatch(target, ref)}"
+    )
+
+
 @pytest.mark.parametrize("segment", [0, 512])
 def test_long_prompt_chunked_and_decoded(model_of, segment: int) -> None:
     """A 600-token prompt in chunks crossing a 512-token segment, then decode rows in a
@@ -126,17 +174,19 @@ def test_long_prompt_chunked_and_decoded(model_of, segment: int) -> None:
     assert first_mismatch(s, ref) is None
 
 
-def test_per_row_metadata_is_decode_form() -> None:
-    """The invariant metadata turns every row into a one-row seq at its own position."""
+def test_invariant_metadata_runs_requests_whole() -> None:
+    """The invariant metadata: every request whole (prior and new keys) in the paged
+    kernel, no prior-only split, no cascade, no flash/vector-prefill part."""
     if _KERNEL is None:
         pytest.skip("needs the native kernel")
     specs = [
         SeqSpec(0, 4, 3, 16, [1, 2]),  # a prefill chunk with one padding row
         SeqSpec(4, 1, 1, 40, [3, 4, 5]),  # a decode row
+        SeqSpec(5, 1, 1, 40, [3, 4, 6]),  # a decode row sharing 2 blocks (cascade off)
     ]
     meta = build_attention_metadata(
         specs,
-        num_tokens=7,
+        num_tokens=8,
         num_dummy_decode_rows=2,
         block_size=16,
         kv_segment_size=512,
@@ -145,22 +195,60 @@ def test_per_row_metadata_is_decode_form() -> None:
     )
     nb = meta.native
     assert nb is not None and nb.prefills == [] and nb.cascade is None
+    assert nb.prefill_seqs is None and nb.decode_seqs is None
     np.testing.assert_array_equal(
         nb.seqs.numpy(),
         [
-            [0, 1, 1, 16, 0],
-            [1, 1, 1, 17, 0],
-            [2, 1, 1, 18, 0],
-            [3, 1, 0, 19, 0],  # padding: no token, zero output
+            [0, 4, 3, 16, 0],  # whole: rows attend to [0, 16 + j]
             [4, 1, 1, 40, 0],
-            [5, 1, 1, 0, 0],  # dummy rows: the null block
-            [6, 1, 1, 0, 0],
+            [5, 1, 1, 40, 0],
+            [6, 1, 1, 0, 0],  # dummy rows: the null block
+            [7, 1, 1, 0, 0],
         ],
     )
-    assert nb.block_tables.shape == (7, 3)
-    np.testing.assert_array_equal(nb.block_tables[:4].numpy(), [[1, 2, 0]] * 4)
-    np.testing.assert_array_equal(nb.block_tables[4].numpy(), [3, 4, 5])
-    np.testing.assert_array_equal(nb.block_tables[5:].numpy(), [[0, 0, 0]] * 2)
+    np.testing.assert_array_equal(
+        nb.block_tables.numpy(), [[1, 2, 0], [3, 4, 5], [3, 4, 6], [0, 0, 0], [0, 0, 0]]
+    )
+
+
+def test_automatic_metadata_splits_at_the_reach() -> None:
+    """The automatic mode: a chunk crossing the reach is split there, its head (and
+    every request within the reach) runs whole with the decode rows in the paged
+    kernel, and only rows past the reach form cascade groups."""
+    if _KERNEL is None:
+        pytest.skip("needs the native kernel")
+    shared = list(range(1, 9))  # 8 shared blocks: 128 tokens
+    specs = [
+        SeqSpec(0, 40, 40, 80, list(range(20, 28))),  # crosses 100: head 20 rows, tail 20
+        SeqSpec(40, 1, 1, 90, [*shared[:5], 30, 31]),  # decode within the reach
+        SeqSpec(41, 1, 1, 90, [*shared[:5], 32, 33]),  # its sibling: no cascade group
+        SeqSpec(42, 1, 1, 200, [*shared, 34, 35, 36, 37, 38]),  # past the reach
+        SeqSpec(43, 1, 1, 200, [*shared, 40, 41, 42, 43, 44]),  # cascade with the one above
+    ]
+    meta = build_attention_metadata(
+        specs,
+        num_tokens=44,
+        block_size=16,
+        kv_segment_size=64,
+        kv_dtype=torch.bfloat16,
+        invariant_max_context=100,
+    )
+    nb = meta.native
+    assert nb is not None
+    c = nb.cascade
+    if nb.decode_seqs is None:  # no AMX/vector prefill kernel: one call, head whole
+        np.testing.assert_array_equal(
+            nb.seqs[:2].numpy(), [[0, 20, 20, 80, 0], [20, 20, 20, 100, 0]]
+        )
+        return
+    assert c is not None
+    np.testing.assert_array_equal(
+        c.decode_seqs[:3].numpy(), [[0, 20, 20, 80, 0], [40, 1, 1, 90, 0], [41, 1, 1, 90, 0]]
+    )
+    assert nb.prefill_seqs is not None
+    np.testing.assert_array_equal(nb.prefill_seqs.numpy(), [[20, 20, 20, 100, 0]])
+    np.testing.assert_array_equal(c.row_map.numpy(), [42, 43])  # only the long ones
+    np.testing.assert_array_equal(c.group_seqs.numpy(), [[0, 2, 2, 128, 1]])
 
 
 @needs_f32
@@ -190,6 +278,15 @@ def test_resolve_batch_invariant_rules(loaded_model) -> None:
     with pytest.raises(ValueError, match="native kernels"):
         resolve_batch_invariant(True, model, "portable", False)
     assert resolve_batch_invariant(False, model, "native", False) is False
+    from kvserve.model.attention_metadata import AUTO_INVARIANT_MAX_CONTEXT
+    from kvserve.worker.model_runner import resolve_auto_invariance
+
+    assert resolve_auto_invariance(True, model, "native", False) == 0
+    assert resolve_auto_invariance(False, model, "native", False) == 0
+    assert resolve_auto_invariance(None, model, "native", True) == 0  # compile
+    assert resolve_auto_invariance(None, model, "portable", False) == 0
+    want = AUTO_INVARIANT_MAX_CONTEXT if model.auto_invariance_cheap else 0
+    assert resolve_auto_invariance(None, model, "native", False) == want
     assert resolve_batch_invariant(None, model, "native", True) is False  # compile wins
     auto = resolve_batch_invariant(None, model, "native", False)
     assert auto == (model.batch_invariant_supported and model.batch_invariant_default)

@@ -48,14 +48,17 @@ class Harness:
         block_size: int = 16,
         kv_segment_size: int = 64,
         batch_invariant: bool | None = None,
+        invariant_max_context: int = 0,
     ) -> None:
         self.model = model
+        self.invariant_max_context = invariant_max_context
         self.dtype = dtype
         self.block_size = block_size
         self.kv_segment_size = kv_segment_size
         self.batch_invariant = batch_invariant
-        if batch_invariant is not None:
-            model.set_batch_invariant(batch_invariant)
+        if batch_invariant is not None or invariant_max_context:
+            # the automatic mode (invariant_max_context) runs the invariant linears too
+            model.set_batch_invariant(bool(batch_invariant) or invariant_max_context > 0)
         self.kv = allocate_kv_cache(model, num_blocks, block_size, dtype)
         self.kv_caches = list(self.kv.unbind(0))
         self.next_block = 1
@@ -94,7 +97,9 @@ class Harness:
             pos.extend(range(s.computed, s.computed + n))
         ids.extend([0] * num_dummy)
         pos.extend([0] * num_dummy)
-        extra = {} if self.batch_invariant is None else {"batch_invariant": self.batch_invariant}
+        extra: dict[str, bool | int] = {"invariant_max_context": self.invariant_max_context}
+        if self.batch_invariant is not None:
+            extra["batch_invariant"] = self.batch_invariant
         meta = build_attention_metadata(
             specs,
             num_tokens=len(ids),

@@ -22,11 +22,17 @@
 // attends the new tokens among themselves and merges with the returned lse; a row
 // with no key gets output 0 and lse -inf).
 // Rows j >= num_tokens are padding: their output is zero. The keys are walked in
-// parts: segments of `seg` tokens over the prior context [0, cached_seq_len) (the
-// last one partial, bounded at cached_seq_len; seg <= 0 means one segment), then the
-// new tokens [cached_seq_len, ...) causally; every part is split further at block
-// boundaries. Parts are merged with the exact online-softmax rule (running max m,
-// running sum l, output rescaled by exp(m_old - m_new)).
+// parts at ABSOLUTE positions: [0, P), [P, 2P), ... with P = seg (seg <= 0: 512),
+// further split at multiples of 512, each part bounded at the last key any row of the
+// tile sees (rows see only keys below their own limit: the rest score -inf). The
+// split points depend on seg alone, never on cached_seq_len, the tile or the batch,
+// so a query row at position p gets bitwise the same result as a decode row at p,
+// in any chunk, tile or batch (BATCH INVARIANCE, docs/determinism.md): keys past a
+// row's limit give it probability 0, which leaves its max, sums and output
+// unchanged. Parts are merged with the exact online-softmax rule (running max m,
+// running sum l, output rescaled by exp(m_old - m_new)). A new decode specialisation
+// must keep exactly this arithmetic per row (same parts, same 16-key groups from the
+// block start, same sum order) or the invariance tests fail.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -105,6 +111,17 @@ struct Args {
 };
 
 inline int64_t batch_row(const Args& a, int64_t i) { return a.row_map ? a.row_map[i] : i; }
+
+constexpr int64_t kPartMax = 512;  // keys per part at most (the AVX-512 score buffer)
+
+// End of the key part that starts at the absolute position p0 (itself a split point):
+// the next multiple of seg (seg <= 0: no segments) or of kPartMax, whichever is first.
+// Depends on seg and p0 only (batch invariance, see the top of the file).
+inline int64_t part_end(int seg, int64_t p0) {
+  int64_t e = (p0 / kPartMax + 1) * kPartMax;
+  if (seg > 0) e = std::min<int64_t>(e, (p0 / seg + 1) * seg);
+  return e;
+}
 
 // How a finished row is written: out = old * w_old + acc * w_acc, where acc is the
 // unnormalised sum (running sum l, max mx). Also stores the row's log-sum-exp, merged
@@ -208,10 +225,7 @@ void run_task(const Args& a, const Task& task, std::vector<float>& buf) {
   while (t0 < lmax) {
     // end of this part: block boundary, segment boundary (prior context), lmax
     int64_t t1 = std::min<int64_t>((t0 / bs + 1) * bs, lmax);
-    if (t0 < ctx) {
-      const int64_t seg_end = a.seg > 0 ? std::min<int64_t>((t0 / a.seg + 1) * a.seg, ctx) : ctx;
-      t1 = std::min(t1, seg_end);
-    }
+    t1 = std::min(t1, part_end(a.seg, t0));  // absolute split points (see the top)
     const int nk = static_cast<int>(t1 - t0);
     const int64_t block = bt[t0 / bs];
     const int64_t off = (block * bs + t0 % bs) * D;
@@ -456,7 +470,7 @@ inline void accumulate_pv_dp_n(float* acc, const bf16_t* pb, int64_t ps, int mco
 }
 #endif  // __AVX512BF16__
 
-constexpr int kMaxPart = 512;  // keys per softmax pass (longer segments are split exactly)
+constexpr int kMaxPart = static_cast<int>(kPartMax);  // keys per softmax pass (longer segments are split exactly)
 // K is prefetched this many blocks ahead of the block being scored, into L2 (_MM_HINT_T1),
 // across part boundaries (the stream runs over the task's whole key range) and from the
 // task's first block. Measured on AMD Zen 5 (2 cores, 16 decode rows x 1k/4k keys,
@@ -465,6 +479,46 @@ constexpr int kMaxPart = 512;  // keys per softmax pass (longer segments are spl
 // ahead were no better than 4, and neither an extra L1 prefetch one block ahead nor
 // running the stream on during P.V (the next part's K) helped.
 // (benchmarks/decode_attention_micro.py)
+constexpr int kKeyLanesMinM = 8;  // queries per tile from which Q.K runs in key lanes
+typedef uint32_t u32k __attribute__((may_alias));
+
+// The 16 scores of one query against a transposed key group kt ([D units][16 keys]):
+// the same numbers, bit for bit, as scores16 / scores16_dp. Those compute, per key,
+// lane l of a 16-lane vector (the products of head-dim unit l, 16 + l, ... chained in
+// that order: mul then FMAs, or vdpbf16ps from zero for kDp) and reduce the 16 lanes
+// with hsum16, whose tree is ((G0 + G1) + (G2 + G3)), G_q = (x[4q] + x[4q + 2]) +
+// (x[4q + 1] + x[4q + 3]). Here the lanes are the keys: P[l] is lane l of every key
+// at once (the same chain, the query unit broadcast), then the same tree over P.
+// q: the query as run_task_avx512 keeps it (fp32, split order for bf16; raw bf16
+// pairs for kDp).
+template <int DV, bool kDp>
+inline __m512 scores16_keylanes(const float* q, const float* kt) {
+  __m512 P[16];
+  if constexpr (kDp) {
+#if defined(__AVX512BF16__)
+    const u32k* qd = reinterpret_cast<const u32k*>(q);
+    const u32k* kd = reinterpret_cast<const u32k*>(kt);
+    for (int l = 0; l < 16; ++l) {
+      __m512 x = _mm512_setzero_ps();
+      for (int j = 0; j < DV / 2; ++j)
+        x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_set1_epi32(static_cast<int>(qd[16 * j + l])),
+                             (__m512bh)_mm512_loadu_si512(kd + (16 * j + l) * 16));
+      P[l] = x;
+    }
+#endif
+  } else {
+    for (int l = 0; l < 16; ++l) {
+      __m512 x = _mm512_mul_ps(_mm512_set1_ps(q[l]), _mm512_loadu_ps(kt + l * 16));
+      for (int dv = 1; dv < DV; ++dv)
+        x = _mm512_fmadd_ps(_mm512_set1_ps(q[16 * dv + l]), _mm512_loadu_ps(kt + (16 * dv + l) * 16), x);
+      P[l] = x;
+    }
+  }
+  __m512 G[4];
+  for (int g = 0; g < 4; ++g)
+    G[g] = _mm512_add_ps(_mm512_add_ps(P[4 * g], P[4 * g + 2]), _mm512_add_ps(P[4 * g + 1], P[4 * g + 3]));
+  return _mm512_add_ps(_mm512_add_ps(G[0], G[1]), _mm512_add_ps(G[2], G[3]));
+}
 #ifndef KVS_PREFETCH_BLOCKS
 #define KVS_PREFETCH_BLOCKS 4
 #endif
@@ -490,7 +544,8 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   if (M == 0) return;
 
   constexpr int64_t PS = kMaxPart + 32;  // row stride of the score buffers
-  const size_t need = static_cast<size_t>(M) * (2 * D + PS + 4) + 16 * D + 16 + (kDp ? M * PS / 2 + 16 : 0);
+  const size_t need =
+      static_cast<size_t>(M) * (2 * D + PS + 4) + 32 * D + 16 + (kDp ? M * PS / 2 + 16 : 0);
   if (buf.size() < need) buf.resize(need);
   float* qf = buf.data();   // [M, D] queries, fp32 (split order for bf16)
   float* acc = qf + M * D;  // [M, D] (split order for bf16)
@@ -499,7 +554,12 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   float* l = mx + M;        // [M]
   int64_t* lim = reinterpret_cast<int64_t*>(l + M);  // [M] keys each query sees
   float* kw = reinterpret_cast<float*>(lim + M);     // [16, D] widened K rows (bf16)
-  bf16_t* pb = reinterpret_cast<bf16_t*>(kw + 16 * D);  // [M, PS] bf16 probabilities (kDp)
+  float* kt = kw + 16 * D;                            // [D, 16] a key group transposed
+  bf16_t* pb = reinterpret_cast<bf16_t*>(kt + 16 * D);  // [M, PS] bf16 probabilities (kDp)
+  // Q.K in key lanes (one K transpose per 16 keys, shared by the tile's M queries)
+  // where the tile is big enough to pay for the transpose; bitwise equal to the
+  // per-query form (see scores16_keylanes), so the choice never changes a result.
+  const bool keylanes = M >= kKeyLanesMinM;
 
   int64_t lmax = 0;
   for (int64_t r = task.r0; r < r_end; ++r)
@@ -536,11 +596,8 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
 
   int64_t p0 = 0;
   while (p0 < lmax) {
-    // the part [p0, p1): a segment of the prior context (partial last one bounded at
-    // ctx) or the new tokens; at most kMaxPart keys
-    int64_t p1 = lmax;
-    if (p0 < ctx) p1 = a.seg > 0 ? std::min<int64_t>((p0 / a.seg + 1) * a.seg, ctx) : ctx;
-    p1 = std::min<int64_t>(p1, p0 + kMaxPart);
+    // the part [p0, p1): absolute split points (see the top), bounded at lmax
+    const int64_t p1 = std::min<int64_t>(part_end(a.seg, p0), lmax);
     const int n = static_cast<int>(p1 - p0);
 
     // 1. scores of every query against the part's keys, -inf where not visible
@@ -568,6 +625,13 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
           }
           kf = kw;
         }
+        if (keylanes) {  // kt[u][i] = unit u of key i (a float, or a bf16 pair for kDp)
+          constexpr int U = kDp ? D / 2 : D;
+          const u32k* src = kDp ? reinterpret_cast<const u32k*>(krow) : reinterpret_cast<const u32k*>(kf);
+          u32k* dst = reinterpret_cast<u32k*>(kt);
+          for (int i = 0; i < 16; ++i)
+            for (int u = 0; u < U; ++u) dst[u * 16 + i] = i < nk ? src[i * U + u] : 0u;
+        }
         const __mmask16 in_part = static_cast<__mmask16>((1u << nk) - 1u);
         for (int m = 0; m < m_hi; ++m) {
           const int64_t vis = lim[m] - g0;  // keys of these 16 this query sees
@@ -575,6 +639,9 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
               vis >= 16 ? in_part
                         : (vis <= 0 ? 0 : static_cast<__mmask16>(in_part & ((1u << vis) - 1u)));
           __m512 x = neg_inf;
+          if (keylanes) {
+            if (valid) x = _mm512_mul_ps(scores16_keylanes<DV, kDp>(qf + m * D, kt), scale);
+          } else
 #if defined(__AVX512BF16__)
           if constexpr (kDp) {
             __m512bh qb[DV / 2];
