@@ -6,9 +6,15 @@ server all build an :class:`EngineConfig` and call :meth:`EngineConfig.validate`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
+from kvserve.buckets import (
+    default_num_batched_tokens_buckets,
+    default_num_seqs_buckets,
+    max_prefill_bucket,
+    validate_buckets,
+)
 from kvserve.checks import check_int as check_int  # re-exported
 from kvserve.checks import config_error as config_error
 from kvserve.checks import is_int as is_int
@@ -82,7 +88,7 @@ BATCH_WAIT_MAX_FACTOR = 8
 class SchedulerConfig:
     """Scheduling policy and budgets (names follow vLLM and the seed documents).
 
-    Bucket lists left as None get their defaults in ``kvserve.sched.buckets``;
+    Bucket lists left as None get their defaults in ``kvserve.buckets``;
     ``resolved()`` returns a copy with them filled in (and validates first).
     ``validate()`` raises ValueError naming the value, the rule and a valid example:
 
@@ -129,8 +135,6 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
 
     def validate(self) -> None:
-        from kvserve.sched.buckets import max_prefill_bucket, validate_buckets
-
         check_int("max_num_seqs", self.max_num_seqs, "max_num_seqs=64")
         check_int(
             "max_num_batched_tokens", self.max_num_batched_tokens, "max_num_batched_tokens=2048"
@@ -218,16 +222,20 @@ class SchedulerConfig:
             )
 
     def resolved(self) -> SchedulerConfig:
-        """Validate, then return a copy with default bucket lists filled in (as tuples)."""
-        from kvserve.sched.buckets import (
-            default_num_batched_tokens_buckets,
-            default_num_seqs_buckets,
-        )
+        """Validate, then return a copy with default bucket lists filled in (as tuples).
 
+        Validation runs once per distinct configuration: a configuration resolved
+        before (or the result of ``resolved()``) is looked up, not checked again, so
+        the engine, the scheduler and the simulator may all call this."""
+        key = _resolve_key(self)
+        try:
+            return _RESOLVED[key]
+        except (KeyError, TypeError):  # TypeError: an unhashable (invalid) field
+            pass
         self.validate()
         prefill = self.num_batched_tokens_buckets
         decode = self.num_seqs_buckets
-        return replace(
+        resolved = replace(
             self,
             num_batched_tokens_buckets=tuple(
                 prefill
@@ -240,6 +248,25 @@ class SchedulerConfig:
                 decode if decode is not None else default_num_seqs_buckets(self.max_num_seqs)
             ),
         )
+        if len(_RESOLVED) >= _RESOLVED_MAX:
+            _RESOLVED.clear()
+        _RESOLVED[_resolve_key(resolved)] = resolved
+        try:
+            _RESOLVED[key] = resolved
+        except TypeError:  # list-valued bucket fields: only the resolved copy is kept
+            pass
+        return resolved
+
+
+# Configurations resolved so far (see SchedulerConfig.resolved); bounded. The key
+# holds each field's type too: True == 1 and 1.0 == 1, but only 1 is a valid count.
+_RESOLVED: dict[tuple[object, ...], SchedulerConfig] = {}
+_RESOLVED_MAX = 256
+
+
+def _resolve_key(config: SchedulerConfig) -> tuple[object, ...]:
+    values = [getattr(config, f.name) for f in fields(config)]
+    return (*values, *(type(v) for v in values))
 
 
 @dataclass(frozen=True)

@@ -198,9 +198,7 @@ def with_max_model_len(config: EngineConfig, model_max_len: int) -> EngineConfig
         )
     else:
         max_len = requested
-    sched = dataclasses.replace(config.scheduler, max_model_len=max_len)
-    sched.validate()
-    sched = sched.resolved()
+    sched = dataclasses.replace(config.scheduler, max_model_len=max_len).resolved()
     return dataclasses.replace(
         config, model=dataclasses.replace(config.model, max_model_len=max_len), scheduler=sched
     )

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvserve.request import FinishReason, SamplingParams
+from kvserve.request import FinishReason, Request, SamplingParams
 
 Phase = Literal["prefill", "decode", "mixed", "idle"]
 
@@ -158,3 +158,22 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        request: Request,
+        new_token_ids: list[int],
+        logprobs: list[Logprobs] | None,
+        finish_reason: FinishReason | None,
+    ) -> EngineCoreOutput:
+        """The output of one request's step: ``new_token_ids`` appended, their
+        ``logprobs`` (cut to as many), and ``finish_reason`` when it finished."""
+        return cls(
+            req_id=request.req_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
+            finish_reason=finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+        )

@@ -40,12 +40,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvserve.buckets import get_bucket
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_transfer.connector import KVConnector
 from kvserve.request import Request, RequestStatus
 from kvserve.sched.base import Scheduler, SchedulerState
-from kvserve.sched.buckets import get_bucket
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
 from kvserve.spec_decode.scheduling import fit_drafts
