@@ -6,6 +6,7 @@ server all build an :class:`EngineConfig` and call :meth:`EngineConfig.validate`
 
 from __future__ import annotations
 
+from contextlib import suppress
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
@@ -251,10 +252,8 @@ class SchedulerConfig:
         if len(_RESOLVED) >= _RESOLVED_MAX:
             _RESOLVED.clear()
         _RESOLVED[_resolve_key(resolved)] = resolved
-        try:
+        with suppress(TypeError):  # list-valued bucket fields: only the copy is kept
             _RESOLVED[key] = resolved
-        except TypeError:  # list-valued bucket fields: only the resolved copy is kept
-            pass
         return resolved
 
 
