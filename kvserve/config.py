@@ -81,7 +81,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # every p99 still under 0.3x vLLM-CPU's.
 DEFAULT_MAX_STEP_MS = 300.0
 
-# A burst wait (``SchedulerConfig.batch_wait_ms``) lasts at most this many times it.
+# A burst wait (``AdmissionConfig.batch_wait_ms``) lasts at most this many times it.
 BATCH_WAIT_MAX_FACTOR = 8
 
 
@@ -108,10 +108,6 @@ class SchedulerConfig:
       same model while decodes wait. Applies together with
       ``prefill_budget_with_decodes`` (both bounds hold); an engine without a cost
       model (a test's scheduler, an injected runner) uses the token bounds only.
-    - ``batch_wait_ms``: number >= 0 (0 = off). A server engine that was idle waits,
-      before its first step, until no new request has arrived for this long (at most
-      ``BATCH_WAIT_MAX_FACTOR`` times it), so a burst's requests, which the front end
-      hands over one by one as it parses and tokenizes them, start as one batch.
     - ``scheduler_policy``: ``"mixed"`` or ``"separated"``.
     - ``kv_segment_size``: one of 0 (off), 512, 1024, 2048, 4096 and, when not 0, a
       multiple of ``block_size``. Prefill chunks need NOT equal it.
@@ -128,7 +124,6 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     prefill_budget_with_decodes: int = 0
     max_step_ms: float = DEFAULT_MAX_STEP_MS
-    batch_wait_ms: float = 10.0
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     num_seqs_buckets: tuple[int, ...] | None = None
     kv_segment_size: int = 512
@@ -178,11 +173,6 @@ class SchedulerConfig:
                 step_ms,
                 "must be a number of milliseconds from 0 (off) to 60000",
                 "max_step_ms=150",
-            )
-        wait = self.batch_wait_ms
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1000:
-            raise config_error(
-                "batch_wait_ms", wait, "must be a number from 0 (off) to 1000", "batch_wait_ms=10"
             )
         if not isinstance(self.enable_prefix_caching, bool):
             raise config_error(
@@ -269,6 +259,29 @@ def _resolve_key(config: SchedulerConfig) -> tuple[object, ...]:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    """How the server's engine front (:class:`~kvserve.engine.async_engine.AsyncEngine`,
+    :mod:`kvserve.engine.admission`) hands requests to the engine core; the scheduler
+    never reads it.
+
+    - ``batch_wait_ms``: number from 0 (off) to 1000. An engine that was idle waits,
+      before its first step, until no new request has arrived for this long (at most
+      ``BATCH_WAIT_MAX_FACTOR`` times it), and adds reaching a busy engine are held
+      until their burst stops arriving, so a burst's requests, which the front end
+      hands over one by one as it parses and tokenizes them, start as one batch.
+    """
+
+    batch_wait_ms: float = 10.0
+
+    def validate(self) -> None:
+        wait = self.batch_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1000:
+            raise config_error(
+                "batch_wait_ms", wait, "must be a number from 0 (off) to 1000", "batch_wait_ms=10"
+            )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Which model and how to run it. ``model`` is a path, a .gguf file or a named default."""
 
@@ -289,5 +302,6 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # Speculative decoding (None: off); see kvserve.spec_decode.config.
     speculative: SpeculativeConfig | None = None

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.fake_runner import POISON_TOKEN, fake_engine
 from support.server_helpers import scrape, serve_thread
 
-from kvserve.config import SchedulerConfig
+from kvserve.config import AdmissionConfig, SchedulerConfig
 from kvserve.engine.async_engine import (
     AsyncEngine,
     EngineUnavailableError,
@@ -183,7 +183,9 @@ def test_held_burst_request_can_be_aborted(tokenizer: Any) -> None:
 
 def test_batch_wait_ms_is_validated() -> None:
     with pytest.raises(ValueError, match="batch_wait_ms"):
-        SchedulerConfig(batch_wait_ms=-1).validate()
+        AdmissionConfig(batch_wait_ms=-1).validate()
+    with pytest.raises(TypeError):  # one owner: the scheduler has no such field
+        SchedulerConfig(batch_wait_ms=10)  # type: ignore[call-arg]
 
 
 def test_openai_client_batch_prompts_and_echo(fake_server: tuple[str, EngineCore]) -> None:
