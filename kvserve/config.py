@@ -212,6 +212,15 @@ class SchedulerConfig:
                 f"max_num_seqs = {self.max_num_seqs}",
             )
 
+    @property
+    def decode_batch_buckets(self) -> tuple[int, ...] | None:
+        """The batch sizes decode steps are padded to: ``num_seqs_buckets`` under the
+        separated policy, None under the mixed policy (it never pads a decode batch).
+        The one place outside ``kvserve.sched`` that knows what a policy pads."""
+        if self.scheduler_policy != "separated" or self.num_seqs_buckets is None:
+            return None
+        return tuple(self.num_seqs_buckets)
+
     def resolved(self) -> SchedulerConfig:
         """Validate, then return a copy with default bucket lists filled in (as tuples).
 

@@ -18,7 +18,7 @@ from kvserve.buckets import (
 )
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.kv_transfer.connector import KVConnector
+from kvserve.kv_transfer.connector import KVConnector, KVConnectorScheduler
 from kvserve.sched.base import Scheduler, SchedulerState
 from kvserve.sched.mixed import MixedScheduler
 from kvserve.sched.separated import SeparatedScheduler
@@ -34,7 +34,7 @@ def make_scheduler(
     config: SchedulerConfig,
     kv_cache_manager: KVCacheManager,
     *,
-    kv_connector: KVConnector | None = None,
+    kv_connector: KVConnectorScheduler | None = None,
     clock: Callable[[], float] = time.time,
 ) -> Scheduler:
     """Build the scheduler ``config.scheduler_policy`` names. Raises ValueError on a

@@ -172,6 +172,18 @@ class Scheduler(abc.ABC):
         """Whether a step can compute anything (not only wait on remote loads)."""
         return bool(self.waiting or self.running)
 
+    @property
+    def max_running_requests(self) -> int:
+        """The most requests this policy ever runs at once (``max_num_seqs`` unless
+        the policy admits fewer, as the separated policy's KV admission rule does)."""
+        return self.max_num_seqs
+
+    def take_failed_requests(self) -> list[tuple[Request, str]]:
+        """The requests the connector failed since the last call, with their errors
+        (already finished and released here: end their streams with the error)."""
+        failed, self.failed_requests = self.failed_requests, []
+        return failed
+
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 

@@ -25,8 +25,9 @@ For every scheduled request ``r``:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
+from kvserve.kv_transfer.connector import KVConnectorMetadata
 from kvserve.request import FinishReason, Request, SamplingParams
 
 Phase = Literal["prefill", "decode", "mixed", "idle"]
@@ -89,7 +90,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     decode_batch_size_padded: int | None = None
     # KVConnectorMetadata for the worker side of a KV connector (None: nothing to do).
-    kv_connector_metadata: Any = None
+    kv_connector_metadata: KVConnectorMetadata | None = None
     forks: dict[str, list[ForkData]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding: the draft tokens among a request's scheduled tokens (its

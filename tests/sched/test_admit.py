@@ -121,3 +121,20 @@ def test_hand_over_lead_makes_the_first_sample_lead_the_rest() -> None:
     assert heir is s1
     assert leader.pending_forks == [] and s1.fork_parent is None
     assert s1.pending_forks == [s2] and s2.fork_parent is s1
+
+
+def test_failed_requests_are_taken_once_and_separated_caps_running() -> None:
+    from kvserve.config import SchedulerConfig
+    from kvserve.sched import make_scheduler
+
+    kv = KVCacheManager(1 + 2 * (1024 // BS), BS, 1024)  # two requests at max_model_len
+    mixed = make_scheduler(SchedulerConfig(max_num_seqs=8, max_model_len=1024), kv)
+    assert mixed.max_running_requests == 8
+    sep = make_scheduler(
+        SchedulerConfig(max_num_seqs=8, max_model_len=1024, scheduler_policy="separated"), kv
+    )
+    assert sep.max_running_requests == 2
+    r = req("f", [1, 2, 3])
+    sep.failed_requests.append((r, "boom"))
+    assert sep.take_failed_requests() == [(r, "boom")]
+    assert sep.take_failed_requests() == []
