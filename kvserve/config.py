@@ -6,9 +6,16 @@ server all build an :class:`EngineConfig` and call :meth:`EngineConfig.validate`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from contextlib import suppress
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
+from kvserve.buckets import (
+    default_num_batched_tokens_buckets,
+    default_num_seqs_buckets,
+    max_prefill_bucket,
+    validate_buckets,
+)
 from kvserve.checks import check_int as check_int  # re-exported
 from kvserve.checks import config_error as config_error
 from kvserve.checks import is_int as is_int
@@ -97,7 +104,7 @@ DEFAULT_MAX_STEP_MS = 300.0
 # random, interference and multi-turn rows unchanged (no short-prompt-only steps there).
 DEFAULT_SHORT_PROMPT_STEP_MS = 90.0
 
-# A burst wait (``SchedulerConfig.batch_wait_ms``) lasts at most this many times it.
+# A burst wait (``AdmissionConfig.batch_wait_ms``) lasts at most this many times it.
 BATCH_WAIT_MAX_FACTOR = 8
 
 
@@ -105,7 +112,7 @@ BATCH_WAIT_MAX_FACTOR = 8
 class SchedulerConfig:
     """Scheduling policy and budgets (names follow vLLM and the seed documents).
 
-    Bucket lists left as None get their defaults in ``kvserve.sched.buckets``;
+    Bucket lists left as None get their defaults in ``kvserve.buckets``;
     ``resolved()`` returns a copy with them filled in (and validates first).
     ``validate()`` raises ValueError naming the value, the rule and a valid example:
 
@@ -130,10 +137,6 @@ class SchedulerConfig:
       chunks are all short prompts, it is filled only up to this target (a long
       prompt's chunk in the step lifts it to ``max_step_ms``). Values above
       ``max_step_ms`` act as ``max_step_ms``.
-    - ``batch_wait_ms``: number >= 0 (0 = off). A server engine that was idle waits,
-      before its first step, until no new request has arrived for this long (at most
-      ``BATCH_WAIT_MAX_FACTOR`` times it), so a burst's requests, which the front end
-      hands over one by one as it parses and tokenizes them, start as one batch.
     - ``scheduler_policy``: ``"mixed"`` or ``"separated"``.
     - ``kv_segment_size``: one of 0 (off), 512, 1024, 2048, 4096 and, when not 0, a
       multiple of ``block_size``. Prefill chunks need NOT equal it.
@@ -151,7 +154,6 @@ class SchedulerConfig:
     prefill_budget_with_decodes: int = 0
     max_step_ms: float = DEFAULT_MAX_STEP_MS
     short_prompt_step_ms: float = DEFAULT_SHORT_PROMPT_STEP_MS
-    batch_wait_ms: float = 10.0
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     num_seqs_buckets: tuple[int, ...] | None = None
     kv_segment_size: int = 512
@@ -159,8 +161,6 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
 
     def validate(self) -> None:
-        from kvserve.sched.buckets import max_prefill_bucket, validate_buckets
-
         check_int("max_num_seqs", self.max_num_seqs, "max_num_seqs=64")
         check_int(
             "max_num_batched_tokens", self.max_num_batched_tokens, "max_num_batched_tokens=2048"
@@ -216,11 +216,6 @@ class SchedulerConfig:
                 "must be a number of milliseconds from 0 (off) to 60000",
                 "short_prompt_step_ms=100",
             )
-        wait = self.batch_wait_ms
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1000:
-            raise config_error(
-                "batch_wait_ms", wait, "must be a number from 0 (off) to 1000", "batch_wait_ms=10"
-            )
         if not isinstance(self.enable_prefix_caching, bool):
             raise config_error(
                 "enable_prefix_caching",
@@ -259,17 +254,30 @@ class SchedulerConfig:
                 f"max_num_seqs = {self.max_num_seqs}",
             )
 
-    def resolved(self) -> SchedulerConfig:
-        """Validate, then return a copy with default bucket lists filled in (as tuples)."""
-        from kvserve.sched.buckets import (
-            default_num_batched_tokens_buckets,
-            default_num_seqs_buckets,
-        )
+    @property
+    def decode_batch_buckets(self) -> tuple[int, ...] | None:
+        """The batch sizes decode steps are padded to: ``num_seqs_buckets`` under the
+        separated policy, None under the mixed policy (it never pads a decode batch).
+        The one place outside ``kvserve.sched`` that knows what a policy pads."""
+        if self.scheduler_policy != "separated" or self.num_seqs_buckets is None:
+            return None
+        return tuple(self.num_seqs_buckets)
 
+    def resolved(self) -> SchedulerConfig:
+        """Validate, then return a copy with default bucket lists filled in (as tuples).
+
+        Validation runs once per distinct configuration: a configuration resolved
+        before (or the result of ``resolved()``) is looked up, not checked again, so
+        the engine, the scheduler and the simulator may all call this."""
+        key = _resolve_key(self)
+        try:
+            return _RESOLVED[key]
+        except (KeyError, TypeError):  # TypeError: an unhashable (invalid) field
+            pass
         self.validate()
         prefill = self.num_batched_tokens_buckets
         decode = self.num_seqs_buckets
-        return replace(
+        resolved = replace(
             self,
             num_batched_tokens_buckets=tuple(
                 prefill
@@ -282,6 +290,46 @@ class SchedulerConfig:
                 decode if decode is not None else default_num_seqs_buckets(self.max_num_seqs)
             ),
         )
+        if len(_RESOLVED) >= _RESOLVED_MAX:
+            _RESOLVED.clear()
+        _RESOLVED[_resolve_key(resolved)] = resolved
+        with suppress(TypeError):  # list-valued bucket fields: only the copy is kept
+            _RESOLVED[key] = resolved
+        return resolved
+
+
+# Configurations resolved so far (see SchedulerConfig.resolved); bounded. The key
+# holds each field's type too: True == 1 and 1.0 == 1, but only 1 is a valid count.
+_RESOLVED: dict[tuple[object, ...], SchedulerConfig] = {}
+_RESOLVED_MAX = 256
+
+
+def _resolve_key(config: SchedulerConfig) -> tuple[object, ...]:
+    values = [getattr(config, f.name) for f in fields(config)]
+    return (*values, *(type(v) for v in values))
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """How the server's engine front (:class:`~kvserve.engine.async_engine.AsyncEngine`,
+    :mod:`kvserve.engine.admission`) hands requests to the engine core; the scheduler
+    never reads it.
+
+    - ``batch_wait_ms``: number from 0 (off) to 1000. An engine that was idle waits,
+      before its first step, until no new request has arrived for this long (at most
+      ``BATCH_WAIT_MAX_FACTOR`` times it), and adds reaching a busy engine are held
+      until their burst stops arriving, so a burst's requests, which the front end
+      hands over one by one as it parses and tokenizes them, start as one batch.
+    """
+
+    batch_wait_ms: float = 10.0
+
+    def validate(self) -> None:
+        wait = self.batch_wait_ms
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 1000:
+            raise config_error(
+                "batch_wait_ms", wait, "must be a number from 0 (off) to 1000", "batch_wait_ms=10"
+            )
 
 
 @dataclass(frozen=True)
@@ -306,5 +354,6 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # Speculative decoding (None: off); see kvserve.spec_decode.config.
     speculative: SpeculativeConfig | None = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 
-from kvserve.bench.workloads import Session, Turn
+from kvserve.bench.sessions import Session, Turn
 
 SPEC_KINDS = ("spec-edit", "spec-code", "spec-json", "spec-quote")
 

@@ -61,6 +61,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from kvserve.bench.sessions import Session as Session  # re-exported
+from kvserve.bench.sessions import Turn as Turn  # re-exported
 from kvserve.config import check_int
 
 WorkloadKind = Literal[
@@ -164,37 +166,6 @@ class WordVocabulary:
     def text(self, rng: random.Random, num_tokens: int) -> str:
         """A text of ``num_tokens`` words drawn with ``rng`` (starts with a space)."""
         return "".join(rng.choice(self.words) for _ in range(num_tokens))
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One user turn: ``user_text`` (``prompt_len`` tokens) and the answer size."""
-
-    user_text: str
-    prompt_len: int
-    output_len: int
-
-
-@dataclass(frozen=True)
-class Session:
-    """A conversation: shared ``system_text`` then ``turns`` sent in order.
-
-    ``arrival_s`` fixes when the session starts (seconds after the benchmark starts);
-    None means "draw from the load generator's arrival process". ``tag`` groups
-    sessions for per-group figures (``decode`` / ``prefill`` in ``interference``).
-    """
-
-    session_id: int
-    system_text: str
-    system_len: int
-    turns: tuple[Turn, ...]
-    prefix_group: int | None = None
-    arrival_s: float | None = None
-    tag: str = "default"
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.turns)
 
 
 @dataclass(frozen=True)

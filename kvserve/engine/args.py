@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import AdmissionConfig, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.spec_decode.config import SpeculativeConfig
 
 
@@ -115,7 +115,7 @@ OPTIONS: tuple[_Option, ...] = (
     ),
     _Option(
         "batch_wait_ms",
-        "scheduler",
+        "admission",
         float,
         "server: after idling, wait until requests stop arriving for this many ms "
         "(at most 8x) before the first step, so a burst starts as one batch (0 = off)",
@@ -169,7 +169,12 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
             if isinstance(value, str):
                 value = _parse_int_list(value)
             given[key] = tuple(value)
-    sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+    sections: dict[str, dict[str, Any]] = {
+        "model": {},
+        "cache": {},
+        "scheduler": {},
+        "admission": {},
+    }
     for opt in OPTIONS:
         if opt.name not in given:
             continue
@@ -189,6 +194,7 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
         model=ModelConfig(**sections["model"]),
         cache=CacheConfig(**sections["cache"]),
         scheduler=SchedulerConfig(**sections["scheduler"]),
+        admission=AdmissionConfig(**sections["admission"]),
         speculative=(
             SpeculativeConfig.from_value(given["speculative_config"])
             if "speculative_config" in given
@@ -196,6 +202,7 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
         ),
     )
     config.cache.validate()
+    config.admission.validate()
     return config
 
 
@@ -214,9 +221,7 @@ def with_max_model_len(config: EngineConfig, model_max_len: int) -> EngineConfig
         )
     else:
         max_len = requested
-    sched = dataclasses.replace(config.scheduler, max_model_len=max_len)
-    sched.validate()
-    sched = sched.resolved()
+    sched = dataclasses.replace(config.scheduler, max_model_len=max_len).resolved()
     return dataclasses.replace(
         config, model=dataclasses.replace(config.model, max_model_len=max_len), scheduler=sched
     )

@@ -46,7 +46,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from kvserve.engine.admission import (
     AddNow,
@@ -58,56 +58,27 @@ from kvserve.engine.admission import (
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.memory import IdleTrimmer
 from kvserve.engine.outputs import EngineStats, RequestDelta
+from kvserve.engine.stream import (
+    EngineUnavailableError as EngineUnavailableError,
+)
+from kvserve.engine.stream import (
+    KVTransferFailedError as KVTransferFailedError,
+)
+from kvserve.engine.stream import Live
+from kvserve.engine.stream import (
+    QueueFullError as QueueFullError,
+)
+from kvserve.engine.stream import (
+    RequestFailedError as RequestFailedError,
+)
+from kvserve.engine.stream import (
+    RequestStream as RequestStream,
+)
+from kvserve.engine.threads import run_in_scratch_thread as run_in_scratch_thread
 from kvserve.metrics import EngineMetrics
-from kvserve.request import FinishReason, Request, RequestError, SamplingParams
+from kvserve.request import Request, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-def run_in_scratch_thread(fn: Callable[[], T]) -> T:
-    """``fn()`` on a thread that ends when it returns; its result or exception.
-
-    Loading and warming the model run PyTorch's parallel kernels, and GNU OpenMP
-    keeps a pool of worker threads for every thread that ever ran one. A pool left
-    on the main thread plus the engine thread's own pool is more OpenMP threads than
-    cores, and libgomp then stops spinning between parallel regions: every one of a
-    decode step's ~400 kernels waits for its workers to wake up. A pool made by a
-    thread that ended is freed, so the engine thread's is the only one."""
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn())
-        except BaseException as e:
-            error.append(e)
-
-    thread = threading.Thread(target=target, name="kvserve-build")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
-
-
-class QueueFullError(RuntimeError):
-    """No room for the request's sequences beside those already waiting
-    (``max_waiting``); retry later (HTTP 429 + Retry-After)."""
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine is shutting down or its thread died (HTTP 503)."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed while running this request; other requests are unaffected."""
-
-
-class KVTransferFailedError(RequestFailedError):
-    """The request's prompt KV could not be brought from a prefill worker and
-    ``--kv-load-failure-policy fail`` ended it (HTTP 503: retry later)."""
 
 
 @dataclass
@@ -138,64 +109,6 @@ def _for_ids(ids: set[str]) -> Callable[[_Add], bool]:
     return lambda command: command.request.req_id in ids
 
 
-@dataclass
-class _Live:
-    """One streamed request: its queue (event loop thread) and the time of its last
-    token (engine thread, for the inter-token latency)."""
-
-    queue: asyncio.Queue[_Item]
-    last_token_time: float | None = None
-
-
-_Item = RequestDelta | BaseException
-
-
-class RequestStream:
-    """The deltas of one request, in order; the last one has ``finished`` set.
-
-    ``async for delta in stream`` ends after the finished delta. Use it as
-    ``async with stream:`` (or call :meth:`abort`) so that leaving early - a break,
-    an exception, a cancelled task - aborts the request in the engine.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue[_Item]) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._queue = queue
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.error is not None:
-            self.finished = True
-            if item.finish_reason == FinishReason.ERROR:
-                raise RequestFailedError(item.error)
-            raise KVTransferFailedError(item.error)
-        if item.finished:
-            self.finished = True
-        return item
-
-    def abort(self) -> None:
-        """Abort the request unless it already finished (idempotent, event loop thread)."""
-        if not self.finished:
-            self.finished = True
-            self._engine.abort(self.request_id)
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.abort()
-
-
 class AsyncEngine:
     """Serve one :class:`EngineCore` to many concurrent asyncio consumers."""
 
@@ -220,9 +133,10 @@ class AsyncEngine:
 
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._requests: dict[str, _Live] = {}  # see the module docstring
+        self._requests: dict[str, Live] = {}  # see the module docstring
         # Adds of a burst still arriving (engine thread); see engine/admission.py.
-        self._burst: BurstGate[_Add] = BurstGate(engine.config.scheduler.batch_wait_ms)
+        engine.config.admission.validate()
+        self._burst: BurstGate[_Add] = BurstGate(engine.config.admission.batch_wait_ms)
         self._trimmer = IdleTrimmer()  # memory back to the OS after 2 idle minutes
         # Validate and build a request for submit(), arriving now (any thread may call
         # it; raises RequestError on bad input): EngineCore.make_request itself.
@@ -379,7 +293,7 @@ class AsyncEngine:
                     raise QueueFullError(decision.message)
                 raise RequestError(decision.message, param="n", code="too_many_sequences")
             self._num_pending_seqs += decision.num_seqs
-        lives = [_Live(asyncio.Queue()) for _ in ids]
+        lives = [Live(asyncio.Queue()) for _ in ids]
         self._requests.update(zip(ids, lives, strict=True))
         added: list[concurrent.futures.Future[str]] = []
         for request in requests:

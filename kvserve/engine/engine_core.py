@@ -30,9 +30,10 @@ from kvserve.engine.allocator import tune_allocator
 from kvserve.engine.args import with_max_model_len
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestMetrics
-from kvserve.engine.runner import ModelInfo, Runner
+from kvserve.engine.runner import ConnectedRunner, CostedRunner, ModelInfo, Runner
 from kvserve.engine.validation import RequestLimits, validate_request
 from kvserve.kv_cache import KVCacheManager
+from kvserve.kv_transfer.connector import KVConnector
 from kvserve.request import (
     FinishReason,
     Request,
@@ -68,7 +69,8 @@ class EngineCore:
     model it runs (see :mod:`kvserve.engine.runner`). ``clock``: the time stamped on
     requests (the simulator passes its step number). ``kv_connector``: both sides of
     a KV connector (:mod:`kvserve.kv_transfer.connector`) for a prefill or decode
-    worker; the runner must then have ``set_kv_connector``. None: a single-process
+    worker; the runner must then be a :class:`~kvserve.engine.runner.ConnectedRunner`
+    (it has ``set_kv_connector``). None: a single-process
     engine, exactly as before.
     """
 
@@ -79,7 +81,7 @@ class EngineCore:
         loaded: ModelInfo | None = None,
         runner: Runner | None = None,
         clock: Callable[[], float] = time.time,
-        kv_connector: Any = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         if runner is not None and loaded is None:
             raise TypeError(
@@ -127,25 +129,25 @@ class EngineCore:
         )
         self.kv_connector = kv_connector
         if kv_connector is not None:
-            set_connector = getattr(self.runner, "set_kv_connector", None)
-            if set_connector is None:
+            if not isinstance(self.runner, ConnectedRunner):
                 raise TypeError(
                     f"EngineCore(kv_connector=...) needs a runner with set_kv_connector; "
                     f"{type(self.runner).__name__} has none"
                 )
-            set_connector(kv_connector)
+            self.runner.set_kv_connector(kv_connector)
         self.scheduler = make_scheduler(
             config.scheduler, self.kv_cache_manager, kv_connector=kv_connector, clock=clock
         )
         self.scheduler.cost_model = _step_cost_model(config, self.runner, loaded.vocab_size)
         # True when the last step computed nothing (e.g. only remote loads pending).
         self.last_step_idle = False
-        fit = self.kv_cache_manager.max_concurrent_requests(self.max_model_len)
-        if config.scheduler.scheduler_policy == "separated" and fit < config.scheduler.max_num_seqs:
+        fit = self.scheduler.max_running_requests
+        if fit < config.scheduler.max_num_seqs:
             logger.warning(
-                "separated policy: the KV cache holds only %d requests at max_model_len=%d, so at most "
+                "%s policy: the KV cache holds only %d requests at max_model_len=%d, so at most "
                 "%d will run at once (max_num_seqs=%d); lower max_model_len to what your requests need "
                 "or give the KV cache more memory (kv_cache_memory_gib / num_kv_blocks)",
+                config.scheduler.scheduler_policy,
                 fit,
                 self.max_model_len,
                 fit,
@@ -377,10 +379,7 @@ class EngineCore:
         if self.kv_connector is None:
             return []
         self.scheduler.poll_kv_connector()
-        failed = self.scheduler.failed_requests
-        if not failed:
-            return []
-        self.scheduler.failed_requests = []
+        failed = self.scheduler.take_failed_requests()
         out = []
         for request, error in failed:
             if self._states.pop(request.req_id, None) is not None:
@@ -530,9 +529,8 @@ def _step_cost_model(config: EngineConfig, runner: Runner, vocab_size: int) -> C
     ModelRunner, fitted now from timed steps (:mod:`kvserve.worker.step_cost`)."""
     if not config.scheduler.max_step_ms:
         return None
-    own = getattr(runner, "cost_model", None)
-    if isinstance(own, CostModel):
-        return own
+    if isinstance(runner, CostedRunner) and isinstance(runner.cost_model, CostModel):
+        return runner.cost_model
     from kvserve.worker.model_runner import ModelRunner
 
     if not isinstance(runner, ModelRunner):

@@ -7,8 +7,10 @@ test double. Nothing here imports torch.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
+from kvserve.kv_transfer.connector import KVConnectorWorker
+from kvserve.sched.cost_model import CostModel
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -65,3 +67,20 @@ class Runner(Protocol):
         ...
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@runtime_checkable
+class ConnectedRunner(Runner, Protocol):
+    """A runner that can run a KV connector's worker side (prefill/decode workers):
+    ``set_kv_connector`` is called once, before the first step."""
+
+    def set_kv_connector(self, connector: KVConnectorWorker) -> None: ...
+
+
+@runtime_checkable
+class CostedRunner(Runner, Protocol):
+    """A runner that brings its own step-time model (the simulator's stand-in, whose
+    steps take no real time); the engine gives the scheduler that one instead of
+    fitting one from timed steps."""
+
+    cost_model: CostModel

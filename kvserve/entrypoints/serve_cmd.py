@@ -359,9 +359,12 @@ def run(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine)
     if kv_config.kv_role == "prefill":
         from kvserve.entrypoints.prefill_app import build_prefill_app
+        from kvserve.kv_transfer.prefill_connector import PrefillConnector
         from kvserve.kv_transfer.prefill_service import PrefillService
 
-        service = PrefillService(async_engine, engine.kv_connector, engine.kv_connector.transport)
+        connector = engine.kv_connector
+        assert isinstance(connector, PrefillConnector)  # what kv_role "prefill" builds
+        service = PrefillService(async_engine, connector, connector.transport)
         app = build_prefill_app(async_engine, service)
     else:
         try:

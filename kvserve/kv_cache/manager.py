@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 from kvserve.config import HashAlgo, check_int
 from kvserve.kv_cache.block_pool import BlockPool, KVCacheBlock
+from kvserve.kv_cache.blocks import EMPTY, KVCacheBlocks
 from kvserve.kv_cache.hashing import (
     HASH_ALGOS,
     BlockHash,
@@ -161,19 +162,19 @@ class KVCacheManager:
         return self._update_block_hashes(request)
 
     # -- the scheduler API ----------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest run of cached full blocks from the start of ``request.all_token_ids``.
 
         Stops at the first miss; a hit is confirmed by the block's token ids. At
         least one token is always left to compute (for the logits): the hit covers at
         most ``num_tokens - 1`` tokens, rounded down to a whole block. Returns the
-        blocks and the number of hit tokens (``len(blocks) * block_size``); ``([], 0)``
+        blocks and the number of hit tokens (``len(blocks) * block_size``); ``(EMPTY, 0)``
         when caching is off, and for a request that wants prompt logprobs (every prompt
         position needs its logits, so it computes the whole prompt, as vLLM does).
         Changes no ref counts and no stats; extends ``request.block_hashes``.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
+            return EMPTY, 0
         hashes = self._update_block_hashes(request)
         bs = self.block_size
         tokens = request.all_token_ids
@@ -185,7 +186,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * bs
+        return KVCacheBlocks(tuple(hits)), len(hits) * bs
 
     def allocate_slots(
         self,
@@ -193,7 +194,7 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
-    ) -> list[KVCacheBlock] | None:
+    ) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``.
 
         Claims the prefix-hit blocks (ref up; out of the free queue if free) and
@@ -261,7 +262,7 @@ class KVCacheManager:
             held.extend(hits)
         new_blocks = pool.get_new_blocks(num_new_blocks)
         held.extend(new_blocks)
-        return new_blocks
+        return KVCacheBlocks(tuple(new_blocks))
 
     def fork(
         self, parent: Request, child: Request, num_tokens: int
@@ -370,6 +371,15 @@ class KVCacheManager:
         self.num_cached_blocks[request.req_id] = min(self.num_cached_blocks[request.req_id], keep)
         self.block_pool.free_blocks(reversed(tail))
         return len(tail)
+
+    def holds_blocks(self, req_id: str) -> bool:
+        """Whether ``req_id`` holds blocks now (admitted, parked for remote KV or
+        forked, and not freed since)."""
+        return req_id in self.req_to_blocks
+
+    def num_held_blocks(self, req_id: str) -> int:
+        """How many blocks ``req_id`` holds (0 when none)."""
+        return len(self.req_to_blocks.get(req_id, ()))
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """Block ids held by the request, in position order ([] if none)."""

@@ -20,9 +20,11 @@ next to this file (``decode_connector`` / ``prefill_connector`` over a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvserve.kv_transfer.stats import TransferStats
 from kvserve.request import Request
 
 
@@ -122,5 +124,20 @@ class KVConnectorWorker(Protocol):
     def save_kv(self, metadata: KVConnectorMetadata) -> None: ...
 
 
-# Kept for callers of the first sketch of this seam (scheduler side only).
-KVConnector = KVConnectorScheduler
+class KVConnector(KVConnectorScheduler, KVConnectorWorker, Protocol):
+    """A whole connector, as :class:`~kvserve.engine.engine_core.EngineCore` takes it:
+    both halves plus what the engine front (``AsyncEngine``) calls. Rules: ``is_ready``
+    may be read from any thread (``/health``); ``set_wakeup`` is called once, before
+    the engine thread starts, with a callable any thread may call when a transfer
+    needs the engine; ``close`` once, after the engine thread stopped; ``stats`` is
+    thread-safe (its ``snapshot()`` feeds the metrics)."""
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    @property
+    def stats(self) -> TransferStats: ...
+
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None: ...
+
+    def close(self) -> None: ...

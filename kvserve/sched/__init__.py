@@ -10,17 +10,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvserve.config import SchedulerConfig
-from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.kv_transfer.connector import KVConnector
-from kvserve.sched.base import Scheduler, SchedulerState
-from kvserve.sched.buckets import (
+from kvserve.buckets import (
     default_num_batched_tokens_buckets,
     default_num_seqs_buckets,
     get_bucket,
     validate_buckets,
 )
-from kvserve.sched.scheduler import MixedScheduler
+from kvserve.config import SchedulerConfig
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.kv_transfer.connector import KVConnector, KVConnectorScheduler
+from kvserve.sched.base import Scheduler, SchedulerState
+from kvserve.sched.mixed import MixedScheduler
 from kvserve.sched.separated import SeparatedScheduler
 from kvserve.sched.step_builder import StepBuilder, is_decode
 
@@ -34,12 +34,12 @@ def make_scheduler(
     config: SchedulerConfig,
     kv_cache_manager: KVCacheManager,
     *,
-    kv_connector: KVConnector | None = None,
+    kv_connector: KVConnectorScheduler | None = None,
     clock: Callable[[], float] = time.time,
 ) -> Scheduler:
     """Build the scheduler ``config.scheduler_policy`` names. Raises ValueError on a
     bad config (the message names the value, the rule and a valid example)."""
-    config.validate()
+    config = config.resolved()  # validates (once per configuration)
     cls = POLICIES[config.scheduler_policy]
     return cls(config, kv_cache_manager, kv_connector=kv_connector, clock=clock)
 

@@ -26,15 +26,8 @@ Rules a caller (the engine) must keep:
 - Finished requests leave :attr:`Scheduler.requests` inside the call that finishes
   them (``update_from_output`` or ``finish_requests``); keep your own reference.
 
-Samples of one request (``Request.with_samples``): only the leader is queued; the
-other samples are in :attr:`Scheduler.requests` but in neither queue until the step
-that computes the leader's prompt, whose runner output carries each sample's first
-token (``SchedulerOutput.forks``). Then each sample *forks*: it shares the prompt's
-blocks (``KVCacheManager.fork``) and runs as a decode, so the prompt is computed
-once. A sample that got no token (a runner without fork support) or no block for its
-copy is queued at the front of ``waiting`` instead and computes the prompt itself
-(a prefix-cache hit for all its full blocks). A group is admitted only when all its
-samples fit under ``max_num_seqs``.
+Samples of one request (``n``/``best_of``) fork once the leader's prompt is computed:
+see :mod:`kvserve.sched.samples`.
 """
 
 from __future__ import annotations
@@ -46,27 +39,22 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from kvserve.config import SchedulerConfig
-from kvserve.kv_cache.block_pool import KVCacheBlock
+from kvserve.kv_cache.blocks import KVCacheBlocks
 from kvserve.kv_cache.hashing import BlockHash
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_transfer.connector import KVConnectorScheduler
 from kvserve.request import Request, RequestStatus
+from kvserve.sched import admit
 from kvserve.sched.admission import check_schedulable, running_seqs
+from kvserve.sched.admit import Admission, Admitter, Budget, Outcome
 from kvserve.sched.cost_model import CostModel, StepBudget
 from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from kvserve.sched.samples import SampleForker, core_output
-from kvserve.sched.step_builder import StepBuilder, chunk_size
+from kvserve.sched.remote_kv import RemoteKV
+from kvserve.sched.samples import SampleForker, hand_over_lead
+from kvserve.sched.step_builder import StepBuilder
+from kvserve.sched.stop import check_stop
 from kvserve.spec_decode import scheduling as spec
 from kvserve.spec_decode.metrics import SpecDecodingStats
-
-DEFERRED = -1
-# A waiting request is deferred only when more than this many of the tokens it would
-# compute next are being computed by a running request: recomputing a short tail
-# (a shared prefix's last blocks, in flight beside their owner's own suffix) costs
-# less than starting a step later, which also splits a burst's prompts over two
-# steps and gives the first half a whole prefill step as its first inter-token gap.
-DEFER_MIN_IN_FLIGHT_TOKENS = 128
-"""What :meth:`Scheduler._admit` returns for a request whose next block is in flight."""
 
 
 class SchedulerState(enum.StrEnum):
@@ -132,8 +120,15 @@ class Scheduler(abc.ABC):
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.waiting_for_remote: dict[str, Request] = {}
-        self.sending: dict[str, Request] = {}  # finished; blocks freed when sent
+        self.remote_kv = RemoteKV(kv_connector, kv_cache_manager)
+        self.waiting_for_remote = self.remote_kv.waiting  # parked for a remote load
+        self.sending = self.remote_kv.sending  # finished; blocks freed when sent
+        self.admitter = Admitter(
+            kv_cache_manager,
+            self.remote_kv,
+            clock,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
         # Requests the connector failed under policy "fail": (request, error), drained
         # by the engine, which ends their streams with the error.
         self.failed_requests: list[tuple[Request, str]] = []
@@ -176,6 +171,18 @@ class Scheduler(abc.ABC):
     def has_runnable_requests(self) -> bool:
         """Whether a step can compute anything (not only wait on remote loads)."""
         return bool(self.waiting or self.running)
+
+    @property
+    def max_running_requests(self) -> int:
+        """The most requests this policy ever runs at once (``max_num_seqs`` unless
+        the policy admits fewer, as the separated policy's KV admission rule does)."""
+        return self.max_num_seqs
+
+    def take_failed_requests(self) -> list[tuple[Request, str]]:
+        """The requests the connector failed since the last call, with their errors
+        (already finished and released here: end their streams with the error)."""
+        failed, self.failed_requests = self.failed_requests, []
+        return failed
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
@@ -227,13 +234,8 @@ class Scheduler(abc.ABC):
             else:
                 idx = self.waiting.index(request)
                 del self.waiting[idx]
-            if request.pending_forks:
-                # The prompt is not computed yet: the next sample leads the rest.
-                heir, rest = request.pending_forks[0], request.pending_forks[1:]
-                heir.pending_forks, request.pending_forks = rest, []
-                heir.fork_parent = None
-                for sample in rest:
-                    sample.fork_parent = heir
+            heir = hand_over_lead(request)  # its prompt is not computed yet
+            if heir is not None:
                 self.waiting.insert(idx, heir)
             request.status = status
             self._free_finished(request)
@@ -258,43 +260,22 @@ class Scheduler(abc.ABC):
         del self.requests[request.req_id]
 
     def _release_blocks(self, request: Request) -> None:
-        kv = self.kv_cache_manager
-        if self.kv_connector is not None and self.kv_connector.request_finished(
-            request, kv.get_block_ids(request.req_id)
-        ):
-            self.sending[request.req_id] = request  # freed by poll_kv_connector
-            return
-        kv.free(request)
+        if not self.remote_kv.keeps_blocks(request):  # else freed by poll_kv_connector
+            self.kv_cache_manager.free(request)
 
     # ------------------------------------------------------------------ KV connector
     def poll_kv_connector(self) -> None:
-        """Apply what the connector finished since the last call: free the blocks of
-        requests it no longer sends; resume requests whose remote load ended (blocks
-        that arrived are registered in the prefix cache), or end them with the error
-        when the connector says the failure is fatal. No-op without a connector."""
-        connector = self.kv_connector
-        if connector is None:
-            return
-        kv = self.kv_cache_manager
-        for req_id in connector.get_finished_sending():
-            request = self.sending.pop(req_id, None)
-            if request is not None:
-                kv.free(request)
-        for result in connector.get_finished_loads():
-            request = self.waiting_for_remote.pop(result.req_id, None)
-            if request is None:
-                continue
-            if result.error is not None and result.fatal:
-                request.status = RequestStatus.FINISHED_ABORTED
-                self._free_finished(request)
-                self.failed_requests.append((request, result.error))
-                continue
-            request.num_computed_tokens += result.num_tokens_ok
-            request.num_external_tokens = result.num_tokens_ok
-            if self.enable_prefix_caching:
-                kv.cache_blocks(request, request.num_computed_tokens)
-            request.status = RequestStatus.WAITING
+        """Apply what the connector finished since the last call
+        (:meth:`~kvserve.sched.remote_kv.RemoteKV.poll`): resumed requests go back to
+        the front of ``waiting``; a fatal load failure ends its request with the
+        error (``failed_requests``). No-op without a connector."""
+        polled = self.remote_kv.poll(self.enable_prefix_caching)
+        for request in polled.resumed:
             self.waiting.appendleft(request)
+        for request, error in polled.failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free_finished(request)
+            self.failed_requests.append((request, error))
         self._set_state(self._state)
 
     # ------------------------------------------------------------------ scheduling helpers
@@ -311,118 +292,37 @@ class Scheduler(abc.ABC):
 
     def _in_flight_blocks(self) -> set[BlockHash]:
         """Hashes of the full prompt blocks that running requests have not computed
-        yet (they compute them this step or a later one); see :meth:`_admit`."""
-        in_flight: set[BlockHash] = set()
-        for request in self.running:
-            self._add_in_flight(request, in_flight)
-        return in_flight
+        yet (:func:`~kvserve.sched.admit.in_flight_blocks`); see :meth:`_admit`."""
+        return admit.in_flight_blocks(self.running, self.kv_cache_manager.block_size)
 
     def _add_in_flight(self, request: Request, in_flight: set[BlockHash]) -> None:
         """Add ``request``'s not yet computed full prompt blocks to ``in_flight``."""
-        if request.num_computed_tokens >= request.num_prompt_tokens:
-            return
-        bs = self.kv_cache_manager.block_size
-        end = min(request.num_prompt_tokens // bs, len(request.block_hashes))
-        in_flight.update(request.block_hashes[request.num_computed_tokens // bs : end])
+        admit.add_in_flight(request, in_flight, self.kv_cache_manager.block_size)
 
     def _admit(
         self,
         request: Request,
-        budget: int | Callable[[int], int],
+        budget: Budget,
         cap: int,
         step: StepBuilder,
         in_flight: set[BlockHash] | None = None,
-    ) -> int | None:
+    ) -> Admission:
         """Try to move ``request`` (in ``waiting``, usually its head) to ``running``
-        with its first chunk: prefix lookup, then one ``allocate_slots``. Returns the
-        tokens scheduled, or None when the blocks do not fit (nothing changed).
-        ``budget`` is a token count, or a function of the request's context (its
-        prefix hit) giving one (a time budget: longer contexts cost more per token).
-
-        With ``in_flight`` (from :meth:`_in_flight_blocks`): returns :data:`DEFERRED`
-        (nothing changed) when the blocks the request would compute first are ones a
-        running request is computing now (more than ``DEFER_MIN_IN_FLIGHT_TOKENS`` of
-        them in a row). Waiting for it turns the block into a
-        prefix-cache hit a step later instead of computing the same KV twice (16
-        requests on one new system prompt compute it once, not once per step's
-        worth of budget). The caller admits later requests meanwhile; the deferral
-        ends when the block is cached or its owner stops computing it (finished,
-        preempted, aborted), so it cannot starve."""
-        kv = self.kv_cache_manager
-        if request.req_id in kv.req_to_blocks:
-            return self._admit_loaded(request, budget, cap, step)
-        if self.enable_prefix_caching:
-            hit_blocks, num_hit = kv.get_computed_blocks(request)
-        else:
-            hit_blocks, num_hit = [], 0
-        if in_flight:
-            first_missing = len(hit_blocks)
-            hashes = request.block_hashes
-            limit = min((request.num_tokens - 1) // kv.block_size, len(hashes))
-            shared = first_missing
-            while shared < limit and hashes[shared] in in_flight:
-                shared += 1
-            if (shared - first_missing) * kv.block_size > DEFER_MIN_IN_FLIGHT_TOKENS:
-                return DEFERRED
-        connector = self.kv_connector
-        num_external = 0
-        if connector is not None:
-            kv.block_hashes(request)  # the connector checks/sends them
-            num_external = connector.get_num_new_matched_tokens(request, num_hit)
-            num_external = max(0, min(num_external, request.num_tokens - 1 - num_hit))
-        if num_external > 0 and connector is not None:
-            # Blocks for the external tokens only; nothing is computed until they arrive.
-            if kv.allocate_slots(request, num_external, hit_blocks, num_hit) is None:
-                return None
+        with its first chunk (:meth:`~kvserve.sched.admit.Admitter.admit`): ``RUN``
+        with the tokens scheduled (added to ``step``), ``PARK`` when the connector
+        loads part of the prompt (now in ``waiting_for_remote``), ``NO_FIT`` when the
+        budget or the blocks do not fit and, only with ``in_flight`` (from
+        :meth:`_in_flight_blocks`), ``DEFER`` when the blocks it would compute first
+        are being computed by a running request. ``NO_FIT`` and ``DEFER`` change
+        nothing."""
+        admission = self.admitter.admit(request, budget, cap, in_flight)
+        if admission.changed:
             self._remove_waiting(request)
-            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-            request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = self.clock()
-            self.waiting_for_remote[request.req_id] = request
-            connector.update_state_after_alloc(
-                request, kv.get_block_ids(request.req_id), num_external
-            )
-            return 0
-        if callable(budget):
-            budget = budget(num_hit)
-        num_new = chunk_size(request.num_tokens - num_hit, budget, cap)
-        if num_new <= 0:
-            return None
-        if kv.allocate_slots(request, num_new, hit_blocks, num_hit) is None:
-            return None
-        self._remove_waiting(request)
-        self.running.append(request)
-        request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = self.clock()
-        block_ids = kv.get_block_ids(request.req_id)
-        if connector is not None:
-            connector.update_state_after_alloc(request, block_ids, 0)
-        step.add_new(request, num_new, block_ids)
-        return num_new
-
-    def _admit_loaded(
-        self, request: Request, budget: int | Callable[[int], int], cap: int, step: StepBuilder
-    ) -> int | None:
-        """Admit a request back from a remote load: it already holds its blocks and
-        ``num_computed_tokens`` counts what arrived; compute the rest."""
-        kv = self.kv_cache_manager
-        if callable(budget):
-            budget = budget(request.num_computed_tokens)
-        num_new = chunk_size(request.num_tokens - request.num_computed_tokens, budget, cap)
-        if num_new <= 0 or kv.allocate_slots(request, num_new) is None:
-            return None
-        self._remove_waiting(request)
-        self.running.append(request)
-        request.status = RequestStatus.RUNNING
-        step.add_new(request, num_new, kv.get_block_ids(request.req_id))
-        return num_new
+        if admission.outcome is Outcome.RUN:
+            self.running.append(request)
+            block_ids = self.kv_cache_manager.get_block_ids(request.req_id)
+            step.add_new(request, admission.num_tokens, block_ids)
+        return admission
 
     def _remove_waiting(self, request: Request) -> None:
         if self.waiting[0] is request:
@@ -444,7 +344,7 @@ class Scheduler(abc.ABC):
 
     def _allocate_or_preempt(
         self, request: Request, num_tokens: int, step: StepBuilder
-    ) -> list[KVCacheBlock] | None:
+    ) -> KVCacheBlocks | None:
         """``allocate_slots`` for a running request, preempting the youngest running
         request not yet scheduled this step until it fits. Returns the new blocks, or
         None when ``request`` itself had to be preempted."""
@@ -578,38 +478,12 @@ class Scheduler(abc.ABC):
             if request.is_finished:
                 self.running.remove(request)
                 self._free_finished(request)
-            outputs.append(core_output(request, new_token_ids, logprobs, finish_reason))
+            outputs.append(EngineCoreOutput.of(request, new_token_ids, logprobs, finish_reason))
             if forked is not None:
                 outputs.extend(forked.outputs)
         self._set_state(self._state)
         return outputs
 
     def _check_stop(self, request: Request) -> bool:
-        """Stop checks after appending one token; sets status and stop_reason.
-
-        Order: EOS (unless ``ignore_eos``) and ``stop_token_ids``, both only once
-        ``min_tokens`` outputs exist, finish as "stop"; then ``max_tokens`` outputs
-        or ``num_tokens >= max_model_len`` finish as "length". (A last token that is
-        both EOS and the max_tokens-th reports "stop".)
-        """
-        params = request.sampling_params
-        token_id = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if (
-                not params.ignore_eos
-                and request.eos_token_id is not None
-                and token_id == request.eos_token_id
-            ):
-                request.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return True
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
+        """:func:`~kvserve.sched.stop.check_stop` at this scheduler's ``max_model_len``."""
+        return check_stop(request, self.max_model_len)

@@ -25,9 +25,10 @@ For every scheduled request ``r``:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from kvserve.request import FinishReason, SamplingParams
+from kvserve.kv_transfer.connector import KVConnectorMetadata
+from kvserve.request import FinishReason, Request, SamplingParams
 
 Phase = Literal["prefill", "decode", "mixed", "idle"]
 
@@ -89,7 +90,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     decode_batch_size_padded: int | None = None
     # KVConnectorMetadata for the worker side of a KV connector (None: nothing to do).
-    kv_connector_metadata: Any = None
+    kv_connector_metadata: KVConnectorMetadata | None = None
     forks: dict[str, list[ForkData]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding: the draft tokens among a request's scheduled tokens (its
@@ -158,3 +159,22 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        request: Request,
+        new_token_ids: list[int],
+        logprobs: list[Logprobs] | None,
+        finish_reason: FinishReason | None,
+    ) -> EngineCoreOutput:
+        """The output of one request's step: ``new_token_ids`` appended, their
+        ``logprobs`` (cut to as many), and ``finish_reason`` when it finished."""
+        return cls(
+            req_id=request.req_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
+            finish_reason=finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+        )

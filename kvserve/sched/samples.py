@@ -10,6 +10,14 @@ sample (``forks_of``), turns the runner's first tokens into running samples
 the next forward (``take_block_copies``) and the forked samples it has not seen
 (``new_to_runner``, sent as new requests with all their blocks).
 
+Only the leader is queued; the other samples are in the scheduler's ``requests``
+but in neither queue until the step that computes the leader's prompt. A sample that
+got no token (a runner without fork support) or no block for its copy is queued at
+the front of ``waiting`` and computes the prompt itself (a prefix-cache hit for all
+its full blocks). A group is admitted only when all its samples fit under
+``max_num_seqs``; a leader finishing before its prompt is computed hands the group
+to its first sample (:func:`hand_over_lead`).
+
 Rules for callers (the scheduler): call :meth:`SampleForker.fork` from
 ``update_from_output`` in the step that computed the leader's prompt, then put its
 ``running`` samples in the running queue, its ``requeue`` samples at the front of the
@@ -23,8 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.request import FinishReason, Request, RequestStatus
-from kvserve.sched.output import EngineCoreOutput, ForkData, Logprobs, ModelRunnerOutput
+from kvserve.request import Request, RequestStatus
+from kvserve.sched.output import EngineCoreOutput, ForkData, ModelRunnerOutput
 
 
 @dataclass
@@ -105,22 +113,22 @@ class SampleForker:
                     self.new_to_runner.add(sample.req_id)
                     result.running.append(sample)
             logprobs = runner_output.logprobs.get(sample.req_id)
-            result.outputs.append(core_output(sample, [sampled[0]], logprobs, sample.finish_reason))
+            result.outputs.append(
+                EngineCoreOutput.of(sample, [sampled[0]], logprobs, sample.finish_reason)
+            )
         return result
 
 
-def core_output(
-    request: Request,
-    new_token_ids: list[int],
-    logprobs: list[Logprobs] | None,
-    finish_reason: FinishReason | None,
-) -> EngineCoreOutput:
-    """The :class:`EngineCoreOutput` of one request's step."""
-    return EngineCoreOutput(
-        req_id=request.req_id,
-        new_token_ids=new_token_ids,
-        new_logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
-        finish_reason=finish_reason,
-        stop_reason=request.stop_reason,
-        num_cached_tokens=max(0, request.num_cached_tokens),
-    )
+def hand_over_lead(leader: Request) -> Request | None:
+    """A leader that finishes (abort, stop string) before its prompt is computed hands
+    its pending samples over: the first becomes the leader of the rest. Returns that
+    heir, which the caller queues where the leader waited, or None when the leader had
+    no pending samples (nothing changes)."""
+    if not leader.pending_forks:
+        return None
+    heir, rest = leader.pending_forks[0], leader.pending_forks[1:]
+    heir.pending_forks, leader.pending_forks = rest, []
+    heir.fork_parent = None
+    for sample in rest:
+        sample.fork_parent = heir
+    return heir

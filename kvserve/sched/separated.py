@@ -40,12 +40,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvserve.buckets import get_bucket
 from kvserve.config import SchedulerConfig
 from kvserve.kv_cache.manager import KVCacheManager
-from kvserve.kv_transfer.connector import KVConnector
+from kvserve.kv_transfer.connector import KVConnectorScheduler
 from kvserve.request import Request, RequestStatus
 from kvserve.sched.base import Scheduler, SchedulerState
-from kvserve.sched.buckets import get_bucket
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
 from kvserve.spec_decode.scheduling import fit_drafts
@@ -61,7 +61,7 @@ class SeparatedScheduler(Scheduler):
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         *,
-        kv_connector: KVConnector | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__(config, kv_cache_manager, kv_connector=kv_connector, clock=clock)
@@ -74,6 +74,11 @@ class SeparatedScheduler(Scheduler):
         self.max_kv_concurrent = max(
             1, kv_cache_manager.max_concurrent_requests(self.max_model_len)
         )
+
+    @property
+    def max_running_requests(self) -> int:
+        """Rule (4): at most the KV cache's concurrency at ``max_model_len``."""
+        return min(self.max_num_seqs, self.max_kv_concurrent)
 
     @property
     def at_capacity(self) -> bool:

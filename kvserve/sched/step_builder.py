@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvserve.kv_cache.block_pool import KVCacheBlock
+from kvserve.kv_cache.blocks import KVCacheBlocks
 from kvserve.request import Request
 from kvserve.sched.output import CachedRequestData, NewRequestData, Phase
 from kvserve.spec_decode.scheduling import scheduled_drafts
@@ -80,14 +80,12 @@ class StepBuilder:
         )
         self._add(request, num_tokens)
 
-    def add_running(
-        self, request: Request, num_tokens: int, new_blocks: list[KVCacheBlock]
-    ) -> None:
+    def add_running(self, request: Request, num_tokens: int, new_blocks: KVCacheBlocks) -> None:
         if request.req_id in self.new_to_runner and self.block_ids_of is not None:
             self.add_new(request, num_tokens, self.block_ids_of(request.req_id))
             return
         self.cached_reqs.req_ids.append(request.req_id)
-        self.cached_reqs.new_block_ids.append([b.block_id for b in new_blocks])
+        self.cached_reqs.new_block_ids.append(new_blocks.get_block_ids())
         self.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
         self._add(request, num_tokens)
 

@@ -155,7 +155,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     # budget is opt-in, so traces stay in token terms unless asked.
     overrides.setdefault("max_step_ms", 0.0)
     config = SchedulerConfig(**overrides)
-    config.validate()
+    config.resolved()  # validates (once per configuration)
     return config
 
 

@@ -37,7 +37,7 @@ def fit_drafts(kv: KVCacheManager, request: Request, num_tokens: int) -> int:
     if num_tokens <= base:
         return num_tokens
     bs = kv.block_size
-    held = len(kv.req_to_blocks.get(request.req_id, ()))
+    held = kv.num_held_blocks(request.req_id)
     need_base = max(0, cdiv(request.num_computed_tokens + base, bs) - held)
     room_blocks = kv.block_pool.num_free_blocks - need_base
     if room_blocks < 0:

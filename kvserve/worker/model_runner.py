@@ -214,10 +214,9 @@ class ModelRunner:
         if speculative_config is not None:
             self.spec_decoder = build_spec_decoder(speculative_config, loaded, cache_config)
         if compile:
-            policy = scheduler_config.scheduler_policy
             self.compiled = CompiledDecode(
                 self.model,
-                buckets=scheduler_config.num_seqs_buckets if policy == "separated" else None,
+                buckets=scheduler_config.decode_batch_buckets,
                 max_model_len=scheduler_config.max_model_len,
                 block_size=self.block_size,
                 attention_backend=self.attention_backend,

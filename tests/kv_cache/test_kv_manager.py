@@ -6,6 +6,7 @@ import pytest
 
 import kvserve.kv_cache.manager as manager_mod
 from kvserve.kv_cache import KVCacheBlock, KVCacheManager
+from kvserve.kv_cache.blocks import KVCacheBlocks
 from kvserve.request import Request, SamplingParams
 
 
@@ -66,7 +67,7 @@ def test_seed_token_5_changed_gets_nothing() -> None:
     mutated = list(original)
     mutated[5] = 999_999
     blocks, hit = m.get_computed_blocks(req("mut", mutated))
-    assert (blocks, hit) == ([], 0)
+    assert (len(blocks), hit) == (0, 0)
     # the untouched sequence still hits (all but the last block: one token must be computed)
     assert m.get_computed_blocks(req("again", original))[1] == 48
 
@@ -266,7 +267,7 @@ def test_duplicate_content_keeps_the_existing_cached_block() -> None:
     # b's duplicates are empty blocks, reused before any cached block
     assert m.num_reclaimable_blocks == 0
     blocks, hit = m.get_computed_blocks(req("c", prompt))
-    assert hit == 8 and blocks == a_blocks[:2]
+    assert hit == 8 and list(blocks) == a_blocks[:2]
 
 
 def test_stale_hit_blocks_are_rejected() -> None:
@@ -394,7 +395,7 @@ def test_caching_disabled() -> None:
     m = KVCacheManager(20, 4, 64, enable_caching=False)
     run_to_completion(m, req("a", list(range(9))))
     r = req("b", list(range(9)))
-    assert m.get_computed_blocks(r) == ([], 0)
+    assert m.get_computed_blocks(r) == (KVCacheBlocks(), 0)
     admit(m, r)
     assert m.num_reclaimable_blocks == 0 and not m.block_pool.cached
     assert m.prefix_cache_queries == 0 and m.prefix_cache_hit_rate == 0.0

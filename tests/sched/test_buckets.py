@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.sched.buckets import (
+from kvserve.buckets import (
     default_num_batched_tokens_buckets,
     default_num_seqs_buckets,
     get_bucket,

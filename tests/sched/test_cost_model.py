@@ -18,8 +18,8 @@ from kvserve.sched.cost_model import (
     row_features,
     step_features,
 )
+from kvserve.sched.mixed import MIN_PROMPT_TOKENS_WITH_DECODES
 from kvserve.sched.output import ModelRunnerOutput
-from kvserve.sched.scheduler import MIN_PROMPT_TOKENS_WITH_DECODES
 from kvserve.sched.step_builder import is_decode
 
 TRUE = (5.0, 0.25, 2e-5, 1.5e-4, 0.3)

@@ -102,3 +102,20 @@ def test_make_scheduler_picks_the_policy_and_refuses_mismatches():
         make_scheduler(SchedulerConfig(max_model_len=16384), kv)
     with pytest.raises(ValueError, match="num_seqs_buckets"):
         make_scheduler(SchedulerConfig(num_seqs_buckets=(1, 2)), kv)
+
+
+def test_a_configuration_is_validated_once_per_value(monkeypatch) -> None:
+    from kvserve.kv_cache import KVCacheManager
+    from kvserve.sched import make_scheduler
+
+    calls = []
+    real = SchedulerConfig.validate
+    monkeypatch.setattr(SchedulerConfig, "validate", lambda self: calls.append(1) or real(self))
+    config = SchedulerConfig(max_num_seqs=7, max_model_len=1000)
+    for _ in range(3):
+        make_scheduler(config, KVCacheManager(100, 16, 1000))
+    assert len(calls) == 1
+    # a bool equals 1 but is no count: never served from what 1 resolved to
+    SchedulerConfig(max_num_seqs=1, max_model_len=1000).resolved()
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=True, max_model_len=1000).resolved()

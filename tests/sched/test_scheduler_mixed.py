@@ -516,7 +516,7 @@ def test_short_in_flight_tail_is_recomputed_not_waited_for():
     # prefix the followers share, only 32 tokens (2 blocks) are then in flight, at
     # most DEFER_MIN_IN_FLIGHT_TOKENS: they compute those themselves in the same step
     # as r0 instead of starting a step later.
-    from kvserve.sched.base import DEFER_MIN_IN_FLIGHT_TOKENS
+    from kvserve.sched.admit import DEFER_MIN_IN_FLIGHT_TOKENS
 
     assert DEFER_MIN_IN_FLIGHT_TOKENS >= 32
     sched, kv = make(max_num_batched_tokens=1000)
@@ -599,7 +599,7 @@ def test_short_prompts_join_whole_past_the_prompt_bound_with_decodes():
     # With decodes running the prompt bound is 256: s0 and s1 fit in it; s2 and s3
     # (100 tokens each, under SHORT_PROMPT_TOKENS) still join whole, as the step
     # budget has room; the 300-token prompt behind them waits for the next step.
-    from kvserve.sched.scheduler import SHORT_PROMPT_TOKENS
+    from kvserve.sched.mixed import SHORT_PROMPT_TOKENS
 
     assert SHORT_PROMPT_TOKENS >= 100
     sched, kv = make(max_num_batched_tokens=2048, prefill_budget_with_decodes=256)

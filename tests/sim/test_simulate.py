@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvserve.entrypoints.cli import main as kvserve_main
-from kvserve.sched.scheduler import MixedScheduler
+from kvserve.sched.mixed import MixedScheduler
 from kvserve.sim.cli import main as simulate_main
 from kvserve.sim.workload import parse_workload, prefix_tokens, unique_tokens
 

@@ -12,7 +12,7 @@ import pytest
 from support.fake_runner import FakeModel, FakeRunner
 from support.server_helpers import scrape, serve_thread
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import AdmissionConfig, CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.engine_core import EngineCore
 from kvserve.entrypoints.openai_server import build_app
@@ -113,7 +113,8 @@ def test_matcher_failure_ends_with_an_error_not_stop(tokenizer: Any) -> None:
     runner = _FailingRunner()
     config = EngineConfig(
         cache=CacheConfig(num_kv_blocks=runner.num_kv_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, batch_wait_ms=0),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
+        admission=AdmissionConfig(batch_wait_ms=0),
     )
     core = EngineCore(config, loaded=FakeModel(tokenizer), runner=runner)
     request_id = core.add_request([5, FAIL_TOKEN], SamplingParams(max_tokens=20))

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import AdmissionConfig, CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine_core import EngineCore
 from kvserve.sched.output import Logprobs, ModelRunnerOutput, SchedulerOutput
 
@@ -98,9 +98,8 @@ def fake_engine(
     runner = FakeRunner(step_s=step_s)
     config = EngineConfig(
         cache=CacheConfig(num_kv_blocks=runner.num_kv_blocks),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=512, batch_wait_ms=batch_wait_ms
-        ),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
+        admission=AdmissionConfig(batch_wait_ms=batch_wait_ms),
     )
     model = FakeModel(tokenizer, max_model_len=max_model_len)
     return EngineCore(config, loaded=model, runner=runner), runner

@@ -47,7 +47,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvserve.request import Request, RequestStatus
-from kvserve.sched.base import DEFERRED, Scheduler, SchedulerState
+from kvserve.sched.admit import Outcome
+from kvserve.sched.base import Scheduler, SchedulerState
 from kvserve.sched.cost_model import StepBudget
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
@@ -142,12 +143,13 @@ class MixedScheduler(Scheduler):
                     break
                 if not self._group_fits(request):
                     break
-                admitted = self._admit(request, room, cap, step, in_flight)
-                if admitted is None:
+                admission = self._admit(request, room, cap, step, in_flight)
+                if admission.stops_admission:
                     break
-                if admitted == DEFERRED:
+                if admission.outcome is Outcome.DEFER:
                     i += 1  # its next block is being computed: skip it this step
                     continue
+                admitted = admission.num_tokens
                 budget = max(0, budget - admitted)
                 used += admitted
                 if timed is not None and admitted > 0:
@@ -169,7 +171,7 @@ class MixedScheduler(Scheduler):
 
     def _uncached_prompt_tokens(self, request: Request) -> int:
         """Tokens ``request`` (waiting) would compute to finish its prompt now."""
-        if request.req_id in self.kv_cache_manager.req_to_blocks:
+        if self.kv_cache_manager.holds_blocks(request.req_id):
             return request.num_tokens  # blocks already held (remote KV): no overflow
         _, num_hit = self.kv_cache_manager.get_computed_blocks(request)
         return request.num_tokens - num_hit

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvserve.engine.async_engine import run_in_scratch_thread
+from kvserve.engine.threads import run_in_scratch_thread
 
 
 def test_run_in_scratch_thread_returns_raises_and_leaves_no_thread_behind():
