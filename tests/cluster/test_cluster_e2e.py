@@ -340,19 +340,25 @@ def test_dead_idle_replica_leaves_the_router_before_any_request_fails(
     assert to_victim == 0  # not even offered (Ray would probe it, fail, and go on)
     after = _healthy_pair(base)  # Ray's replacement, under a new name
     assert victim not in after
+    # Ray's handles learn of the replacement asynchronously (long poll): keep sending
+    # distinct prompts, bounded in count and time, until both replicas have served.
     done0 = _series_by_replica(base, "kvserve:request_success_total")
-    for i in range(8):
+    served: set[str] = set()
+    deadline = time.monotonic() + 30
+    i = 0
+    while time.monotonic() < deadline and i < 60:
         r = httpx.post(
-            base + "/v1/completions", json={"prompt": f"Name {i} rivers", "max_tokens": 2}
+            base + "/v1/completions",
+            json={"prompt": f"Name {i} rivers", "max_tokens": 2},
+            timeout=60,
         )
         assert r.status_code == 200, r.text
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # replicas push their counters every 0.5 s
+        i += 1
         done = _series_by_replica(base, "kvserve:request_success_total")
         served = {r for r in after if done.get(r, 0.0) > done0.get(r, 0.0)}
         if served == set(after):
             break
-        time.sleep(0.25)
+        time.sleep(0.25)  # replicas push their counters every 0.5 s
     assert served == set(after), (served, after)  # the replacement takes requests too
 
 
