@@ -229,7 +229,7 @@ def openapi_document(
     version: str = "0.1.0",
 ) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the server (see the module docstring): token ids
-    below ``vocab_size``; ``max_tokens``/``max_completion_tokens`` at most
+    below ``vocab_size``; ``max_tokens``/``max_completion_tokens``/``max_output_tokens`` at most
     ``max_model_len - 1`` (a prompt has at least one token); ``n``/``best_of`` at
     most ``MAX_SAMPLES``, the limit ``SamplingParams`` enforces; the bearer security
     scheme, applied to the ``/v1``, ``/tokenize`` and ``/detokenize`` operations,
@@ -255,6 +255,7 @@ def openapi_document(
         ("CompletionRequest", "max_tokens"),
         ("ChatCompletionRequest", "max_tokens"),
         ("ChatCompletionRequest", "max_completion_tokens"),
+        ("ResponsesRequest", "max_output_tokens"),
     ):
         schemas[name]["properties"][field]["maximum"] = max(max_model_len - 1, 1)
     for name in ("ChatCompletionRequest", "TokenizeRequest"):

@@ -18,6 +18,7 @@ CROSS_FIELD_RULES = [
     ("messages", "context_length_exceeded"),
     ("max_tokens", "context_length_exceeded"),
     ("max_completion_tokens", "context_length_exceeded"),
+    ("max_output_tokens", "context_length_exceeded"),  # /v1/responses' name
     ("best_of", "invalid_value"),  # best_of >= n
     ("min_tokens", "invalid_value"),  # min_tokens <= max_tokens
     ("structured_outputs", "invalid_value"),
