@@ -487,6 +487,7 @@ def run_targets(
     concurrency: int = 24,
     suffix: str = "",
     jsonl: dict[str, tuple[str, str]] | None = None,
+    bench_args: str = "",
 ) -> None:
     if not lay.bench_cli.exists():
         raise SystemExit("run `peers.py install vllm` first: it installs the bench client")
@@ -508,7 +509,14 @@ def run_targets(
             _bench(lay, f"warm_{tag}", tokenizer, port, WARMUP)
             for w in workloads:
                 res = _bench(
-                    lay, f"{w}_{tag}", tokenizer, port, _workload_args(w, custom, rate, concurrency)
+                    lay,
+                    f"{w}_{tag}",
+                    tokenizer,
+                    port,
+                    [
+                        *_workload_args(w, custom, rate, concurrency, jsonl),
+                        *shlex.split(bench_args),
+                    ],
                 )
                 if res:
                     print(
@@ -584,6 +592,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=FILE[@RATE]",
         help="a named JSONL workload (repeatable), run when --workloads lists NAME",
     )
+    run.add_argument(
+        "--bench-args", default="", help='extra bench client flags, e.g. "--temperature 0"'
+    )
     run.add_argument("--kv-flags", default="", help="extra flags for kvserve serve")
     run.add_argument(
         "--concurrency", type=int, default=24, help="most requests at a time of JSONL workloads"
@@ -609,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
             args.concurrency,
             args.suffix,
             _parse_jsonl(args.jsonl, args.rate),
+            args.bench_args,
         )
         print(table(lay))
     else:

@@ -35,17 +35,9 @@ def read_bandwidth_gb_s(
 
 
 def streamed_weight_bytes(model: Any) -> int:
-    """Bytes a decode step reads from the weights: each linear's one copy (quantized
-    panels, or the float weight), the lm_head and the embedding rows (negligible)."""
-    total = 0
-    lins = [x for o in model._ops for x in (o.qkv, o.o, o.gate_up, o.down)] + [model._lm_head]
-    for lin in lins:
-        if hasattr(lin, "parts"):
-            total += lin.nbytes
-        else:
-            w = lin.panels if lin.panels is not None else lin.weight
-            total += w.numel() * w.element_size()
-    return total
+    """Bytes a decode step reads from the weights (see
+    :meth:`~kvserve.model.llama.LlamaForCausalLM.streamed_weight_bytes`)."""
+    return int(model.streamed_weight_bytes())
 
 
 def kv_bytes_read(model: Any, batch: int, context: int, elem_size: int) -> int:

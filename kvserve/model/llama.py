@@ -377,6 +377,21 @@ class LlamaForCausalLM(nn.Module):
         """Whether any weight runs quantized."""
         return bool(self._quant)
 
+    def streamed_weight_bytes(self) -> int:
+        """Bytes a decode step reads from the weights (after :meth:`prepare`): each
+        linear's one copy (quantized panels, or the float weight) and the lm_head."""
+        total = 0
+        lins = [x for o in self._ops for x in (o.qkv, o.o, o.gate_up, o.down)]
+        for lin in [*lins, self._lm_head]:
+            if lin is None:
+                continue
+            if isinstance(lin, QuantLinear):
+                total += int(lin.nbytes)
+            else:
+                w = lin.panels if lin.panels is not None else lin.weight
+                total += w.numel() * w.element_size()
+        return total
+
     def weight_bytes(self) -> int:
         """Bytes of every weight copy the model holds: parameters, quantized panels and
         the kernels' packed copies (the resident weight memory)."""

@@ -59,9 +59,15 @@ class SpecController:
         step_cost_per_token: float,
         adaptive: bool = True,
         disable_by_batch_size: int | None = None,
+        draft_step_cost: float = 0.0,
     ) -> None:
+        """``draft_step_cost``: what one proposing forward costs, in units of the
+        target's step (0 for n-gram lookup; a draft model's weight bytes over the
+        target's): the ``i``-th draft of any request needs the ``i``-th draft forward,
+        which the whole batch shares, so a plan deeper than every other one pays it."""
         self.k = num_speculative_tokens
         self.rho = step_cost_per_token
+        self.draft_step_cost = max(0.0, float(draft_step_cost))
         self.adaptive = adaptive
         self.disable_by_batch_size = disable_by_batch_size
         self._reqs: dict[str, _ReqAcceptance] = {}
@@ -87,12 +93,15 @@ class SpecController:
         plan = [0] * batch
         gain = float(batch)
         time = 1.0 + self.rho * (batch + num_other_tokens)
-        for value, j in candidates:
-            if value * time <= self.rho * gain:
-                break
-            plan[j] += 1
-            gain += value
-            time += self.rho
+        if self.draft_step_cost > 0.0:
+            self._plan_levels(alphas, plan, gain, time)
+        else:
+            for value, j in candidates:
+                if value * time <= self.rho * gain:
+                    break
+                plan[j] += 1
+                gain += value
+                time += self.rho
         for j, s in enumerate(states):
             if plan[j]:
                 s.idle_plans = 0
@@ -102,6 +111,30 @@ class SpecController:
                 s.idle_plans = 0
                 plan[j] = 1
         return plan
+
+    def _plan_levels(self, alphas: list[float], plan: list[int], gain: float, time: float) -> None:
+        """Draft depths for a proposer whose forwards cost: depth ``d`` costs one
+        forward (``draft_step_cost``, shared by the batch) plus ``rho`` per request
+        drafted that deep. Each depth takes the most likely requests while the step's
+        tokens per unit of time rise, and the depth is kept only if it pays overall."""
+        for d in range(1, self.k + 1):
+            cands = sorted(
+                ((alphas[j] ** d, j) for j in range(len(plan)) if plan[j] == d - 1),
+                reverse=True,
+            )
+            g, t = gain, time + self.draft_step_cost
+            best_rate, best_n = gain / time, 0
+            for n, (value, _) in enumerate(cands, start=1):
+                g, t = g + value, t + self.rho
+                if g / t > best_rate:
+                    best_rate, best_n = g / t, n
+            if best_n == 0:
+                return
+            for value, j in cands[:best_n]:
+                plan[j] += 1
+                gain += value
+                time += self.rho
+            time += self.draft_step_cost
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         """Record a verified proposal: ``num_accepted`` of its ``num_drafts`` tokens

@@ -70,6 +70,7 @@ class SpecDecoder:
             step_cost_per_token=config.step_cost_per_token,
             adaptive=config.adaptive,
             disable_by_batch_size=config.disable_by_batch_size,
+            draft_step_cost=proposer.step_cost,
         )
 
     def propose(

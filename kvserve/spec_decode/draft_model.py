@@ -54,6 +54,9 @@ class DraftModelProposer:
         self.backend = resolve_attention_backend(loaded.dtype, self.device, self.kernels)
         self._free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
         self._reqs: dict[str, _DraftState] = {}
+        # one draft forward over one target step, as bytes read (decode is bound by
+        # reading the weights); load() sets it from the target, 1.0 until then
+        self.step_cost = 1.0
 
     @classmethod
     def load(cls, config: SpeculativeConfig, target: Any, cache_config: Any) -> DraftModelProposer:
@@ -88,7 +91,11 @@ class DraftModelProposer:
         else:
             per_block = kv_cache_bytes_per_block(draft, bs)
             num_blocks = max(2, int(cache_config.kv_cache_memory_gib * (1 << 30)) // per_block)
-        return cls(draft, num_blocks, bs, min(draft.max_model_len, target.max_model_len))
+        proposer = cls(draft, num_blocks, bs, min(draft.max_model_len, target.max_model_len))
+        target_bytes = target.model.streamed_weight_bytes()
+        if target_bytes > 0:
+            proposer.step_cost = draft.model.streamed_weight_bytes() / target_bytes
+        return proposer
 
     # -- blocks -------------------------------------------------------------------
     def _ensure_blocks(self, state: _DraftState, num_tokens: int) -> bool:

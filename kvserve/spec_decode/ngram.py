@@ -46,6 +46,8 @@ class NgramProposer:
     """Prompt-lookup proposer; keeps each request's history as a growing numpy array
     (amortised append) so a step does not rebuild it."""
 
+    step_cost = 0.0  # a lookup, no forward
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(

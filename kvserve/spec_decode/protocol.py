@@ -17,6 +17,10 @@ from typing import Protocol
 
 
 class Proposer(Protocol):
+    # One proposing forward's cost in units of the target's decode step (0: free, as
+    # n-gram lookup); the controller weighs each draft depth against it.
+    step_cost: float
+
     def propose(
         self,
         req_ids: Sequence[str],

@@ -123,6 +123,28 @@ def test_controller_keeps_only_near_sure_drafts_in_large_batches():
     assert fixed.plan(ids) == [3] * 32
 
 
+def test_controller_charges_a_draft_models_forwards():
+    # a draft model's forward costs ~0.36 of a target step (4-bit draft, bf16 target):
+    # sure drafts still pay in full at batch 1; at acceptance ~0.3 they do not (they
+    # did under the lookup cost, which is what made draft-model speculation slower at
+    # temperature > 0); a deeper draft of one request is charged the extra forward
+    free = SpecController(3, step_cost_per_token=0.15)
+    draft = SpecController(3, step_cost_per_token=0.15, draft_step_cost=0.36)
+    for c in (free, draft):
+        for _ in range(30):
+            c.observe("sure", 3, 3)
+            c.observe("weak", 3, 0) if _ % 3 else c.observe("weak", 3, 1)
+    assert draft.plan(["sure"]) == [3] == free.plan(["sure"])
+    assert free.plan(["weak"])[0] >= 1 and draft.plan(["weak"]) == [0]
+    # one forward serves the batch: four sure requests draft together, while one sure
+    # request among three weak ones does not pay for a forward on its own
+    for r in ("s2", "s3", "s4", "w2", "w3"):
+        for _ in range(30):
+            draft.observe(r, 3, 3 if r.startswith("s") else 0)
+    assert draft.plan(["sure", "s2", "s3", "s4"]) == [3, 3, 3, 3]
+    assert draft.plan(["sure", "weak", "w2", "w3"]) == [0, 0, 0, 0]
+
+
 def test_spec_decoder_leaves_out_empty_proposals():
     dec = SpecDecoder(
         SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 2})
