@@ -34,6 +34,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvserve.request import RequestError
+from kvserve.structured.bitmask import unpack_bitmask
 from kvserve.structured.budget import ClosingTables, closing_plan
 from kvserve.structured.params import StructuredOutputsParams
 
@@ -182,8 +183,6 @@ class GrammarCompiler:
         bounded check, not a proof: a failure deeper than the probe still ends the
         request with an error mid-generation (``StructuredBatch``)."""
         from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
-
-        from kvserve.structured.matcher import unpack_bitmask
 
         eos = self.eos_token_id
         for step in range(PROBE_TOKENS):

@@ -22,7 +22,9 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.attention_metadata import AUTO_INVARIANT_MAX_CONTEXT
-from kvserve.model.kernels_kv8 import KVCacheFormat, resolve_kv_cache_dtype
+from kvserve.model.kernels_kv8 import resolve_kv_cache_dtype
+from kvserve.model.kv_cache_tensor import allocate_kv_cache as allocate_kv_cache  # re-exported
+from kvserve.model.kv_cache_tensor import kv_cache_bytes_per_block as kv_cache_bytes_per_block
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -36,45 +38,6 @@ from kvserve.worker.compiled_step import CompiledDecode
 from kvserve.worker.input_batch import InputBatch, StepInputs
 from kvserve.worker.prompt_logprobs import score
 from kvserve.worker.sampler import Sampler, SamplerOutput, SamplingRequestState
-
-
-def kv_cache_bytes_per_block(
-    loaded: LoadedModel, block_size: int, kv_format: KVCacheFormat | None = None
-) -> int:
-    """Bytes one KV block takes over all layers (K and V; 8-bit formats: codes and
-    their per-row scales). ``kv_format`` None: the model dtype."""
-    cfg = loaded.model.config
-    fmt = kv_format or resolve_kv_cache_dtype("auto", loaded.dtype)
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * fmt.row_bytes(cfg.head_dim)
-
-
-def allocate_kv_cache(
-    model: LlamaForCausalLM,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    kv_format: KVCacheFormat | None = None,
-) -> torch.Tensor:
-    """Zeroed cache ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``
-    (8-bit ``kv_format``: last dim ``head_dim + 4``, see :mod:`kvserve.model.kernels_kv8`).
-
-    ``cache[i]`` is layer ``i``'s view in the layout of ``kvserve.model.attention``.
-    """
-    cfg = model.config
-    last = cfg.head_dim
-    if kv_format is not None:
-        dtype, last = kv_format.torch_dtype, kv_format.last_dim(cfg.head_dim)
-    return torch.zeros(
-        cfg.num_layers,
-        2,
-        cfg.num_kv_heads,
-        num_blocks,
-        block_size,
-        last,
-        dtype=dtype,
-        device=device,
-    )
 
 
 def resolve_batch_invariant(

@@ -164,10 +164,3 @@ def load_quant_kernel(path: Path) -> QuantKernel:
     """The bindings of the library at ``path`` (loaded once per path)."""
     return _load(str(path))
 
-
-def get_quant_kernel() -> QuantKernel | None:
-    """The default backend's ``quant_linear`` family, or None where it is off (then
-    :class:`~kvserve.model.quant.linear.QuantLinear` runs the PyTorch reference)."""
-    from kvserve.model.kernels.backend import default_backend
-
-    return default_backend().quant_linear
