@@ -255,14 +255,17 @@ def resolve_gguf_metadata(gguf_path: Path, cache_name: str) -> Path:
     """A cached folder with only config.json, tokenizer files, generation_config.json
     and ``kvserve_meta.json`` (the GGUF file's digest) for running the file's weights
     as they are: no weights are written. Same locking and atomic rename as the
-    dequantized conversion."""
+    dequantized conversion. Keyed by the file's content (as the conversion), so copies
+    of one file in other clones or under other names share one folder."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in cache_name)
-    st = gguf_path.stat()
-    ident = f"{gguf_path}|{st.st_size}|{st.st_mtime_ns}|meta{_META_FORMAT_VERSION}"
+    ident = f"{_file_digest_memo(gguf_path)}|meta{_META_FORMAT_VERSION}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     target = cache_dir() / "models" / f"{safe}-meta-{key}"
     if (target / _META_FILE).is_file():
         return target
+    for other in sorted((cache_dir() / "models").glob(f"*-meta-{key}")):
+        if (other / _META_FILE).is_file():
+            return other
     with _file_lock(cache_dir() / "models" / f".{target.name}.lock"):
         if (target / _META_FILE).is_file():
             return target
