@@ -34,7 +34,6 @@ from collections import OrderedDict
 from typing import Any
 
 from kvserve.request import RequestError
-from kvserve.structured.bitmask import unpack_bitmask
 from kvserve.structured.budget import ClosingTables, closing_plan
 from kvserve.structured.params import StructuredOutputsParams
 
@@ -183,6 +182,10 @@ class GrammarCompiler:
         bounded check, not a proof: a failure deeper than the probe still ends the
         request with an error mid-generation (``StructuredBatch``)."""
         from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+        # here, not at the top: importing the compiler must not load torch (the
+        # simulator and the engine front import it)
+        from kvserve.structured.bitmask import unpack_bitmask
 
         eos = self.eos_token_id
         for step in range(PROBE_TOKENS):

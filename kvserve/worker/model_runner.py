@@ -113,6 +113,7 @@ class ModelRunner:
         self.model: LlamaForCausalLM = loaded.model
         self.device = loaded.device
         self.block_size = cache_config.block_size
+        self.kv_segment_size = cache_config.kv_segment_size  # attention's, not the scheduler's
         self.scheduler_config = scheduler_config
         self.kv_format = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, loaded.dtype)
         per_block = kv_cache_bytes_per_block(loaded, self.block_size, self.kv_format)
@@ -168,6 +169,7 @@ class ModelRunner:
             kernels=self.kernels,
             kv_8bit=self.kv_format.is_8bit,
             invariant_max_context=self.invariant_max_context,
+            kv_segment_size=self.kv_segment_size,
         )
         self.sampler = sampler if sampler is not None else Sampler(kernels=self.kernels)
         self.kv_connector: KVConnectorWorker | None = None
@@ -180,11 +182,11 @@ class ModelRunner:
             self.compiled = CompiledDecode(
                 self.model,
                 buckets=scheduler_config.decode_batch_buckets,
-                max_model_len=scheduler_config.max_model_len,
+                max_model_len=scheduler_config.model_len,
                 block_size=self.block_size,
                 attention_backend=self.attention_backend,
             )
-            self.compiled.warm_up(self.kv_caches, scheduler_config.kv_segment_size)
+            self.compiled.warm_up(self.kv_caches, self.kv_segment_size)
 
     def set_kv_connector(self, connector: KVConnectorWorker) -> None:
         """Use ``connector``'s worker side around every step (disaggregation)."""
