@@ -209,11 +209,13 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
 
 def with_max_model_len(config: EngineConfig, model_max_len: int) -> EngineConfig:
     """Resolve ``SchedulerConfig.max_model_len`` against the model's context length
-    (None: the model's, at most ``DEFAULT_MAX_MODEL_LEN``); validate the scheduler
-    config (the one validation of an engine's: later ``resolved()`` calls find it).
+    (None: the model's, at most ``DEFAULT_MAX_MODEL_LEN``); validate the cache config
+    and the scheduler config (the one validation of an engine's: later ``resolved()``
+    calls find it).
 
     An explicit max_model_len larger than the model allows is refused.
     """
+    config.cache.validate()
     requested = config.scheduler.max_model_len
     if requested is None:
         max_len = min(model_max_len, DEFAULT_MAX_MODEL_LEN)

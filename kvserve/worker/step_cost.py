@@ -151,7 +151,7 @@ class _Calibrator:
                     num_scheduled_tokens_padded={},
                     scheduled_token_ids={},
                     cached_seq_len={},
-                            finished_req_ids=self.live,
+                    finished_req_ids=self.live,
                 )
             )
             self.live = set()

@@ -81,6 +81,15 @@ def test_max_model_len_resolution() -> None:
         with_max_model_len(build_engine_config(max_model_len=100_000), 8192)
 
 
+def test_an_engine_refuses_a_bad_cache_config() -> None:
+    """An EngineConfig built by hand (not through build_engine_config) is checked too."""
+    from kvserve.config import CacheConfig, EngineConfig
+
+    for bad in (CacheConfig(block_size=24), CacheConfig(kv_segment_size=300)):
+        with pytest.raises(ValueError, match="block_size=24|kv_segment_size=300"):
+            with_max_model_len(EngineConfig(cache=bad), 8192)
+
+
 def test_bad_scheduler_option_is_refused_up_front() -> None:
     cfg = build_engine_config(scheduler_policy="separated", num_seqs_buckets=(1, 2, 4))
     with pytest.raises(ValueError, match="num_seqs_buckets"):

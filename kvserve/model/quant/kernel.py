@@ -163,4 +163,3 @@ def _load(path: str) -> QuantKernel:
 def load_quant_kernel(path: Path) -> QuantKernel:
     """The bindings of the library at ``path`` (loaded once per path)."""
     return _load(str(path))
-
