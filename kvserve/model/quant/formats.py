@@ -153,6 +153,9 @@ class QuantWeight:
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
         """Row-concatenate weights of one format and k (a fused qkv or gate_up)."""
+        cat_k = getattr(type(parts[0]), "cat_k", None)  # K-quants (quant/kquant.py)
+        if cat_k is not None:
+            return cat_k(parts)  # type: ignore[no-any-return]
         fmt, k = parts[0].fmt, parts[0].k
         if any(p.fmt != fmt or p.k != k for p in parts):
             raise ValueError("QuantWeight.cat needs parts of one format and input size")
@@ -223,6 +226,10 @@ def reference_linear(
     """The kernel's arithmetic in PyTorch (fp64 sums, so it differs from the kernel only
     by fp32 rounding): ``sum_b float(isum_b - zero * sum q) * d * d_x (+ m * d_x * sum q)``.
     Returns fp32 [M, n]."""
+    from kvserve.model.quant.kquant import KQuantWeight, reference_linear_k
+
+    if isinstance(w, KQuantWeight):
+        return reference_linear_k(x, w, bias)
     q, dx, sq = quantize_activations(x)
     u, d, m = w.unpack()
     nb = w.k // BLOCK

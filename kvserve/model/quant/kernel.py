@@ -14,6 +14,7 @@ from kvserve.model.quant.formats import QuantWeight
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 PATHS = {"best": 0, "scalar": 1, "avx2": 2, "vnni": 3}
+K_CODES = 16  # format codes from here on run csrc/linear_kquant.cpp (quant/kquant.py)
 
 
 class QuantKernel:
@@ -31,6 +32,13 @@ class QuantKernel:
         self._embed = lib.kvs_quant_embed
         self._embed.argtypes = [vp, i32, i64, i64, vp, i64, vp, i32, i32]
         self._embed.restype = i32
+        # GGUF K-quant formats (codes >= 16, csrc/linear_kquant.cpp): same arguments
+        self._klinear = lib.kvs_linear_kquant
+        self._klinear.argtypes = self._linear.argtypes
+        self._klinear.restype = i32
+        self._kembed = lib.kvs_kquant_embed
+        self._kembed.argtypes = self._embed.argtypes
+        self._kembed.restype = i32
         lib.kvs_linear_quant_paths.restype = i32
         bits = int(lib.kvs_linear_quant_paths())
         self.paths = {name for name, b in (("scalar", 1), ("avx2", 2), ("vnni", 4)) if bits & b}
@@ -46,7 +54,8 @@ class QuantKernel:
         """``x @ W^T + bias``: x [M, k] float32/bfloat16 (last dim contiguous), bias fp32
         [n] contiguous or None; into ``out`` ([M, n] view with contiguous last dim, x's
         dtype) or a new tensor. ``path`` one of PATHS (tests pin each)."""
-        return self._call(self._linear, x, w, w.n, bias, out, path)
+        fn = self._klinear if w.fmt.code >= K_CODES else self._linear
+        return self._call(fn, x, w, w.n, bias, out, path)
 
     def linear_silu_mul(
         self,
@@ -59,8 +68,10 @@ class QuantKernel:
         """``silu(g) * u`` where ``[g | u] = x @ W^T + bias`` (W a fused gate_up weight:
         its first n/2 rows the gate; n/2 a multiple of 16) -> [M, n/2] in x's dtype, the
         values ``kvs_silu_mul(linear(x))`` gives, in one pass over W."""
-        if w.n % 32 != 0:
-            raise ValueError(f"fused silu needs a multiple of 32 columns, got {w.n}")
+        if w.n % 32 != 0 or w.fmt.code >= K_CODES:
+            raise ValueError(
+                f"fused silu needs a non-K-quant weight of 32k columns ({w.fmt.name}, {w.n})"
+            )
         return self._call(self._silu, x, w, w.n // 2, bias, out, path)
 
     def _call(
@@ -108,9 +119,14 @@ class QuantKernel:
         path's per-call cost. Rules: ``w.data`` and ``bias`` stay alive and unchanged
         while ``f`` is used; x float32/bfloat16 [M, k]; out a new [M, n] (n/2 with silu)
         tensor in x's dtype."""
-        if silu and w.n % 32 != 0:
-            raise ValueError(f"fused silu needs a multiple of 32 columns, got {w.n}")
-        fn = self._silu if silu else self._linear
+        if silu and (w.n % 32 != 0 or w.fmt.code >= K_CODES):
+            raise ValueError(
+                f"fused silu needs a non-K-quant weight of 32k columns ({w.fmt.name}, {w.n})"
+            )
+        if w.fmt.code >= K_CODES:
+            fn = self._klinear
+        else:
+            fn = self._silu if silu else self._linear
         k, n, code = w.k, w.n, w.fmt.code
         n_out = n // 2 if silu else n
         wptr = w.data.data_ptr()
@@ -139,7 +155,8 @@ class QuantKernel:
         """Rows ``ids`` [T] int64 (each in [0, n)) of W, dequantized -> [T, k] ``dtype``."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], w.k, dtype=dtype)
-        rc = self._embed(
+        fn = self._kembed if w.fmt.code >= K_CODES else self._embed
+        rc = fn(
             w.data.data_ptr(),
             w.fmt.code,
             w.n,

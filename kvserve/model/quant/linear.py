@@ -10,7 +10,7 @@ import torch
 
 from kvserve.model import linear as _linear
 from kvserve.model.quant.formats import QuantWeight, reference_linear
-from kvserve.model.quant.kernel import QuantKernel
+from kvserve.model.quant.kernel import K_CODES, QuantKernel
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -67,7 +67,7 @@ class QuantLinear:
         # one native call with the arguments bound (the decode path's per-call cost)
         one = kernel is not None and len(parts) == 1
         self._fast = kernel.bind(parts[0], self.bias) if one and kernel is not None else None
-        silu = one and kernel is not None and n % 32 == 0
+        silu = one and kernel is not None and n % 32 == 0 and parts[0].fmt.code < K_CODES
         self._fast_silu = (
             kernel.bind(parts[0], self.bias, silu=True) if silu and kernel is not None else None
         )
