@@ -564,7 +564,9 @@ def load_model(
 
         tensors = read_tensors(gguf_path, arch.num_heads, arch.num_kv_heads)
     else:
-        tensors = _iter_safetensors(folder)
+        from kvserve.model.quant.hf_int4 import wrap_checkpoint  # GPTQ / AWQ / c-t int4
+
+        tensors = wrap_checkpoint(folder, _iter_safetensors(folder), quantization != "none")
     if quantization in ("int8", "int4"):
         tensors = _quantize_at_load(tensors, quantization)
 
