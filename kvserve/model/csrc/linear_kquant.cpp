@@ -17,11 +17,11 @@
 // Arithmetic (every path the same, so they are bitwise equal): activations quantized
 // per row and 32-value block to int8 (d_x = amax/127, round to nearest even, the rule of
 // csrc/linear_quant.cpp); per block and column an exact int32 dot product of u and q
-// (VNNI vpdpbusd; AVX2 vpmaddubsw + vpmaddwd, exact since u <= 63); kq6 combines its two
-// 16-k halves in int32: isum = sc1 * (a1 - 32 s1) + sc2 * (a2 - 32 s2), s the halves'
-// sums of q; kq4/kq5: isum = sc * a. Then acc = fma(float(isum), D * d_x, acc) and, with
-// a minimum, acc = fma(-(M * mn), d_x * float(sum q), acc), blocks in order; bias added
-// at the end. A row's result does not depend on the other rows (per-row quantization,
+// (VNNI vpdpbusd; AVX2 vpmaddubsw + vpmaddwd, exact since u <= 63). kq4/kq5:
+// acc = fma(float(a), (D * sc) * d_x, acc), then acc = fma(-(M * mn), d_x * float(sum q),
+// acc); kq6, per 16-k half h: acc = fma(float(a_h - 32 s_h), (D * sc_h) * d_x, acc), s_h
+// the half's sum of q; blocks in order, bias added at the end. (Tried: combining the
+// scales in int32 with vpmulld: slower.) A row's result does not depend on the other rows (per-row quantization,
 // one accumulation order at any M).
 #include <algorithm>
 #include <cmath>
@@ -42,7 +42,8 @@ namespace {
 constexpr int64_t kCols = 16;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuper = 256;
-constexpr int64_t kRowTile = 4;
+constexpr int64_t kRowTile = 8;
+constexpr int64_t kPrefetchBytes = 4096;  // weight stream prefetched into L2 this far ahead
 constexpr int64_t kRowChunk = 64;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -211,9 +212,9 @@ void panel_scalar(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a
           if (f.has_min) {
             int32_t dot = 0;
             for (int j = 0; j < kBlock; ++j) dot += u[j] * q[j];
-            const int32_t isum = dot * static_cast<int32_t>(sc[b * 16 + col]);
+            const float ds = D * static_cast<float>(sc[b * 16 + col]);
             const float mm = half_to_float(dh[16 + col]) * static_cast<float>(sc[128 + b * 16 + col]);
-            float v = std::fma(static_cast<float>(isum), D * dx, acc[r][col]);
+            float v = std::fma(static_cast<float>(dot), ds * dx, acc[r][col]);
             acc[r][col] = std::fma(-mm, a.dsq[row * a.nb + bi], v);
           } else {
             int32_t a1 = 0, a2 = 0;
@@ -222,8 +223,10 @@ void panel_scalar(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a
             const int32_t* s16 = a.s16 + 2 * (row * a.nb + bi);
             const auto sc1 = static_cast<int32_t>(static_cast<int8_t>(sc[(2 * b) * 16 + col]));
             const auto sc2 = static_cast<int32_t>(static_cast<int8_t>(sc[(2 * b + 1) * 16 + col]));
-            const int32_t isum = sc1 * (a1 - 32 * s16[0]) + sc2 * (a2 - 32 * s16[1]);
-            acc[r][col] = std::fma(static_cast<float>(isum), D * dx, acc[r][col]);
+            const float v = std::fma(static_cast<float>(a1 - 32 * s16[0]),
+                                     (D * static_cast<float>(sc1)) * dx, acc[r][col]);
+            acc[r][col] = std::fma(static_cast<float>(a2 - 32 * s16[1]),
+                                   (D * static_cast<float>(sc2)) * dx, v);
           }
         }
       }
@@ -252,9 +255,11 @@ void panel_vnni(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
     const __m512 M = f.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                      reinterpret_cast<const __m256i*>(tile + f.d_off() + 32)))
                                : _mm512_setzero_ps();
-    _mm_prefetch(reinterpret_cast<const char*>(tile + f.tile_bytes()), _MM_HINT_T1);
     for (int b = 0; b < 8; ++b) {
       const uint8_t* blk = tile + b * f.block_bytes();
+      for (int64_t l = 0; l < f.block_bytes(); l += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + l), _MM_HINT_T1);
+      }
       __m512i u[8];
       for (int c = 0; c < 4; ++c) {
         const __m512i nib = _mm512_loadu_si512(blk + c * 64);
@@ -271,7 +276,8 @@ void panel_vnni(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
       }
       const int64_t bi = s * 8 + b;
       if (f.has_min) {
-        const __m512i scv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 16)));
+        const __m512 ds = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 16)))));
         const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 128 + b * 16))));
         const __m512 mm = _mm512_mul_ps(M, mn);
@@ -280,14 +286,15 @@ void panel_vnni(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
           const int8_t* q = a.q + row * K + bi * kBlock;
           __m512i dot = _mm512_setzero_si512();
           for (int j = 0; j < 8; ++j) dot = _mm512_dpbusd_epi32(dot, u[j], _mm512_set1_epi32(load_i32(q + 4 * j)));
-          const __m512i isum = _mm512_mullo_epi32(dot, scv);
-          const __m512 ddx = _mm512_mul_ps(D, _mm512_set1_ps(a.d[row * a.nb + bi]));
-          __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ddx, acc[r]);
+          const __m512 ddx = _mm512_mul_ps(ds, _mm512_set1_ps(a.d[row * a.nb + bi]));
+          __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ddx, acc[r]);
           acc[r] = _mm512_fnmadd_ps(mm, _mm512_set1_ps(a.dsq[row * a.nb + bi]), v);
         }
       } else {
-        const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (2 * b) * 16)));
-        const __m512i sc2 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (2 * b + 1) * 16)));
+        const __m512 ds1 = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (2 * b) * 16)))));
+        const __m512 ds2 = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (2 * b + 1) * 16)))));
         for (int r = 0; r < nr; ++r) {
           const int64_t row = r0 + r;
           const int8_t* q = a.q + row * K + bi * kBlock;
@@ -296,9 +303,9 @@ void panel_vnni(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
           __m512i a2 = _mm512_set1_epi32(-32 * s16[1]);
           for (int j = 0; j < 4; ++j) a1 = _mm512_dpbusd_epi32(a1, u[j], _mm512_set1_epi32(load_i32(q + 4 * j)));
           for (int j = 4; j < 8; ++j) a2 = _mm512_dpbusd_epi32(a2, u[j], _mm512_set1_epi32(load_i32(q + 4 * j)));
-          const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(a1, sc1), _mm512_mullo_epi32(a2, sc2));
-          const __m512 ddx = _mm512_mul_ps(D, _mm512_set1_ps(a.d[row * a.nb + bi]));
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), ddx, acc[r]);
+          const __m512 dx = _mm512_set1_ps(a.d[row * a.nb + bi]);
+          const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(ds1, dx), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a2), _mm512_mul_ps(ds2, dx), v);
         }
       }
     }
@@ -349,7 +356,8 @@ void panel_avx2(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
         }
         const int64_t bi = s * 8 + b;
         if (f.has_min) {
-          const __m256i scv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * 16)));
+          const __m256 ds = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * 16)))));
           const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 128 + b * 16))));
           const __m256 mm = _mm256_mul_ps(M, mn);
@@ -358,14 +366,15 @@ void panel_avx2(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
             const int8_t* q = a.q + row * K + bi * kBlock;
             __m256i dot = _mm256_setzero_si256();
             for (int j = 0; j < 8; ++j) dot = _mm256_add_epi32(dot, dot4(u[j], q + 4 * j));
-            const __m256i isum = _mm256_mullo_epi32(dot, scv);
-            const __m256 ddx = _mm256_mul_ps(D, _mm256_set1_ps(a.d[row * a.nb + bi]));
-            const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), ddx, acc[r]);
+            const __m256 ddx = _mm256_mul_ps(ds, _mm256_set1_ps(a.d[row * a.nb + bi]));
+            const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ddx, acc[r]);
             acc[r] = _mm256_fnmadd_ps(mm, _mm256_set1_ps(a.dsq[row * a.nb + bi]), v);
           }
         } else {
-          const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + (2 * b) * 16)));
-          const __m256i sc2 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + (2 * b + 1) * 16)));
+          const __m256 ds1 = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + (2 * b) * 16)))));
+          const __m256 ds2 = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + (2 * b + 1) * 16)))));
           for (int r = 0; r < nr; ++r) {
             const int64_t row = r0 + r;
             const int8_t* q = a.q + row * K + bi * kBlock;
@@ -374,9 +383,9 @@ void panel_avx2(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
             __m256i a2 = _mm256_set1_epi32(-32 * s16[1]);
             for (int j = 0; j < 4; ++j) a1 = _mm256_add_epi32(a1, dot4(u[j], q + 4 * j));
             for (int j = 4; j < 8; ++j) a2 = _mm256_add_epi32(a2, dot4(u[j], q + 4 * j));
-            const __m256i isum = _mm256_add_epi32(_mm256_mullo_epi32(a1, sc1), _mm256_mullo_epi32(a2, sc2));
-            const __m256 ddx = _mm256_mul_ps(D, _mm256_set1_ps(a.d[row * a.nb + bi]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), ddx, acc[r]);
+            const __m256 dx = _mm256_set1_ps(a.d[row * a.nb + bi]);
+            const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(ds1, dx), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a2), _mm256_mul_ps(ds2, dx), v);
           }
         }
       }

@@ -68,10 +68,10 @@ class QuantKernel:
         """``silu(g) * u`` where ``[g | u] = x @ W^T + bias`` (W a fused gate_up weight:
         its first n/2 rows the gate; n/2 a multiple of 16) -> [M, n/2] in x's dtype, the
         values ``kvs_silu_mul(linear(x))`` gives, in one pass over W."""
-        if w.n % 32 != 0 or w.fmt.code >= K_CODES:
-            raise ValueError(
-                f"fused silu needs a non-K-quant weight of 32k columns ({w.fmt.name}, {w.n})"
-            )
+        if w.n % 32 != 0:
+            raise ValueError(f"fused silu needs a multiple of 32 columns, got {w.n}")
+        if w.fmt.code >= K_CODES:
+            raise ValueError(f"fused silu has no {w.fmt.name} kernel: run the linear, then SiLU")
         return self._call(self._silu, x, w, w.n // 2, bias, out, path)
 
     def _call(
@@ -119,10 +119,10 @@ class QuantKernel:
         path's per-call cost. Rules: ``w.data`` and ``bias`` stay alive and unchanged
         while ``f`` is used; x float32/bfloat16 [M, k]; out a new [M, n] (n/2 with silu)
         tensor in x's dtype."""
-        if silu and (w.n % 32 != 0 or w.fmt.code >= K_CODES):
-            raise ValueError(
-                f"fused silu needs a non-K-quant weight of 32k columns ({w.fmt.name}, {w.n})"
-            )
+        if silu and w.n % 32 != 0:
+            raise ValueError(f"fused silu needs a multiple of 32 columns, got {w.n}")
+        if silu and w.fmt.code >= K_CODES:
+            raise ValueError(f"fused silu has no {w.fmt.name} kernel: run the linear, then SiLU")
         if w.fmt.code >= K_CODES:
             fn = self._klinear
         else:
