@@ -60,10 +60,10 @@ constexpr bool kHaveAvx2 = false;
 struct KFormat {
   int planes;    // high bit planes beyond the nibble (0, 1, 2)
   bool has_min;  // kq4/kq5: w = D sc u - M mn; kq6: w = D sc (u - 32)
-  int64_t block_bytes() const { return 256 + 64 * planes; }
-  int64_t scale_off() const { return 8 * block_bytes(); }
-  int64_t d_off() const { return scale_off() + 256; }
-  int64_t tile_bytes() const { return d_off() + (has_min ? 64 : 32); }
+  constexpr int64_t block_bytes() const { return 256 + 64 * planes; }
+  constexpr int64_t scale_off() const { return 8 * block_bytes(); }
+  constexpr int64_t d_off() const { return scale_off() + 256; }
+  constexpr int64_t tile_bytes() const { return d_off() + (has_min ? 64 : 32); }
 };
 
 // fmt codes shared with kvserve/model/quant/kquant.py
@@ -243,16 +243,21 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
-void panel_vnni(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, int64_t K,
-                int64_t r0, int nr, float out[][kCols]) {
-  __m512 acc[kRowTile];
-  for (int r = 0; r < kRowTile; ++r) acc[r] = _mm512_setzero_ps();
+// PLANES, MIN and the row count NR are compile-time so the loops unroll and the
+// accumulators stay in registers.
+template <int PLANES, bool MIN, int NR>
+void panel_vnni_t(const uint8_t* wp, int64_t nsb, const Act& a, int64_t K, int64_t r0,
+                  float out[][kCols]) {
+  constexpr KFormat f{PLANES, MIN};
+  constexpr int nr = NR;
+  __m512 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(15);
   for (int64_t s = 0; s < nsb; ++s) {
     const uint8_t* tile = wp + s * f.tile_bytes();
     const uint8_t* sc = tile + f.scale_off();
     const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + f.d_off())));
-    const __m512 M = f.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256(
+    const __m512 M = MIN ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                      reinterpret_cast<const __m256i*>(tile + f.d_off() + 32)))
                                : _mm512_setzero_ps();
     for (int b = 0; b < 8; ++b) {
@@ -266,7 +271,7 @@ void panel_vnni(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
         u[c] = _mm512_and_si512(nib, low);
         u[4 + c] = _mm512_and_si512(_mm512_srli_epi16(nib, 4), low);
       }
-      for (int p = 0; p < f.planes; ++p) {
+      for (int p = 0; p < PLANES; ++p) {
         const __m512i pl = _mm512_loadu_si512(blk + 256 + p * 64);
         const __m512i add = _mm512_set1_epi8(static_cast<char>(16 << p));
         for (int j = 0; j < 8; ++j) {
@@ -275,7 +280,7 @@ void panel_vnni(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
         }
       }
       const int64_t bi = s * 8 + b;
-      if (f.has_min) {
+      if constexpr (MIN) {
         const __m512 ds = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + b * 16)))));
         const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
@@ -311,6 +316,31 @@ void panel_vnni(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
     }
   }
   for (int r = 0; r < nr; ++r) _mm512_storeu_ps(out[r], acc[r]);
+}
+template <int PLANES, bool MIN>
+void panel_vnni_rows(const uint8_t* wp, int64_t nsb, const Act& a, int64_t K, int64_t r0, int nr,
+                     float out[][kCols]) {
+  switch (nr) {
+    case 1: panel_vnni_t<PLANES, MIN, 1>(wp, nsb, a, K, r0, out); break;
+    case 2: panel_vnni_t<PLANES, MIN, 2>(wp, nsb, a, K, r0, out); break;
+    case 3: panel_vnni_t<PLANES, MIN, 3>(wp, nsb, a, K, r0, out); break;
+    case 4: panel_vnni_t<PLANES, MIN, 4>(wp, nsb, a, K, r0, out); break;
+    case 5: panel_vnni_t<PLANES, MIN, 5>(wp, nsb, a, K, r0, out); break;
+    case 6: panel_vnni_t<PLANES, MIN, 6>(wp, nsb, a, K, r0, out); break;
+    case 7: panel_vnni_t<PLANES, MIN, 7>(wp, nsb, a, K, r0, out); break;
+    default: panel_vnni_t<PLANES, MIN, 8>(wp, nsb, a, K, r0, out); break;
+  }
+}
+
+void panel_vnni(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, int64_t K,
+                int64_t r0, int nr, float out[][kCols]) {
+  if (f.planes == 0) {
+    panel_vnni_rows<0, true>(wp, nsb, a, K, r0, nr, out);
+  } else if (f.planes == 1) {
+    panel_vnni_rows<1, true>(wp, nsb, a, K, r0, nr, out);
+  } else {
+    panel_vnni_rows<2, false>(wp, nsb, a, K, r0, nr, out);
+  }
 }
 #endif
 
