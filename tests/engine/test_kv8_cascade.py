@@ -24,7 +24,7 @@ def test_shared_prefix_with_int8_kv_needs_no_cascade_and_matches_alone(
     assert len(tok(shared)["input_ids"]) >= 2 * CASCADE_MIN_SHARED_TOKENS
     prompts = [shared + tail for tail in ("First,", "Second,", "Then the chair said", "Finally")]
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    seen: list[object] = []
+    seen: list[object] = []  # with bf16 KV this workload cascade-splits 7 of 30 steps
     from kvserve.model import attention_metadata as am
 
     real = am._cascade_split
