@@ -13,6 +13,7 @@ from kvserve.request import SamplingParams
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
+@pytest.mark.slow
 def test_shared_prefix_with_int8_kv_needs_no_cascade_and_matches_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -354,17 +354,20 @@ inline __m256i dot4(__m256i u, const int8_t* q) {  // 8 lanes: sum of 4 u8 x s8 
   return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-void panel_avx2(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, int64_t K,
-                int64_t r0, int nr, float out[][kCols]) {
+template <int PLANES, bool MIN, int NR>
+void panel_avx2_t(const uint8_t* wp, int64_t nsb, const Act& a, int64_t K, int64_t r0,
+                  float out[][kCols]) {
+  constexpr KFormat f{PLANES, MIN};
+  constexpr int nr = NR;
   const __m256i low = _mm256_set1_epi8(15);
   for (int h = 0; h < 2; ++h) {  // 8 columns at a time
-    __m256 acc[kRowTile];
-    for (int r = 0; r < kRowTile; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; ++s) {
       const uint8_t* tile = wp + s * f.tile_bytes();
       const uint8_t* sc = tile + f.scale_off() + h * 8;
       const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + f.d_off() + h * 16)));
-      const __m256 M = f.has_min ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+      const __m256 M = MIN ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
                                        tile + f.d_off() + 32 + h * 16)))
                                  : _mm256_setzero_ps();
       for (int b = 0; b < 8; ++b) {
@@ -375,7 +378,7 @@ void panel_avx2(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
           u[c] = _mm256_and_si256(nib, low);
           u[4 + c] = _mm256_and_si256(_mm256_srli_epi16(nib, 4), low);
         }
-        for (int p = 0; p < f.planes; ++p) {
+        for (int p = 0; p < PLANES; ++p) {
           const __m256i pl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256 + p * 64 + h * 32));
           const __m256i add = _mm256_set1_epi8(static_cast<char>(16 << p));
           for (int j = 0; j < 8; ++j) {
@@ -385,7 +388,7 @@ void panel_avx2(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
           }
         }
         const int64_t bi = s * 8 + b;
-        if (f.has_min) {
+        if constexpr (MIN) {
           const __m256 ds = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + b * 16)))));
           const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
@@ -421,6 +424,31 @@ void panel_avx2(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, 
       }
     }
     for (int r = 0; r < nr; ++r) _mm256_storeu_ps(out[r] + h * 8, acc[r]);
+  }
+}
+template <int PLANES, bool MIN>
+void panel_avx2_rows(const uint8_t* wp, int64_t nsb, const Act& a, int64_t K, int64_t r0, int nr,
+                     float out[][kCols]) {
+  switch (nr) {
+    case 1: panel_avx2_t<PLANES, MIN, 1>(wp, nsb, a, K, r0, out); break;
+    case 2: panel_avx2_t<PLANES, MIN, 2>(wp, nsb, a, K, r0, out); break;
+    case 3: panel_avx2_t<PLANES, MIN, 3>(wp, nsb, a, K, r0, out); break;
+    case 4: panel_avx2_t<PLANES, MIN, 4>(wp, nsb, a, K, r0, out); break;
+    default:  // 5-8 rows: two passes of up to 4 (AVX2 has 16 registers)
+      panel_avx2_t<PLANES, MIN, 4>(wp, nsb, a, K, r0, out);
+      panel_avx2_rows<PLANES, MIN>(wp, nsb, a, K, r0 + 4, nr - 4, out + 4);
+      break;
+  }
+}
+
+void panel_avx2(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a, int64_t K,
+                int64_t r0, int nr, float out[][kCols]) {
+  if (f.planes == 0) {
+    panel_avx2_rows<0, true>(wp, nsb, a, K, r0, nr, out);
+  } else if (f.planes == 1) {
+    panel_avx2_rows<1, true>(wp, nsb, a, K, r0, nr, out);
+  } else {
+    panel_avx2_rows<2, false>(wp, nsb, a, K, r0, nr, out);
   }
 }
 #endif
