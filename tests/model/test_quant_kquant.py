@@ -281,16 +281,19 @@ def test_whole_model_q4_k_m_mix_matches_float(kernel) -> None:  # type: ignore[n
         "mlp.down_proj": ("Q6_K", 256, 512),
     }
     quant: dict[str, torch.Tensor | QuantWeight] = {}
-    seed = 100
+    seed, file_bytes = 100, 0
     for li in range(2):
         for name, (t, n, k) in kinds.items():
             seed += 1
-            quant[f"model.layers.{li}.{name}.weight"] = from_gguf(_raw(t, n, k, seed), t, n, k)
+            raw = _raw(t, n, k, seed)
+            file_bytes += raw.nbytes
+            quant[f"model.layers.{li}.{name}.weight"] = from_gguf(raw, t, n, k)
         quant[f"model.layers.{li}.input_layernorm.weight"] = torch.ones(256)
         quant[f"model.layers.{li}.post_attention_layernorm.weight"] = torch.ones(256)
     quant["model.embed_tokens.weight"] = from_gguf(_raw("Q4_K", 64, 256, 1), "Q4_K", 64, 256)
     quant["lm_head.weight"] = from_gguf(_raw("Q6_K", 64, 256, 2), "Q6_K", 64, 256)
     quant["model.norm.weight"] = torch.ones(256)
+    file_bytes += 64 * 144 + 64 * 210  # the embedding (Q4_K) and lm_head (Q6_K) rows
     dense = {k: v.dequantize() if isinstance(v, QuantWeight) else v for k, v in quant.items()}
 
     def build(tensors: dict) -> LlamaForCausalLM:  # type: ignore[type-arg]
@@ -302,6 +305,8 @@ def test_whole_model_q4_k_m_mix_matches_float(kernel) -> None:  # type: ignore[n
 
     qnet, fnet = build(quant), build(dense)
     assert qnet.weight_formats() == "kq4+kq5+kq6"
+    resident = sum(p.nbytes for parts in qnet._quant.values() for p in parts)
+    assert file_bytes < resident < 1.03 * file_bytes, (resident, file_bytes)  # 1.017 for this mix
     ids = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(9))
 
     def logits(net: LlamaForCausalLM) -> torch.Tensor:

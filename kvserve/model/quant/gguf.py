@@ -102,8 +102,9 @@ def read_tensors(
 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """(HF name, tensor) for every tensor of the GGUF file at ``path``.
 
-    ``keep_quantized``: Q4_0/Q4_1/Q8_0 tensors come as QuantWeight; otherwise (and for
-    every other quantized type) as float32 dequantized by the gguf package.
+    ``keep_quantized``: Q4_0/Q4_1/Q8_0 tensors come as QuantWeight, Q4_K/Q5_K/Q6_K as
+    :class:`~kvserve.model.quant.kquant.KQuantWeight` (exact); otherwise (and for every
+    other quantized type) as float32 dequantized by the gguf package.
     """
     from gguf import GGUFReader
     from gguf.quants import dequantize
