@@ -332,3 +332,16 @@ def test_whole_model_q4_k_m_mix_matches_float(kernel) -> None:  # type: ignore[n
     assert err < 0.15 * spread and mean < 0.03 * spread, (err, mean, spread)
     agree = (lq.argmax(-1) == lf.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree
+
+
+@pytest.mark.parametrize("type_name", K_TYPES)
+def test_native_repack_is_the_numpy_one(kernel, type_name: str) -> None:  # type: ignore[no-untyped-def]
+    """The C repack (kvs_kquant_pack_gguf, used at load) writes the same bytes as the
+    NumPy one, padding panel included."""
+    from kvserve.model.quant.kquant import from_gguf
+
+    raw = _raw(type_name, 40, 512, seed=21)
+    fast = from_gguf(raw, type_name, 40, 512)
+    slow = from_gguf(raw, type_name, 40, 512, native=False)
+    assert torch.equal(fast.data, slow.data)
+    assert torch.equal(fast.dequantize(), _gguf_dequant(raw, type_name, 40, 512))

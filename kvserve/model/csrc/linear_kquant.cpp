@@ -576,4 +576,87 @@ int kvs_kquant_embed(const uint8_t* w, int fmt, int64_t n, int64_t K, const int6
   return 0;
 }
 
+// The tile layout above from raw GGUF rows (Q4_K / Q5_K / Q6_K super-blocks, fmt 16 / 17
+// / 18): the integers and scales copied as they are (llama.cpp's block layouts), the
+// padding columns of the last panel zero. raw: n rows of K/256 blocks; out:
+// ceil(n/16) * K/256 * tile bytes. Returns 0, or -1 for a bad format/K.
+int kvs_kquant_pack_gguf(const uint8_t* raw, int fmt, int64_t n, int64_t K, uint8_t* out,
+                         int threads) {
+  KFormat f;
+  if (!kformat_of(fmt, &f) || K % kSuper != 0 || n < 0) return -1;
+  const int64_t nsb = K / kSuper;
+  const int64_t gb = fmt == 16 ? 144 : (fmt == 17 ? 176 : 210);  // GGUF block bytes
+  const int64_t panels = (n + kCols - 1) / kCols;
+  const int64_t tb = f.tile_bytes();
+#pragma omp parallel for num_threads(threads < 1 ? 1 : threads) schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t s = 0; s < nsb; ++s) {
+      uint8_t* tile = out + (p * nsb + s) * tb;
+      std::memset(tile, 0, static_cast<size_t>(tb));
+      for (int col = 0; col < kCols; ++col) {
+        const int64_t row = p * kCols + col;
+        if (row >= n) break;
+        const uint8_t* g = raw + (row * nsb + s) * gb;
+        uint8_t u[kSuper];
+        uint8_t* sc = tile + f.scale_off();
+        uint8_t* dh = tile + f.d_off();
+        if (fmt == 18) {  // Q6_K: ql[128] qh[64] sc[16] d
+          for (int h = 0; h < 2; ++h) {
+            for (int l = 0; l < 32; ++l) {
+              const uint8_t* ql = g + h * 64;
+              const uint8_t qh = g[128 + h * 32 + l];
+              u[h * 128 + l] = static_cast<uint8_t>((ql[l] & 15) | ((qh & 3) << 4));
+              u[h * 128 + 32 + l] = static_cast<uint8_t>((ql[32 + l] & 15) | (((qh >> 2) & 3) << 4));
+              u[h * 128 + 64 + l] = static_cast<uint8_t>((ql[l] >> 4) | (((qh >> 4) & 3) << 4));
+              u[h * 128 + 96 + l] = static_cast<uint8_t>((ql[32 + l] >> 4) | (((qh >> 6) & 3) << 4));
+            }
+          }
+          for (int grp = 0; grp < 16; ++grp) sc[grp * 16 + col] = g[192 + grp];
+          std::memcpy(dh + 2 * col, g + 208, 2);
+        } else {  // Q4_K / Q5_K: d dmin scales[12] (qh[32]) qs[128]
+          const uint8_t* q6 = g + 4;
+          for (int j = 0; j < 8; ++j) {
+            uint8_t scv, mnv;
+            if (j < 4) {
+              scv = q6[j] & 63;
+              mnv = q6[j + 4] & 63;
+            } else {
+              scv = static_cast<uint8_t>((q6[j + 4] & 15) | ((q6[j - 4] >> 6) << 4));
+              mnv = static_cast<uint8_t>((q6[j + 4] >> 4) | ((q6[j] >> 6) << 4));
+            }
+            sc[j * 16 + col] = scv;
+            sc[128 + j * 16 + col] = mnv;
+          }
+          const uint8_t* qs = g + (fmt == 16 ? 16 : 48);
+          for (int j = 0; j < 4; ++j) {
+            for (int l = 0; l < 32; ++l) {
+              u[j * 64 + l] = qs[j * 32 + l] & 15;
+              u[j * 64 + 32 + l] = qs[j * 32 + l] >> 4;
+            }
+          }
+          if (fmt == 17) {
+            for (int sub = 0; sub < 8; ++sub) {
+              for (int l = 0; l < 32; ++l) u[sub * 32 + l] |= static_cast<uint8_t>(((g[16 + l] >> sub) & 1) << 4);
+            }
+          }
+          std::memcpy(dh + 2 * col, g, 2);
+          std::memcpy(dh + 32 + 2 * col, g + 2, 2);
+        }
+        for (int b = 0; b < 8; ++b) {
+          uint8_t* blk = tile + b * f.block_bytes();
+          for (int j = 0; j < kBlock; ++j) {
+            const int v = u[b * kBlock + j];
+            const int half = j / 16, c = (j % 16) / 4, t = j % 4;
+            blk[c * 64 + col * 4 + t] |= static_cast<uint8_t>(half ? (v & 15) << 4 : (v & 15));
+            for (int pl = 0; pl < f.planes; ++pl) {
+              blk[256 + pl * 64 + col * 4 + t] |= static_cast<uint8_t>(((v >> (4 + pl)) & 1) << (j / 4));
+            }
+          }
+        }
+      }
+    }
+  }
+  return 0;
+}
+
 }  // extern "C"

@@ -8,6 +8,7 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvserve.model.quant.formats import QuantWeight
@@ -39,6 +40,9 @@ class QuantKernel:
         self._kembed = lib.kvs_kquant_embed
         self._kembed.argtypes = self._embed.argtypes
         self._kembed.restype = i32
+        self._kpack = lib.kvs_kquant_pack_gguf
+        self._kpack.argtypes = [vp, i32, i64, i64, vp, i32]
+        self._kpack.restype = i32
         lib.kvs_linear_quant_paths.restype = i32
         bits = int(lib.kvs_linear_quant_paths())
         self.paths = {name for name, b in (("scalar", 1), ("avx2", 2), ("vnni", 4)) if bits & b}
@@ -150,6 +154,21 @@ class QuantKernel:
             return out
 
         return run
+
+    def pack_gguf_kquant(
+        self, raw: np.ndarray, code: int, n: int, k: int, out_bytes: int
+    ) -> torch.Tensor:
+        """Raw GGUF Q4_K/Q5_K/Q6_K rows (C-contiguous uint8 array, read-only is fine:
+        n * k/256 blocks) -> the K-quant tile layout (format ``code`` 16/17/18,
+        ``out_bytes`` long), in C."""
+        if raw.dtype != np.uint8 or not raw.flags.c_contiguous:
+            raise ValueError("raw GGUF blocks must be a C-contiguous uint8 array")
+        out = torch.empty(out_bytes, dtype=torch.uint8)
+        ptr = raw.ctypes.data
+        rc = self._kpack(ptr, code, n, k, out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"kvs_kquant_pack_gguf returned {rc}")
+        return out
 
     def embed(self, w: QuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` [T] int64 (each in [0, n)) of W, dequantized -> [T, k] ``dtype``."""
