@@ -527,9 +527,9 @@ def load_model(
 ) -> LoadedModel:
     """Load a model by name, GGUF path or HF folder onto ``device`` in ``dtype``.
 
-    ``quantization``: ``auto`` runs a GGUF file's Q4_0/Q4_1/Q8_0 tensors as they are
-    (other tensor types dequantized, that tensor in float) and a float checkpoint in
-    float; ``none`` dequantizes everything (the float32 conversion of the GGUF, as
+    ``quantization``: ``auto`` runs a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors
+    as they are (other tensor types dequantized, that tensor in float), a GPTQ / AWQ /
+    compressed-tensors int4 folder quantized, and a float checkpoint in float; ``none`` dequantizes everything (the float32 conversion of the GGUF, as
     before quantized execution existed); ``int8`` / ``int4`` also quantize a float
     checkpoint's linear weights at load (group-wise, 32 per group; see
     docs/quantization.md). Quantized weights need the CPU. Raises ValueError for
@@ -567,7 +567,9 @@ def load_model(
 
         tensors = read_tensors(gguf_path, arch.num_heads, arch.num_kv_heads)
     else:
-        tensors = _iter_safetensors(folder)
+        from kvserve.model.quant.hf_int4 import wrap_checkpoint  # GPTQ / AWQ / c-t int4
+
+        tensors = wrap_checkpoint(folder, _iter_safetensors(folder), quantization != "none")
     if quantization in ("int8", "int4"):
         tensors = _quantize_at_load(tensors, quantization)
 

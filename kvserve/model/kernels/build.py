@@ -35,6 +35,7 @@ SOURCES = [
         "linear_panels.cpp",
         "prefill_vec.cpp",
         "linear_quant.cpp",
+        "linear_kquant.cpp",  # GGUF K-quants (bindings: kvserve.model.quant.kernel)
         "attention_kv8.cpp",  # 8-bit KV cache (bindings: kvserve.model.kernels_kv8)
     )
 ]
