@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.arch import ModelArchConfig  # noqa: F401  (re-exported)
-from kvserve.model.attention import AttentionMetadata, native_attention, paged_attention
+from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.kernels.backend import KernelBackend, default_backend
 from kvserve.model.kernels.paged_attention import PagedAttention
-from kvserve.model.kernels_kv8 import is_kv8, kv8_paged_attention
 from kvserve.model.linear import FastLinear, mkldnn_linear_works
+from kvserve.model.llama_native import FusedDecode, forward_native
 from kvserve.model.quant.formats import QuantWeight
 from kvserve.model.quant.kernel import QuantKernel
 from kvserve.model.quant.linear import QuantEmbedding, QuantLinear
@@ -97,6 +97,7 @@ class LlamaForCausalLM(nn.Module):
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rope_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # [n, D/2] cos, sin
         self._native: KernelBackend | None = None  # set when the fused native layers run
+        self._fused_decode: FusedDecode | None = None  # all layers of a decode step, one call
         self.kernels = KernelBackend.portable()  # the backend prepare() was given
         self._ops: list[_LayerOps] = []
         self._qkernel: QuantKernel | None = None
@@ -303,6 +304,7 @@ class LlamaForCausalLM(nn.Module):
             and PagedAttention.supports(self.embed_tokens.dtype)
         )
         self._native = kernels if usable and not self.config.qk_norm else None
+        self._fused_decode = None if self._native is None else FusedDecode.build(self, kernels)
         self.batch_invariant = False
         self.set_batch_invariant(self.batch_invariant_default)
 
@@ -488,7 +490,7 @@ class LlamaForCausalLM(nn.Module):
             and attn_meta.native is not None
             and not torch.compiler.is_compiling()
         ):
-            return self._forward_native(input_ids, positions, kv_caches, attn_meta, self._native)
+            return forward_native(self, input_ids, positions, kv_caches, attn_meta, self._native)
         c = self.config
         h, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         num_tokens = input_ids.shape[0]
@@ -514,64 +516,6 @@ class LlamaForCausalLM(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             x = x + ops.down(F.silu(gate) * up)
         return x
-
-    def _forward_native(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-        kernels: KernelBackend,
-    ) -> torch.Tensor:
-        """The same layers with fused native ops and an fp32 residual stream.
-
-        Per layer: add+RMSNorm, qkv linear, RoPE + KV write, paged attention, o linear,
-        add+RMSNorm, gate_up linear, SiLU*mul, down linear. Returns the fp32 residual
-        stream [T, hidden] (before the final norm).
-        """
-        assert meta.native is not None
-        nk, attention = kernels.norms, kernels.attention
-        assert nk is not None and attention is not None
-        c = self.config
-        h, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
-        num_tokens = input_ids.shape[0]
-        eps = c.rms_norm_eps
-        cos, sin = self._rope_tables(positions)
-        seqs, tables, seg = meta.native.seqs, meta.native.block_tables, meta.kv_segment_size
-        residual = self.embed(input_ids).float()  # [T, hidden] fp32
-        pending: torch.Tensor | None = None  # the last sublayer's output, not yet added
-        no_write: torch.Tensor | None = None  # all -1 slots (8-bit caches are written apart)
-        for ops, kv_cache in zip(self._ops, kv_caches, strict=True):
-            y = nk.add_rms_norm(residual, pending, ops.input_layernorm, eps)
-            qkv = ops.qkv(y)  # [T, (H + 2Hk) * D]
-            if is_kv8(kv_cache):  # RoPE only, then the quantized write and 8-bit attention
-                if no_write is None:
-                    no_write = torch.full((num_tokens,), -1, dtype=torch.int64)
-                nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv_cache, no_write)
-                qkv3 = qkv.view(num_tokens, h + 2 * hk, d)
-                attn = kv8_paged_attention(
-                    qkv3[:, :h], qkv3[:, h : h + hk], qkv3[:, h + hk :], kv_cache, meta, self.scale
-                )
-            else:
-                nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv_cache, meta.slot_mapping)
-                q = qkv[:, : h * d].view(num_tokens, h, d)
-                if meta.native.prefills or meta.native.cascade is not None:
-                    k = qkv[:, h * d : (h + hk) * d].view(num_tokens, hk, d)
-                    v = qkv[:, (h + hk) * d :].view(num_tokens, hk, d)
-                    attn = native_attention(q, k, v, kv_cache, meta, self.scale)
-                else:
-                    attn = attention(q, kv_cache, seqs, tables, seg, self.scale)  # [T, H, D]
-            o = ops.o(attn.view(num_tokens, h * d))
-            y = nk.add_rms_norm(residual, o, ops.post_attention_layernorm, eps)
-            gu = ops.gate_up
-            if isinstance(gu, QuantLinear) and gu.fused_silu_capable:
-                act = gu.silu_mul(y)  # the same values in one native pass
-            else:
-                act = nk.silu_mul(gu(y))
-            pending = ops.down(act)
-        if pending is not None:
-            residual += pending
-        return residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (rows to sample from) -> fp32 logits [N, vocab].

@@ -36,6 +36,7 @@ SOURCES = [
         "prefill_vec.cpp",
         "linear_quant.cpp",
         "attention_kv8.cpp",  # 8-bit KV cache (bindings: kvserve.model.kernels_kv8)
+        "decode_step.cpp",  # all layers of a decode step (bindings: kvserve.model.llama_native)
     )
 ]
 HEADERS = [CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources
