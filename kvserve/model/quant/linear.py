@@ -110,6 +110,12 @@ class QuantLinear:
         return out
 
     @property
+    def native_one_part(self) -> bool:
+        """Whether float32/bfloat16 inputs run one native call on one part (the weight
+        ``parts[0]``, bias ``bias``): what the fused decode step calls directly."""
+        return self._fast is not None
+
+    @property
     def fused_silu_capable(self) -> bool:
         """Whether :meth:`silu_mul` runs as one native call (one part, n % 32 == 0)."""
         return self._fast_silu is not None
