@@ -13,8 +13,8 @@ import time
 import numpy as np
 import torch
 
+from kvserve.model.kernels.backend import default_backend
 from kvserve.model.quant.formats import QuantWeight, quantize_4bit, quantize_symmetric8
-from kvserve.model.quant.kernel import get_quant_kernel
 from kvserve.model.quant.kquant import GGUF_BLOCK_BYTES, from_gguf
 
 
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    kernel = get_quant_kernel()
+    kernel = default_backend().quant_linear
     if kernel is None:
         raise SystemExit("native kernels unavailable")
     rng = np.random.default_rng(0)

@@ -262,7 +262,7 @@ def test_metadata_folder_is_keyed_by_content(tmp_path, monkeypatch) -> None:
         calls.append(src)
         (out / "kvserve_meta.json").write_text("{}")
 
-    monkeypatch.setattr(loader, "_write_gguf_metadata", fake_write)
+    monkeypatch.setattr(loader, "write_gguf_metadata", fake_write)
     first = loader.resolve_gguf_metadata(a, "m")
     assert loader.resolve_gguf_metadata(b, "renamed") == first
     assert loader.resolve_gguf_metadata(a, "m") == first

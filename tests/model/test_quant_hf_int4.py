@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.model.kernels.backend import default_backend
 from kvserve.model.quant.formats import BLOCK, QuantWeight, quantize_activations
 from kvserve.model.quant.hf_int4 import AWQ_ORDER, read_int4
-from kvserve.model.quant.kernel import get_quant_kernel
 from kvserve.model.quant.linear import QuantLinear
 
 
@@ -114,7 +114,7 @@ def _check_linear(w: QuantWeight, ref: torch.Tensor) -> None:
     """The executed linear (native where built, else the reference) is within the
     int8-activation bound of x @ ref^T (plus the weight's own fp16 zero rounding)."""
     x = torch.randn(4, ref.shape[1], generator=torch.Generator().manual_seed(3))
-    y = QuantLinear([w], None, get_quant_kernel())(x).double()
+    y = QuantLinear([w], None, default_backend().quant_linear)(x).double()
     exact = x.double() @ ref.double().T
     xs = x if w.in_perm is None else x[:, w.in_perm]
     _, dx, _ = quantize_activations(xs)

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from kvserve.model.kernels.backend import default_backend
 from kvserve.model.quant.formats import BLOCK, QuantWeight, quantize_activations
-from kvserve.model.quant.kernel import get_quant_kernel
 from kvserve.model.quant.kquant import GGUF_BLOCK_BYTES, KQuantWeight, reference_linear_k
 from kvserve.model.quant.linear import QuantEmbedding, QuantLinear
 
@@ -79,7 +79,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def kernel():  # type: ignore[no-untyped-def]
-    k = get_quant_kernel()
+    k = default_backend().quant_linear
     if k is None:
         pytest.skip("native kernels unavailable")
     return k

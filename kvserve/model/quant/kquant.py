@@ -233,9 +233,9 @@ def from_gguf(raw: np.ndarray, type_name: str, n: int, k: int, native: bool = Tr
     fmt = GGUF_TYPES[type_name]
     kernel = None
     if native:
-        from kvserve.model.quant.kernel import get_quant_kernel
+        from kvserve.model.kernels.backend import default_backend
 
-        kernel = get_quant_kernel()
+        kernel = default_backend().quant_linear
     if kernel is not None:
         size = -(-n // PANEL) * (k // SUPER) * fmt.tile_bytes
         data = kernel.pack_gguf_kquant(b, fmt.code, n, k, size)
