@@ -372,7 +372,7 @@ class Scheduler(abc.ABC):
 
     def refresh_state(self) -> None:
         """IDLE once nothing is unfinished; else the last step's state stands."""
-        self.refresh_state()
+        self._set_state(self._state)
 
     def _set_state(self, active: SchedulerState) -> None:
         """The one place the state changes: IDLE when nothing is unfinished, else
