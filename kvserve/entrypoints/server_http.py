@@ -48,7 +48,7 @@ def validate_body(raw: bytes, model: type[M]) -> M:
     """``raw`` as ``model``; 400 in OpenAI's shape. Blocking."""
     data = parse_json_body(raw)
     try:
-        return model.modelvalidate_body(data)
+        return model.model_validate(data)
     except ValidationError as e:
         raise validation_error_to_api(e) from None
     except RecursionError:
