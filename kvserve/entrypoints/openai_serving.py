@@ -144,7 +144,7 @@ class OpenAIServing:
     # ------------------------------------------------------------------ common
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
-            raise retry_later(
+            raise APIError(
                 404,
                 f"the model {model!r} does not exist: this server serves "
                 f"{self.served_model_name!r} (GET /v1/models lists it)",
@@ -192,7 +192,7 @@ class OpenAIServing:
                 streams += group
         except BaseException as e:
             if isinstance(e, QueueFullError):
-                raise APIError(429, f"the server is busy: {e}", "queue_full") from None
+                raise retry_later(429, f"the server is busy: {e}", "queue_full") from None
             if isinstance(e, EngineUnavailableError):
                 raise retry_later(503, str(e), "engine_unavailable") from None
             if isinstance(e, RequestError):
