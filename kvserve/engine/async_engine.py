@@ -126,11 +126,6 @@ class AsyncEngine(EngineLoop):
             and (connector is None or connector.is_ready)
         )
 
-    @property
-    def num_in_flight(self) -> int:
-        """Requests this front is streaming (event loop thread)."""
-        return len(self._requests)
-
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop accepting requests, let in-flight ones finish for up to ``drain_timeout_s``
         seconds (returning as soon as none is left), cut the rest (aborted in the

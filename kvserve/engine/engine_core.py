@@ -258,10 +258,6 @@ class EngineCore:
         self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
         return [make_delta(self._states.pop(r).request, FinishReason.ABORT) for r in live]
 
-    def get_request(self, req_id: str) -> Request | None:
-        state = self._states.get(req_id)
-        return state.request if state else None
-
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -228,7 +228,7 @@ def test_bad_request_is_refused_before_queueing(tokenizer: Any) -> None:
     async def run() -> None:
         with pytest.raises(ValueError, match="lower max_tokens to at most 62"):
             await engine.generate([5, 6], SamplingParams(max_tokens=100))
-        assert engine.num_in_flight == 0 and engine.num_waiting() == 0
+        assert engine.num_waiting() == 0 and engine.stats().num_seqs_unfinished == 0
         await engine.shutdown()
 
     asyncio.run(run())
