@@ -11,9 +11,9 @@ from pydantic import ConfigDict, Field, WithJsonSchema, field_validator
 from kvserve.entrypoints.openai_errors import EXAMPLES, bad_request
 from kvserve.entrypoints.openai_protocol import (
     MAX_LOGPROBS,
-    STREAM_OPTIONS_RULE,
     SamplingRequest,
     StrictModel,
+    sampling_model_config,
     schema_present,
 )
 
@@ -135,18 +135,11 @@ class ChatMessage(StrictModel):
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
-    model_config = ConfigDict(
-        extra="allow",
-        strict=True,
-        json_schema_extra={
-            "allOf": [
-                STREAM_OPTIONS_RULE,
-                {
-                    "if": schema_present("top_logprobs", {"type": "integer"}),
-                    "then": schema_present("logprobs", {"const": True}),
-                },
-            ]
-        },
+    model_config = sampling_model_config(
+        {
+            "if": schema_present("top_logprobs", {"type": "integer"}),
+            "then": schema_present("logprobs", {"const": True}),
+        }
     )
 
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})

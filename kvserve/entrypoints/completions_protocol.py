@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, WithJsonSchema
+from pydantic import Field, WithJsonSchema
 
 from kvserve.entrypoints.openai_errors import EXAMPLES, bad_request, short_repr
 from kvserve.entrypoints.openai_protocol import (
     MAX_LOGPROBS,
-    STREAM_OPTIONS_RULE,
     SamplingRequest,
+    sampling_model_config,
     schema_present,
 )
 
@@ -33,18 +33,11 @@ def _is_token_list(value: Any) -> bool:
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
-    model_config = ConfigDict(
-        extra="allow",
-        strict=True,
-        json_schema_extra={
-            "allOf": [
-                STREAM_OPTIONS_RULE,
-                {
-                    "if": schema_present("max_tokens", {"const": 0}),
-                    "then": schema_present("echo", {"const": True}),
-                },
-            ]
-        },
+    model_config = sampling_model_config(
+        {
+            "if": schema_present("max_tokens", {"const": 0}),
+            "then": schema_present("echo", {"const": True}),
+        }
     )
 
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)]

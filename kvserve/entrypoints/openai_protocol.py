@@ -87,6 +87,14 @@ STREAM_OPTIONS_RULE: Any = {
 }
 
 
+def sampling_model_config(rule: dict[str, Any]) -> ConfigDict:
+    """An endpoint model's config: strict, extras ignored, and its JSON schema stating
+    the stream_options rule and ``rule`` (if/then clauses the checks enforce)."""
+    return ConfigDict(
+        extra="allow", strict=True, json_schema_extra={"allOf": [STREAM_OPTIONS_RULE, rule]}
+    )
+
+
 class SamplingRequest(StrictModel):
     """Fields shared by completions and chat."""
 

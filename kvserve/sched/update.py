@@ -20,15 +20,8 @@ if TYPE_CHECKING:
 def update_from_output(
     sched: Scheduler, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
 ) -> list[EngineCoreOutput]:
-    """Apply one executed step; return one output per request that got tokens.
-
-    For each scheduled request still unfinished: advance ``num_computed_tokens``
-    by the actual count, cache its newly full blocks, and, when all its tokens
-    now have KV, append the sampled tokens, run the stop checks and free it if it
-    finished. Requests finished meanwhile (aborted) are skipped. Raises
-    RuntimeError on a stale or repeated output, or when the runner returned no
-    token for a request that needed one.
-    """
+    """:meth:`Scheduler.update_from_output <kvserve.sched.base.Scheduler.update_from_output>`
+    on ``sched`` (its rules and errors)."""
     kv = sched.kv_cache_manager
     now = sched.clock()
     outputs: list[EngineCoreOutput] = []
