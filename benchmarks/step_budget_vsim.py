@@ -25,7 +25,7 @@ import statistics
 import sys
 from typing import Any
 
-from kvserve.bench.step_cost import RequestTimes, stream_figures
+from kvserve.bench.step_cost_report import RequestTimes, stream_figures
 from kvserve.bench.workloads import arrival_times
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine_core import EngineCore

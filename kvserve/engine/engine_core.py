@@ -22,15 +22,16 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.allocator import tune_allocator
 from kvserve.engine.args import with_max_model_len
+from kvserve.engine.assembly import cost_model_stats, kv_fingerprint, model_runner, step_cost_model
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.outputs import EngineStats, RequestDelta, RequestMetrics
-from kvserve.engine.runner import ConnectedRunner, CostedRunner, KVFormatRunner, ModelInfo, Runner
+from kvserve.engine.output_processor import RequestState, make_delta, process_output
+from kvserve.engine.outputs import EngineStats, RequestDelta
+from kvserve.engine.runner import ConnectedRunner, ModelInfo, Runner
 from kvserve.engine.validation import RequestLimits, validate_request
 from kvserve.kv_cache import KVCacheManager
 from kvserve.kv_transfer.connector import KVConnector
@@ -47,17 +48,6 @@ from kvserve.sched.output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from kvserve.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _RequestState:
-    """One sample's engine-side state. ``prompt_logprobs`` is shared by the samples of
-    one request (filled by sample 0, which computes the prompt): index ``p`` scores
-    prompt token ``p`` (index 0 stays None)."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    prompt_logprobs: list[Logprobs | None] | None = None
 
 
 class EngineCore:
@@ -117,7 +107,7 @@ class EngineCore:
             self.eos_token_ids[0] if self.eos_token_ids else None,
         )
         self.runner: Runner = (
-            runner if runner is not None else _model_runner(config, loaded, self.grammar_compiler)
+            runner if runner is not None else model_runner(config, loaded, self.grammar_compiler)
         )
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks,
@@ -125,7 +115,7 @@ class EngineCore:
             self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
             hash_algo=config.cache.hash_algo,
-            model_fingerprint=_kv_fingerprint(loaded, self.runner),
+            model_fingerprint=kv_fingerprint(loaded, self.runner),
         )
         self.kv_connector = kv_connector
         if kv_connector is not None:
@@ -138,7 +128,7 @@ class EngineCore:
         self.scheduler = make_scheduler(
             config.scheduler, self.kv_cache_manager, kv_connector=kv_connector, clock=clock
         )
-        self.scheduler.cost_model = _step_cost_model(config, self.runner, loaded.vocab_size)
+        self.scheduler.cost_model = step_cost_model(config, self.runner, loaded.vocab_size)
         # True when the last step computed nothing (e.g. only remote loads pending).
         self.last_step_idle = False
         fit = self.scheduler.max_running_requests
@@ -153,7 +143,7 @@ class EngineCore:
                 fit,
                 config.scheduler.max_num_seqs,
             )
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self.num_failed_steps = 0
 
@@ -230,7 +220,7 @@ class EngineCore:
             detok = IncrementalDetokenizer(
                 self.tokenizer, sample.prompt_token_ids, sample.sampling_params
             )
-            self._states[sample.req_id] = _RequestState(sample, detok, shared)
+            self._states[sample.req_id] = RequestState(sample, detok, shared)
         return request.req_id
 
     def add_request(
@@ -266,11 +256,7 @@ class EngineCore:
         if not live:
             return []
         self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        return [self._delta(self._states.pop(r).request, FinishReason.ABORT) for r in live]
-
-    def get_request(self, req_id: str) -> Request | None:
-        state = self._states.get(req_id)
-        return state.request if state else None
+        return [make_delta(self._states.pop(r).request, FinishReason.ABORT) for r in live]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -312,7 +298,7 @@ class EngineCore:
             gone = self._states.pop(req_id, None)
             if gone is not None:
                 self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
-                failed.append(self._delta(gone.request, FinishReason.ERROR, error=error))
+                failed.append(make_delta(gone.request, FinishReason.ERROR, error=error))
         core_outs = self.scheduler.update_from_output(sched_out, runner_out)
         if self.scheduler.cost_model is not None and not sched_out.is_empty:
             self._observe_step(self.scheduler.cost_model, sched_out, runner_out, t0)
@@ -321,34 +307,9 @@ class EngineCore:
             state = self._states.get(out.req_id)
             if state is None:
                 continue
-            request = state.request
-            detok = state.detokenizer
-            finish_reason = out.finish_reason
-            # The scheduler finishes as "stop" only on EOS or a stop token id, which is
-            # then the last new token: the detokenizer leaves its text out.
-            stop_terminated = finish_reason == FinishReason.STOP
-            text = detok.update(out.new_token_ids, stop_terminated) if out.new_token_ids else ""
-            stop_reason = out.stop_reason
-            if finish_reason is None and detok.finished_by_stop:
-                self.scheduler.finish_requests(out.req_id, RequestStatus.FINISHED_STOPPED)
-                finish_reason, stop_reason = FinishReason.STOP, detok.stop_reason
-            if finish_reason is not None:
-                if not detok.finished_by_stop:
-                    text += detok.flush()
-                else:
-                    stop_reason = detok.stop_reason
+            delta = process_output(state, out, self.scheduler)
+            if delta.finished:
                 del self._states[out.req_id]
-            delta = self._delta(
-                request,
-                finish_reason,
-                stop_reason,
-                new_token_ids=out.new_token_ids,
-                new_text=text,
-                new_logprobs=out.new_logprobs,
-            )
-            first = out.new_token_ids and request.num_output_tokens == len(out.new_token_ids)
-            if first and state.prompt_logprobs is not None:
-                delta.prompt_logprobs = list(state.prompt_logprobs)
             deltas.append(delta)
         return deltas
 
@@ -385,7 +346,7 @@ class EngineCore:
         out = []
         for request, error in failed:
             if self._states.pop(request.req_id, None) is not None:
-                out.append(self._delta(request, FinishReason.ABORT, error=error))
+                out.append(make_delta(request, FinishReason.ABORT, error=error))
         return out
 
     def wait_for_transfer(self, timeout_s: float) -> None:
@@ -399,33 +360,6 @@ class EngineCore:
         """Blocks held for a transfer: remote loads waiting, or sends not yet let go."""
         sched = self.scheduler
         return bool(sched.waiting_for_remote or sched.sending)
-
-    def _delta(
-        self,
-        request: Request,
-        finish_reason: FinishReason | None,
-        stop_reason: int | str | None = None,
-        *,
-        new_token_ids: list[int] | None = None,
-        new_text: str = "",
-        new_logprobs: list[Logprobs] | None = None,
-        error: str | None = None,
-    ) -> RequestDelta:
-        return RequestDelta(
-            request_id=request.req_id,
-            new_token_ids=list(new_token_ids or []),
-            new_text=new_text,
-            new_logprobs=list(new_logprobs or []),
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_output_tokens=request.num_output_tokens,
-            metrics=_metrics(request),
-            num_external_tokens=request.num_external_tokens,
-            error=error,
-            sample_index=request.sample_index,
-        )
 
     # ------------------------------------------------------------------ health
     def stats(self) -> EngineStats:
@@ -447,7 +381,7 @@ class EngineCore:
             total_padding_tokens=sched.total_padding_tokens,
             scheduler_state=str(sched.state),
             num_failed_steps=self.num_failed_steps,
-            **_cost_model_stats(sched.cost_model),
+            **cost_model_stats(sched.cost_model),
             spec_decode_num_drafts=sched.spec_stats.num_drafts,
             spec_decode_num_draft_tokens=sched.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=sched.spec_stats.num_accepted_tokens,
@@ -468,78 +402,3 @@ class EngineCore:
             raise RuntimeError(
                 f"KV leak: {self.kv_cache_manager.num_active_blocks} blocks active with no request running"
             )
-
-
-def _metrics(request: Request) -> RequestMetrics:
-    return RequestMetrics(
-        arrival_time=request.arrival_time,
-        first_scheduled_time=request.first_scheduled_time,
-        first_token_time=request.first_token_time,
-        last_token_time=request.last_token_time,
-        finished_time=request.finished_time,
-    )
-
-
-def _kv_fingerprint(loaded: ModelInfo, runner: Runner) -> str:
-    """The block-hash salt: the model's fingerprint, and the KV cache format when it is
-    not the model dtype (an int8 cache's blocks never match a bfloat16 one's)."""
-    if not isinstance(runner, KVFormatRunner):
-        return loaded.fingerprint
-    from kvserve.model.kernels_kv8 import kv_cache_fingerprint
-
-    return kv_cache_fingerprint(
-        loaded.fingerprint, runner.kv_format, getattr(loaded, "dtype", None)
-    )
-
-
-def _model_runner(
-    config: EngineConfig, loaded: ModelInfo, grammar_compiler: GrammarCompiler
-) -> Runner:
-    """The real model runner (imported here: torch only loads when an engine needs it)."""
-    from kvserve.model.loader import LoadedModel
-    from kvserve.worker.model_runner import ModelRunner
-
-    if not isinstance(loaded, LoadedModel):
-        raise TypeError(
-            f"EngineCore builds its ModelRunner from a LoadedModel, got {type(loaded).__name__}: "
-            "pass runner= for any other model"
-        )
-    return ModelRunner(
-        loaded,
-        config.cache,
-        config.scheduler,
-        compile=config.model.compile,
-        grammar_compiler=grammar_compiler,
-        speculative_config=config.speculative,
-        batch_invariant=config.model.batch_invariant,
-    )
-
-
-def _cost_model_stats(model: CostModel | None) -> dict[str, float]:
-    if model is None or not model.errors:
-        return {}
-    predicted, measured = model.errors[-1]
-    return {
-        "step_predicted_ms": predicted,
-        "step_measured_ms": measured,
-        "step_time_abs_error": model.abs_error_ewma,
-    }
-
-
-def _step_cost_model(config: EngineConfig, runner: Runner, vocab_size: int) -> CostModel | None:
-    """The scheduler's step-time model: None when ``max_step_ms`` is 0; a runner's own
-    ``cost_model`` attribute when it has one (the simulator's); for the real
-    ModelRunner, fitted now from timed steps (:mod:`kvserve.worker.step_cost`)."""
-    if not config.scheduler.max_step_ms:
-        return None
-    if isinstance(runner, CostedRunner) and isinstance(runner.cost_model, CostModel):
-        return runner.cost_model
-    from kvserve.worker.model_runner import ModelRunner
-
-    if not isinstance(runner, ModelRunner):
-        return None  # an injected runner without a model: token budgets only
-    from kvserve.worker.step_cost import cached_calibration
-
-    return cached_calibration(
-        runner, vocab_size=vocab_size, max_model_len=config.scheduler.model_len
-    )

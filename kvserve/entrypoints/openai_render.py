@@ -31,7 +31,8 @@ from typing import Any, Protocol
 
 from kvserve.engine.outputs import RequestDelta
 from kvserve.entrypoints.chat.tools import ToolOutput
-from kvserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.entrypoints.chat_protocol import ChatCompletionRequest
+from kvserve.entrypoints.completions_protocol import CompletionRequest
 from kvserve.entrypoints.token_texts import TokenTexts
 from kvserve.request import FinishReason
 from kvserve.sched.output import Logprobs

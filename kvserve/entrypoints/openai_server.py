@@ -32,27 +32,26 @@ Rules this module keeps:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from functools import partial
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.engine.client import EngineClient
 from kvserve.entrypoints.chat.prompt import ChatPromptBuilder
 from kvserve.entrypoints.chat.render_pool import DEFAULT_TIMEOUT_S, RenderPool
+from kvserve.entrypoints.chat_protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvserve.entrypoints.completions_protocol import CompletionRequest
 from kvserve.entrypoints.extras import (
     alias_metrics,
     asset,
@@ -65,25 +64,25 @@ from kvserve.entrypoints.http_guard import (
     BodyGuardMiddleware,
     add_cors,
     default_max_body_bytes,
-    parse_json_body,
 )
-from kvserve.entrypoints.openai_errors import APIError, bad_request, validation_error_to_api
-from kvserve.entrypoints.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from kvserve.entrypoints.openai_serving import Generation, OpenAIServing, abort_all
+from kvserve.entrypoints.openai_errors import APIError, bad_request
+from kvserve.entrypoints.openai_serving import OpenAIServing
 from kvserve.entrypoints.openapi_doc import openapi_document
-from kvserve.entrypoints.responses import ResponsesRequest, start_response
+from kvserve.entrypoints.responses import start_response
+from kvserve.entrypoints.responses_protocol import ResponsesRequest
+from kvserve.entrypoints.server_http import (
+    ApiKeyMiddleware,
+    SSEResponse,
+    parse_body,
+    respond,
+    until_disconnect,
+)
+from kvserve.entrypoints.serving_chat import render_chat, start_chat
+from kvserve.entrypoints.serving_completions import start_completion
 from kvserve.entrypoints.workers import CpuPool
 from kvserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
-
-PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
-M = TypeVar("M", bound=BaseModel)
 
 
 def build_app(
@@ -213,7 +212,7 @@ def build_app(
 
     app.add_middleware(BodyGuardMiddleware, max_body_bytes=body_limit, is_json_route=is_json_route)
     if api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     add_cors(app, allowed_origins)
 
     # ------------------------------------------------------------------ errors
@@ -298,24 +297,24 @@ def build_app(
     # ------------------------------------------------------------------ generation
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await _parse(request, CompletionRequest, cpu)
-        gen = await serving.start_completion(req)
-        return await _respond(request, serving, gen, req.stream, ignored_fields(req))
+        req = await parse_body(request, CompletionRequest, cpu)
+        gen = await start_completion(serving, req)
+        return await respond(request, serving, gen, req.stream, ignored_fields(req))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await _parse(request, ChatCompletionRequest, cpu)
-        gen = await serving.start_chat(req)
-        return await _respond(request, serving, gen, req.stream, ignored_fields(req))
+        req = await parse_body(request, ChatCompletionRequest, cpu)
+        gen = await start_chat(serving, req)
+        return await respond(request, serving, gen, req.stream, ignored_fields(req))
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        req = await _parse(request, ResponsesRequest, cpu)
+        req = await parse_body(request, ResponsesRequest, cpu)
         run = await start_response(serving, req)
         headers = ignored_header(ignored_fields(req))
         if req.stream:
-            return _SSEResponse(run.events(), on_close=run.abort, headers=headers)
-        body = await _until_disconnect(request, run.collect(), on_disconnect=run.abort)
+            return SSEResponse(run.events(), on_close=run.abort, headers=headers)
+        body = await until_disconnect(request, run.collect(), on_disconnect=run.abort)
         if body is None:
             return Response(status_code=499)
         return JSONResponse(body, headers=headers)
@@ -323,7 +322,7 @@ def build_app(
     # ------------------------------------------------------------------ tokenizer
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, TokenizeRequest, cpu)
+        req = await parse_body(request, TokenizeRequest, cpu)
         serving.check_model(req.model)
         tok = async_engine.tokenizer
         if (req.prompt is None) == (req.messages is None):
@@ -346,7 +345,8 @@ def build_app(
                 lambda: list(tok.encode(req.prompt, add_special_tokens=add_special)),
             )
         else:
-            prompt = await serving.render_chat(
+            prompt = await render_chat(
+                serving,
                 [m.as_template_dict() for m in req.messages or []],
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template=req.chat_template,
@@ -370,7 +370,7 @@ def build_app(
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = await _parse(request, DetokenizeRequest, cpu)
+        req = await parse_body(request, DetokenizeRequest, cpu)
         serving.check_model(req.model)
         vocab = async_engine.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -385,163 +385,3 @@ def build_app(
         return {"prompt": text}
 
     return app
-
-
-# ---------------------------------------------------------------------- helpers
-# Bodies up to this size are parsed on the event loop (a thread hop costs more).
-_INLINE_PARSE_BYTES = 64 * 1024
-
-
-async def _parse(request: Request, model: type[M], cpu: CpuPool) -> M:
-    """The body as ``model`` (``http_guard.parse_json_body`` then strict
-    validation), on a worker thread unless it is small; 400 in OpenAI's shape."""
-    raw = await request.body()
-    if len(raw) <= _INLINE_PARSE_BYTES:
-        return _validate(raw, model)
-    return await cpu.run(_validate, raw, model)
-
-
-def _validate(raw: bytes, model: type[M]) -> M:
-    data = parse_json_body(raw)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error_to_api(e) from None
-    except RecursionError:
-        raise bad_request("the request body nests too deeply", code="invalid_json") from None
-
-
-T = TypeVar("T")
-
-
-async def _respond(
-    request: Request,
-    serving: OpenAIServing,
-    gen: Generation,
-    stream: bool,
-    ignored: list[str] | None = None,
-) -> Response:
-    """Stream ``gen`` as Server-Sent Events, or wait for it and answer in one body;
-    a client that disconnects has its engine requests aborted (499 when not streamed).
-    ``ignored``: request fields named in the ``x-kvserve-ignored-fields`` header."""
-    headers = ignored_header(ignored or [])
-    if stream:
-        return _SSEResponse(serving.events(gen), on_close=abort_all(gen.streams), headers=headers)
-    choices = await _until_disconnect(
-        request, serving.collect(gen), on_disconnect=abort_all(gen.streams)
-    )
-    if choices is None:
-        return Response(status_code=499)
-    if len(choices) <= 16:
-        return JSONResponse(serving.response(gen, choices), headers=headers)
-    # Many choices (a batch of prompts): build and encode the body off the event loop.
-    body = await serving.cpu.run(lambda: _json_bytes(serving.response(gen, choices)))
-    return Response(body, media_type="application/json", headers=headers)
-
-
-def _json_bytes(content: Any) -> bytes:
-    """What ``JSONResponse`` sends, encoded by the caller's thread."""
-    return json.dumps(
-        content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
-    ).encode("utf-8")
-
-
-async def _until_disconnect(
-    request: Request, work: Awaitable[T], on_disconnect: Callable[[], None]
-) -> T | None:
-    """Await ``work``; if the client disconnects first, cancel it, call
-    ``on_disconnect`` (abort the engine requests) and return None."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # the handler itself was cancelled (server shutdown)
-        task.cancel()
-        on_disconnect()
-        raise
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    on_disconnect()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    return None
-
-
-class _SSEResponse(StreamingResponse):
-    """Server-Sent Events that stop - and call ``on_close`` - as soon as the client
-    disconnects, whatever the ASGI spec version (Starlette only watches for
-    disconnects below 2.4). ``on_close`` also runs if streaming never started."""
-
-    def __init__(
-        self,
-        content: AsyncIterator[str],
-        on_close: Callable[[], None],
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(
-            content,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
-        )
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def run(func: Callable[[], Awaitable[None]]) -> None:
-                    with contextlib.suppress(OSError):  # client gone while sending
-                        await func()
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(run, partial(self.stream_response, send))
-                await run(partial(self.listen_for_disconnect, receive))
-        finally:
-            self._on_close()
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
-
-
-class _ApiKeyMiddleware:
-    """401 on protected routes unless ``Authorization: Bearer <api_key>``."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
-            await self.app(scope, receive, send)
-            return
-        path: str = scope.get("path", "")
-        if not any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES):
-            await self.app(scope, receive, send)
-            return
-        given = b""
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                given = value
-                break
-        if secrets.compare_digest(given, self._expected):
-            await self.app(scope, receive, send)
-            return
-        err = APIError(
-            401,
-            "missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
-            "the key the server was started with (--api-key or KVSERVE_API_KEY)",
-            code="invalid_api_key",
-        )
-        response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)

@@ -1,6 +1,6 @@
 """The server's ``/openapi.json``: every route's request body (the pydantic request
-models of ``openai_protocol``) and its responses (200, 400, 401, 404, 503), with
-schemas that the server's answers match.
+models of ``chat_protocol``, ``completions_protocol`` and ``responses_protocol``)
+and its responses (200, 400, 401, 404, 503), with schemas that the server's answers match.
 
 The routes parse their bodies themselves (strict types, errors in OpenAI's shape), so
 FastAPI sees no body parameters; this module writes the document instead:
@@ -27,13 +27,14 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from kvserve.entrypoints.chat.template import RESERVED_NAMES
-from kvserve.entrypoints.openai_protocol import (
+from kvserve.entrypoints.chat_protocol import (
     ChatCompletionRequest,
-    CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kvserve.entrypoints.responses import ResponsesRequest
+from kvserve.entrypoints.completions_protocol import CompletionRequest
+from kvserve.entrypoints.responses_protocol import ResponsesRequest
+from kvserve.entrypoints.server_http import PROTECTED_PREFIXES
 from kvserve.request import MAX_SAMPLES
 
 REF = "#/components/schemas/{model}"
@@ -308,7 +309,7 @@ def openapi_document(
     if api_key_required:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, item in paths.items():
-            if any(path == p or path.startswith(p + "/") for p in _PROTECTED):
+            if any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES):
                 for op in item.values():
                     op["security"] = [{"bearer": []}]
     return {
@@ -317,9 +318,6 @@ def openapi_document(
         "paths": paths,
         "components": components,
     }
-
-
-_PROTECTED = ("/v1", "/tokenize", "/detokenize")  # openai_server.PROTECTED_PREFIXES
 
 
 def _chat_template_fields(props: dict[str, Any], trusted: bool) -> None:

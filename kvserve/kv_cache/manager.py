@@ -124,10 +124,6 @@ class KVCacheManager:
         """Hit tokens / queried tokens over the last ``STATS_WINDOW`` admissions; 0.0 when empty."""
         return self._window_hits / self._window_queries if self._window_queries else 0.0
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        """Whether ``num_blocks`` new blocks fit now (evicting cached blocks if needed)."""
-        return num_blocks <= self.block_pool.num_free_blocks
-
     def max_concurrent_requests(self, max_model_len: int | None = None) -> int:
         """How many requests fit at once if each grows to ``max_model_len`` tokens."""
         length = self.max_model_len if max_model_len is None else max_model_len
@@ -384,11 +380,6 @@ class KVCacheManager:
     def get_block_ids(self, req_id: str) -> list[int]:
         """Block ids held by the request, in position order ([] if none)."""
         return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
-
-    def get_block_table_row(self, req_id: str) -> list[int]:
-        """Fixed-width row of ``max_blocks_per_req`` ids: held ids first, 0 (null block) after."""
-        ids = self.get_block_ids(req_id)
-        return ids + [0] * (self.max_blocks_per_req - len(ids))
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks. Returns False and changes nothing while any

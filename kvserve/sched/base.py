@@ -44,7 +44,7 @@ from kvserve.kv_cache.hashing import BlockHash
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_transfer.connector import KVConnectorScheduler
 from kvserve.request import Request, RequestStatus
-from kvserve.sched import admit
+from kvserve.sched import admit, update
 from kvserve.sched.admission import check_schedulable, running_seqs
 from kvserve.sched.admit import Admission, Admitter, Budget, Outcome
 from kvserve.sched.cost_model import CostModel, StepBudget
@@ -53,7 +53,6 @@ from kvserve.sched.remote_kv import RemoteKV
 from kvserve.sched.samples import SampleForker, hand_over_lead
 from kvserve.sched.step_builder import StepBuilder
 from kvserve.sched.stop import check_stop
-from kvserve.spec_decode import scheduling as spec
 from kvserve.spec_decode.metrics import SpecDecodingStats
 
 
@@ -230,8 +229,8 @@ class Scheduler(abc.ABC):
             if heir is not None:
                 self.waiting.insert(idx, heir)
             request.status = status
-            self._free_finished(request)
-        self._set_state(self._state)
+            self.free_finished(request)
+        self.refresh_state()
 
     def _group_fits(self, request: Request) -> bool:
         """Whether admitting ``request`` and its pending samples keeps ``max_num_seqs``,
@@ -243,8 +242,9 @@ class Scheduler(abc.ABC):
         """A StepBuilder that sends forked samples to the runner as new requests."""
         return StepBuilder(self.forker.new_to_runner, self.kv_cache_manager.get_block_ids)
 
-    def _free_finished(self, request: Request) -> None:
-        """Release a finished request (already out of both queues)."""
+    def free_finished(self, request: Request) -> None:
+        """Release a finished request (already out of both queues): its blocks, its
+        place in ``requests``; its id goes to the next output's ``finished_req_ids``."""
         self._release_blocks(request)
         self.forker.new_to_runner.discard(request.req_id)
         request.finished_time = self.clock()
@@ -266,9 +266,9 @@ class Scheduler(abc.ABC):
             self.waiting.appendleft(request)
         for request, error in polled.failed:
             request.status = RequestStatus.FINISHED_ABORTED
-            self._free_finished(request)
+            self.free_finished(request)
             self.failed_requests.append((request, error))
-        self._set_state(self._state)
+        self.refresh_state()
 
     # ------------------------------------------------------------------ scheduling helpers
     def step_time_budget(self) -> StepBudget | None:
@@ -362,6 +362,10 @@ class Scheduler(abc.ABC):
         """The state a step reports while requests are unfinished (the policy's part
         of :meth:`_set_state`)."""
 
+    def refresh_state(self) -> None:
+        """IDLE once nothing is unfinished; else the last step's state stands."""
+        self._set_state(self._state)
+
     def _set_state(self, active: SchedulerState) -> None:
         """The one place the state changes: IDLE when nothing is unfinished, else
         ``active``."""
@@ -415,66 +419,8 @@ class Scheduler(abc.ABC):
         RuntimeError on a stale or repeated output, or when the runner returned no
         token for a request that needed one.
         """
-        kv = self.kv_cache_manager
-        now = self.clock()
-        outputs: list[EngineCoreOutput] = []
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue
-            expected = scheduler_output.cached_seq_len[req_id]
-            if request.num_computed_tokens != expected:
-                raise RuntimeError(
-                    f"update_from_output: request {req_id!r} has num_computed_tokens="
-                    f"{request.num_computed_tokens} but this output was scheduled at {expected}; "
-                    "apply each schedule() output exactly once, in order"
-                )
-            request.num_computed_tokens += num_tokens
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if self.enable_prefix_caching and not drafts:
-                kv.cache_blocks(request, request.num_computed_tokens)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # mid-prefill: nothing sampled
-            sampled = model_runner_output.sampled_token_ids.get(req_id)
-            if not sampled:
-                raise RuntimeError(
-                    f"update_from_output: the model runner returned no sampled token for "
-                    f"{req_id!r}, which computed all its {request.num_tokens} tokens this step"
-                )
-            if drafts:  # roll back the rejected drafts (kvserve.spec_decode.scheduling)
-                spec.rollback(request, len(drafts), sampled, self.spec_stats)
-            new_token_ids: list[int] = []
-            for token_id in sampled:
-                request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
-                if self._check_stop(request):
-                    break
-            if drafts:
-                spec.apply_verification(request, kv, self.enable_prefix_caching)
-            spec.take_proposals(
-                request, model_runner_output.spec_token_ids.get(req_id), self.max_model_len
-            )
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
-            logprobs = model_runner_output.logprobs.get(req_id)
-            forked = None
-            if request.pending_forks:
-                forked = self.forker.fork(request, model_runner_output, now, self._check_stop)
-                self.running.extend(forked.running)
-                self.waiting.extendleft(reversed(forked.requeue))
-                for sample in forked.finished:
-                    self._free_finished(sample)
-            finish_reason = request.finish_reason
-            if request.is_finished:
-                self.running.remove(request)
-                self._free_finished(request)
-            outputs.append(EngineCoreOutput.of(request, new_token_ids, logprobs, finish_reason))
-            if forked is not None:
-                outputs.extend(forked.outputs)
-        self._set_state(self._state)
-        return outputs
+        return update.update_from_output(self, scheduler_output, model_runner_output)
 
-    def _check_stop(self, request: Request) -> bool:
+    def stop_after_token(self, request: Request) -> bool:
         """:func:`~kvserve.sched.stop.check_stop` at this scheduler's ``max_model_len``."""
         return check_stop(request, self.max_model_len)

@@ -6,11 +6,8 @@ import json
 import pytest
 
 from kvserve.bench.step_cost import (
-    RequestTimes,
     _parse_variants,
     build_prompts,
-    format_comparison,
-    stream_figures,
 )
 
 
@@ -61,26 +58,8 @@ def test_random_and_jsonl_prompts(tmp_path):
     assert rows == [([1, 2, 3], 1), ([1, 2, 3], 2), ([1, 2, 3], 3)]
 
 
-def test_stream_figures_follow_vllm_bench_definitions():
-    a = RequestTimes(added=0.0, tokens=[1.0, 1.1, 1.2, 1.5], num_tokens=4)
-    b = RequestTimes(added=0.5, tokens=[1.5, 1.6], num_tokens=2)
-    s = stream_figures([a, b], 2.0)
-    assert s["output_tok_s"] == pytest.approx(3.0)
-    assert s["mean_ttft_ms"] == pytest.approx(1000.0)
-    assert s["mean_tpot_ms"] == pytest.approx((500 / 3 + 100) / 2)
-    # gaps 100, 100, 300, 100 ms: p50 100, p99 the largest
-    assert s["p50_itl_ms"] == pytest.approx(100.0)
-    assert s["p99_itl_ms"] == pytest.approx(300.0)
-
-
-def test_variants_and_comparison():
+def test_variants():
     assert _parse_variants([]) == [("default", [])]
     assert _parse_variants(["b=--max-step-ms 120"]) == [("b", ["--max-step-ms", "120"])]
     with pytest.raises(ValueError, match="NAME=FLAGS"):
         _parse_variants(["--max-step-ms 120"])
-    res = {
-        n: [{"streams": {"output_tok_s": v, "p99_itl_ms": 2 * v}, "all": {}}]
-        for n, v in (("a", 100.0), ("b", 150.0))
-    }
-    text = format_comparison(res)
-    assert "150.0 (1.50x)" in text and "300 (1.50x)" in text

@@ -3,9 +3,9 @@ so a known no-op sent as an extra was listed twice), for chat and the Responses 
 
 from __future__ import annotations
 
+from kvserve.entrypoints.chat_protocol import ChatCompletionRequest
 from kvserve.entrypoints.extras import ignored_fields, ignored_header
-from kvserve.entrypoints.openai_protocol import ChatCompletionRequest
-from kvserve.entrypoints.responses import ResponsesRequest
+from kvserve.entrypoints.responses_protocol import ResponsesRequest
 
 
 def test_each_ignored_field_named_once() -> None:

@@ -9,7 +9,7 @@ import json
 
 from kvserve.engine.outputs import RequestDelta
 from kvserve.entrypoints.chat.tools import ToolOutput, plan_tools
-from kvserve.entrypoints.openai_protocol import ChatCompletionRequest
+from kvserve.entrypoints.chat_protocol import ChatCompletionRequest
 from kvserve.entrypoints.openai_render import ChatRenderer
 
 TOOLS = [

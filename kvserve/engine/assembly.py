@@ -1,0 +1,77 @@
+"""Building an :class:`~kvserve.engine.engine_core.EngineCore`'s parts from its
+config: the real model runner, the KV block-hash salt and the scheduler's step-time
+model. Each imports torch-backed modules only when an engine needs them (the CLI's
+help never loads torch)."""
+
+from __future__ import annotations
+
+from kvserve.config import EngineConfig
+from kvserve.engine.runner import CostedRunner, KVFormatRunner, ModelInfo, Runner
+from kvserve.sched.cost_model import CostModel
+from kvserve.structured.compiler import GrammarCompiler
+
+
+def kv_fingerprint(loaded: ModelInfo, runner: Runner) -> str:
+    """The block-hash salt: the model's fingerprint, and the KV cache format when it is
+    not the model dtype (an int8 cache's blocks never match a bfloat16 one's)."""
+    if not isinstance(runner, KVFormatRunner):
+        return loaded.fingerprint
+    from kvserve.model.kernels_kv8 import kv_cache_fingerprint
+
+    return kv_cache_fingerprint(
+        loaded.fingerprint, runner.kv_format, getattr(loaded, "dtype", None)
+    )
+
+
+def model_runner(
+    config: EngineConfig, loaded: ModelInfo, grammar_compiler: GrammarCompiler
+) -> Runner:
+    """The real model runner (imported here: torch only loads when an engine needs it)."""
+    from kvserve.model.loader import LoadedModel
+    from kvserve.worker.model_runner import ModelRunner
+
+    if not isinstance(loaded, LoadedModel):
+        raise TypeError(
+            f"EngineCore builds its ModelRunner from a LoadedModel, got {type(loaded).__name__}: "
+            "pass runner= for any other model"
+        )
+    return ModelRunner(
+        loaded,
+        config.cache,
+        config.scheduler,
+        compile=config.model.compile,
+        grammar_compiler=grammar_compiler,
+        speculative_config=config.speculative,
+        batch_invariant=config.model.batch_invariant,
+    )
+
+
+def cost_model_stats(model: CostModel | None) -> dict[str, float]:
+    """The last step's predicted and measured time, for ``EngineStats`` (none yet: {})."""
+    if model is None or not model.errors:
+        return {}
+    predicted, measured = model.errors[-1]
+    return {
+        "step_predicted_ms": predicted,
+        "step_measured_ms": measured,
+        "step_time_abs_error": model.abs_error_ewma,
+    }
+
+
+def step_cost_model(config: EngineConfig, runner: Runner, vocab_size: int) -> CostModel | None:
+    """The scheduler's step-time model: None when ``max_step_ms`` is 0; a runner's own
+    ``cost_model`` attribute when it has one (the simulator's); for the real
+    ModelRunner, fitted now from timed steps (:mod:`kvserve.worker.step_cost`)."""
+    if not config.scheduler.max_step_ms:
+        return None
+    if isinstance(runner, CostedRunner) and isinstance(runner.cost_model, CostModel):
+        return runner.cost_model
+    from kvserve.worker.model_runner import ModelRunner
+
+    if not isinstance(runner, ModelRunner):
+        return None  # an injected runner without a model: token budgets only
+    from kvserve.worker.step_cost import cached_calibration
+
+    return cached_calibration(
+        runner, vocab_size=vocab_size, max_model_len=config.scheduler.model_len
+    )
