@@ -23,7 +23,7 @@ def _kquant(type_name: str, n: int, k: int, rng: np.random.Generator) -> QuantWe
     for off in [208] if type_name == "Q6_K" else [0, 2]:
         vals = rng.uniform(1e-3, 2e-2, size=(len(raw), 1)).astype(np.float16)
         raw[:, off : off + 2] = vals.view(np.uint8)
-    return from_gguf(raw, type_name, n, k)
+    return from_gguf(raw, type_name, n, k, default_backend().quant_linear)
 
 
 def main() -> None:

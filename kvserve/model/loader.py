@@ -373,9 +373,11 @@ def load_model(
 
     tensors: Iterator[tuple[str, Any]]
     if gguf_path is not None:
+        from kvserve.model.kernels.backend import default_backend
         from kvserve.model.quant.gguf import read_tensors
 
-        tensors = read_tensors(gguf_path, arch.num_heads, arch.num_kv_heads)
+        kernel = default_backend().quant_linear
+        tensors = read_tensors(gguf_path, arch.num_heads, arch.num_kv_heads, kernel=kernel)
     else:
         from kvserve.model.quant.hf_int4 import wrap_checkpoint  # GPTQ / AWQ / c-t int4
 

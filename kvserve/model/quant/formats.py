@@ -258,10 +258,9 @@ def reference_linear(
     """The kernel's arithmetic in PyTorch (fp64 sums, so it differs from the kernel only
     by fp32 rounding): ``sum_b float(isum_b - zero * sum q) * d * d_x (+ m * d_x * sum q)``.
     Returns fp32 [M, n]."""
-    from kvserve.model.quant.kquant import KQuantWeight, reference_linear_k
-
-    if isinstance(w, KQuantWeight):
-        return reference_linear_k(x, w, bias)
+    k_reference = getattr(w, "reference_linear_k", None)  # K-quants (quant/kquant.py)
+    if k_reference is not None:
+        return k_reference(x, bias)
     if w.in_perm is not None:
         x = x[:, w.in_perm]
     q, dx, sq = quantize_activations(x)

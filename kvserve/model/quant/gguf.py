@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from kvserve.model.quant.formats import (
     Q8_0,
     QuantWeight,
 )
+
+if TYPE_CHECKING:
+    from kvserve.model.quant.kernel import QuantKernel
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -79,12 +83,14 @@ def _from_blocks(raw: np.ndarray, type_name: str, n: int, k: int) -> QuantWeight
     return QuantWeight.pack(u, d, m, fmt, f"gguf:{type_name}")
 
 
-def _from_kquant(raw: np.ndarray, type_name: str, n: int, k: int) -> QuantWeight:
+def _from_kquant(
+    raw: np.ndarray, type_name: str, n: int, k: int, kernel: QuantKernel | None = None
+) -> QuantWeight:
     """Raw Q4_K / Q5_K / Q6_K rows -> K-quant panels holding the file's integers and
     scales unchanged (:mod:`kvserve.model.quant.kquant`; exact, about the file's size)."""
     from kvserve.model.quant.kquant import from_gguf
 
-    return from_gguf(raw, type_name, n, k)
+    return from_gguf(raw, type_name, n, k, kernel)
 
 
 def _unpermute_index(n: int, heads: int) -> torch.Tensor:
@@ -99,12 +105,14 @@ def read_tensors(
     num_heads: int,
     num_kv_heads: int,
     keep_quantized: bool = True,
+    kernel: QuantKernel | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """(HF name, tensor) for every tensor of the GGUF file at ``path``.
 
     ``keep_quantized``: Q4_0/Q4_1/Q8_0 tensors come as QuantWeight, Q4_K/Q5_K/Q6_K as
     :class:`~kvserve.model.quant.kquant.KQuantWeight` (exact); otherwise (and for every
-    other quantized type) as float32 dequantized by the gguf package.
+    other quantized type) as float32 dequantized by the gguf package. ``kernel`` (the
+    backend's ``quant_linear``) repacks K-quant super-blocks in C; None: in NumPy (same bytes).
     """
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -129,7 +137,7 @@ def read_tensors(
         elif keep_quantized and type_name in NATIVE_TYPES[:3] and len(shape) == 2:
             value = _from_blocks(np.asarray(t.data), type_name, shape[0], shape[1])
         elif keep_quantized and type_name in NATIVE_TYPES and len(shape) == 2:
-            value = _from_kquant(np.asarray(t.data), type_name, shape[0], shape[1])
+            value = _from_kquant(np.asarray(t.data), type_name, shape[0], shape[1], kernel)
         else:
             arr = dequantize(np.asarray(t.data), t.tensor_type)
             value = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)

@@ -18,11 +18,15 @@ kq5 0.703 (file 0.6875), kq6 0.820 (file 0.820, the same).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvserve.model.quant.formats import BLOCK, PANEL, QuantFormat, QuantWeight, quantize_activations
+
+if TYPE_CHECKING:
+    from kvserve.model.quant.kernel import QuantKernel
 
 SUPER = 256  # values per super-block
 
@@ -63,6 +67,11 @@ class KQuantWeight(QuantWeight):
     """A K-quant weight [n, k] in the layout of ``csrc/linear_kquant.cpp`` (``data``:
     flat uint8). Rules: ``k % 256 == 0``; ``data`` has ``ceil(n/16) * (k/256) *
     fmt.tile_bytes`` bytes; ``fmt`` is one of :data:`KFORMATS`."""
+
+    def reference_linear_k(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """:func:`reference_linear_k` of this weight (what ``formats.reference_linear``
+        dispatches to for a K-quant weight)."""
+        return reference_linear_k(x, self, bias)
 
     @classmethod
     def pack_k(
@@ -218,10 +227,12 @@ def _scale_min_6bit(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def from_gguf(raw: np.ndarray, type_name: str, n: int, k: int, native: bool = True) -> KQuantWeight:
+def from_gguf(
+    raw: np.ndarray, type_name: str, n: int, k: int, kernel: QuantKernel | None = None
+) -> KQuantWeight:
     """Raw GGUF rows of Q4_K / Q5_K / Q6_K ([n, row_bytes] uint8, or flat) -> a
     :class:`KQuantWeight` holding the same integers and scales (no requantization).
-    ``native``: repack in C where the native library is built (3-7x the NumPy path's
+    ``kernel``: the quantized-weight kernels (the backend's ``quant_linear``) repack in C (3-7x the NumPy path's
     speed, 36-70 MB/s of file on one thread; the same bytes, tested), else in NumPy. Raises ValueError for another
     type or a k that is not a multiple of 256."""
     if type_name not in GGUF_TYPES:
@@ -231,11 +242,6 @@ def from_gguf(raw: np.ndarray, type_name: str, n: int, k: int, native: bool = Tr
     nsb = n * (k // SUPER)
     b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(nsb, GGUF_BLOCK_BYTES[type_name])
     fmt = GGUF_TYPES[type_name]
-    kernel = None
-    if native:
-        from kvserve.model.kernels.backend import default_backend
-
-        kernel = default_backend().quant_linear
     if kernel is not None:
         size = -(-n // PANEL) * (k // SUPER) * fmt.tile_bytes
         data = kernel.pack_gguf_kquant(b, fmt.code, n, k, size)
