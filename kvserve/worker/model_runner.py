@@ -22,6 +22,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.attention_metadata import AUTO_INVARIANT_MAX_CONTEXT
+from kvserve.model.invariance import auto_invariant_reach
 from kvserve.model.kernels_kv8 import KVCacheFormat, resolve_kv_cache_dtype
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
@@ -193,6 +194,14 @@ class ModelRunner:
         self.invariant_max_context = resolve_auto_invariance(
             batch_invariant, self.model, self.attention_backend, compile
         )
+        if self.invariant_max_context and not self.kv_format.is_8bit:
+            self.invariant_max_context = auto_invariant_reach(
+                self.kernels,
+                loaded.dtype,
+                self.model.config.head_dim,
+                self.block_size,
+                scheduler_config.kv_segment_size,
+            )
         self.model.set_batch_invariant(self.batch_invariant or self.invariant_max_context > 0)
         self.input_batch = InputBatch(
             block_size=self.block_size,
