@@ -5,7 +5,10 @@ one thread, CPU time (robust on a shared machine), for an n-token prompt:
 - ``vec``: the fast prefill kernel (csrc/prefill_vec.cpp), what ``--no-batch-invariant`` runs;
 - ``split512``: the default mode, rows below 512 in the paged kernel's decode form and
   the rest on the vector kernel;
-- ``paged``: ``--batch-invariant``, every row in the paged kernel.
+- ``paged``: every row in the paged kernel (``--batch-invariant`` before the invariant
+  prefill kernel);
+- ``inv``: every row on ``kvs_prefill_attention_inv`` (the paged kernel's arithmetic,
+  rows in lanes): what the default (up to 4,096 tokens) and ``--batch-invariant`` run now.
 
     PYTHONPATH=. python benchmarks/invariant_attention_cost.py
 """
@@ -49,10 +52,14 @@ def measure(kernel: PagedAttention, vec_kernel: PrefillVec, n: int) -> dict[str,
     def paged() -> None:
         kernel(q, kv, _seq(0, n, 0), table, 512, scale)
 
+    def inv() -> None:
+        vec_kernel.invariant(q, kv, _seq(0, n, 0), table, 512, scale, out)
+
     variants: list[tuple[str, Callable[[], None]]] = [
         ("vec", vec),
         (f"split{h}", split),
         ("paged", paged),
+        ("inv", inv),
     ]
     res: dict[str, list[float]] = {}
     for name, f in variants * 2:  # interleaved
