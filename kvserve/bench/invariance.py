@@ -307,18 +307,27 @@ def check_disaggregated(
             r.raise_for_status()
             ch = r.json()["choices"][0]
             lp = ch.get("logprobs") or {}
-            got = (
-                ch["text"],
-                tuple(lp.get("token_logprobs") or ()),
-                tuple(tuple(sorted(d.values())) for d in lp.get("top_logprobs") or ()),
+            text, sampled = ch["text"], tuple(lp.get("token_logprobs") or ())
+            tops = [tuple(sorted(d.values())) for d in lp.get("top_logprobs") or ()]
+            want_text, want_sampled, want_tops = alone[i]
+            # top_logprobs maps token text -> logprob, so two top tokens with the same
+            # text collapse into one entry: each value must be one of the alone ones
+            same = (
+                text == want_text
+                and sampled == want_sampled
+                and len(tops) == len(want_tops)
+                and all(set(t) <= set(w) for t, w in zip(tops, want_tops, strict=True))
             )
             result["compared"] += 1
             within = len(p) + max_tokens <= reach
             result["guaranteed"] += int(within)
-            if got == alone[i]:
+            if same:
                 result["identical"] += 1
             elif within:
-                result["mismatches"].append(f"disagg: prompt {i} ({len(p)} tokens)")
+                result["mismatches"].append(
+                    f"disagg: prompt {i} ({len(p)} tokens): got {text!r} {sampled} {tops}, "
+                    f"alone {want_text!r} {want_sampled} {want_tops}"
+                )
         metrics = httpx.get(url + "/metrics", timeout=10).text
         key = 'kvserve:prompt_tokens_by_source_total{model_name="'
         remote = 0.0
