@@ -346,3 +346,101 @@ def check_disaggregated(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+# ------------------------------------------------------------------------------ CLI
+def add_arguments(p: Any) -> None:
+    """``kvserve bench invariance``: issue 25's targets over dtype x weights x mode."""
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--num-prompts", type=int, default=20)
+    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=2000)
+    p.add_argument("--shared-prefix", type=int, default=300)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--preempt-blocks", type=int, default=0, help="0: skip the preemption run")
+    p.add_argument(
+        "--weights",
+        default="auto",
+        help="comma-separated --quantization values: auto (the default GGUF's Q4_1), none",
+    )
+    p.add_argument(
+        "--modes",
+        default="default,invariant",
+        help="comma-separated: default (automatic), invariant (--batch-invariant), off",
+    )
+    p.add_argument(
+        "--disagg",
+        action="store_true",
+        help="also run every prompt through a prefill worker + decode worker (two "
+        "`kvserve serve` processes on 127.0.0.1, default mode, default weights) per dtype",
+    )
+
+
+def run(args: Any) -> int:
+    """One JSON line per configuration (counts per mode: [identical to alone, compared]
+    for the requests the mode guarantees and those beyond its reach) and per dtype for
+    ``--disagg``; exit status 1 when a guaranteed request differs."""
+    import json
+    import time
+
+    mode_values = {"default": None, "invariant": True, "off": False}
+    prompts = make_prompts(
+        args.num_prompts, args.min_len, args.max_len, shared_prefix=args.shared_prefix
+    )
+    failed = False
+    configs = [
+        (d, w, m)
+        for d in args.dtypes.split(",")
+        for w in args.weights.split(",")
+        for m in args.modes.split(",")
+    ]
+    for dtype, weights, mode in configs:
+        if mode not in mode_values:
+            print(json.dumps({"error": f"--modes: {mode!r} is not one of {sorted(mode_values)}"}))
+            return 2
+        t0 = time.perf_counter()
+        try:
+            rep = check_invariance(
+                prompts,
+                dtype=dtype,
+                batch_invariant=mode_values[mode],
+                max_tokens=args.max_tokens,
+                max_num_seqs=args.max_num_seqs,
+                preempt_blocks=args.preempt_blocks or None,
+                quantization=weights,
+            )
+        except ValueError as e:  # a mode this build/CPU cannot run
+            print(json.dumps({"dtype": dtype, "weights": weights, "mode": mode, "error": str(e)}))
+            continue
+        failed = failed or bool(rep.mismatches)
+        print(
+            json.dumps(
+                {
+                    "dtype": rep.dtype,
+                    "weights": rep.weights,
+                    "mode": mode,
+                    "batch_invariant": rep.batch_invariant,
+                    "invariant_max_context": rep.invariant_max_context,
+                    "prompts": rep.num_prompts,
+                    "prompt_lens": [min(rep.prompt_lens), max(rep.prompt_lens)],
+                    "counts": rep.counts,
+                    "mismatches": rep.mismatches,
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
+            ),
+            flush=True,
+        )
+    if args.disagg:
+        for dtype in args.dtypes.split(","):
+            t0 = time.perf_counter()
+            res = check_disaggregated(
+                prompts,
+                dtype=dtype,
+                max_tokens=args.max_tokens,
+                max_model_len=max(len(p) for p in prompts) + args.max_tokens + 256,
+            )
+            failed = failed or bool(res["mismatches"])
+            res.update(mode="disagg", dtype=dtype, seconds=round(time.perf_counter() - t0, 1))
+            print(json.dumps(res), flush=True)
+    return 1 if failed else 0
