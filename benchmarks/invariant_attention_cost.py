@@ -32,11 +32,13 @@ def _seq(row: int, n: int, cached: int) -> torch.Tensor:
     return torch.tensor([[row, n, n, cached, 0]])
 
 
-def measure(kernel: PagedAttention, vec_kernel: PrefillVec, n: int) -> dict[str, float]:
+def measure(
+    kernel: PagedAttention, vec_kernel: PrefillVec, n: int, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, float]:
     """Best of 2 x 2 calls per variant, ms of CPU time per call."""
-    kv = torch.randn(2, HK, n // BS + 1, BS, D).to(torch.bfloat16)
+    kv = torch.randn(2, HK, n // BS + 1, BS, D).to(dtype)
     table = (torch.arange(n // BS) + 1).unsqueeze(0).contiguous()
-    q = torch.randn(n, HK * G, D).to(torch.bfloat16)
+    q = torch.randn(n, HK * G, D).to(dtype)
     out = torch.empty_like(q)
     h = min(n, AUTO_INVARIANT_MAX_CONTEXT)
     scale = D**-0.5
@@ -78,8 +80,9 @@ def main() -> int:
         print("needs the native kernels with the vector prefill kernel")
         return 1
     torch.set_num_threads(1)
-    for n in (512, 1024, 2048):
-        print(n, "tokens:", measure(kernel, vec_kernel, n), "ms per layer")
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (512, 1024, 2048):
+            print(dtype, n, "tokens:", measure(kernel, vec_kernel, n, dtype), "ms per layer")
     return 0
 
 
