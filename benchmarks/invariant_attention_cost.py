@@ -5,7 +5,10 @@ one thread, CPU time (robust on a shared machine), for an n-token prompt:
 - ``vec``: the fast prefill kernel (csrc/prefill_vec.cpp), what ``--no-batch-invariant`` runs;
 - ``split512``: the default mode, rows below 512 in the paged kernel's decode form and
   the rest on the vector kernel;
-- ``paged``: ``--batch-invariant``, every row in the paged kernel.
+- ``paged``: every row in the paged kernel (``--batch-invariant`` before the invariant
+  prefill kernel);
+- ``inv``: every row on ``kvs_prefill_attention_inv`` (the paged kernel's arithmetic,
+  rows in lanes): what the default (up to 4,096 tokens) and ``--batch-invariant`` run now.
 
     PYTHONPATH=. python benchmarks/invariant_attention_cost.py
 """
@@ -29,11 +32,13 @@ def _seq(row: int, n: int, cached: int) -> torch.Tensor:
     return torch.tensor([[row, n, n, cached, 0]])
 
 
-def measure(kernel: PagedAttention, vec_kernel: PrefillVec, n: int) -> dict[str, float]:
+def measure(
+    kernel: PagedAttention, vec_kernel: PrefillVec, n: int, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, float]:
     """Best of 2 x 2 calls per variant, ms of CPU time per call."""
-    kv = torch.randn(2, HK, n // BS + 1, BS, D).to(torch.bfloat16)
+    kv = torch.randn(2, HK, n // BS + 1, BS, D).to(dtype)
     table = (torch.arange(n // BS) + 1).unsqueeze(0).contiguous()
-    q = torch.randn(n, HK * G, D).to(torch.bfloat16)
+    q = torch.randn(n, HK * G, D).to(dtype)
     out = torch.empty_like(q)
     h = min(n, AUTO_INVARIANT_MAX_CONTEXT)
     scale = D**-0.5
@@ -49,10 +54,14 @@ def measure(kernel: PagedAttention, vec_kernel: PrefillVec, n: int) -> dict[str,
     def paged() -> None:
         kernel(q, kv, _seq(0, n, 0), table, 512, scale)
 
+    def inv() -> None:
+        vec_kernel.invariant(q, kv, _seq(0, n, 0), table, 512, scale, out)
+
     variants: list[tuple[str, Callable[[], None]]] = [
         ("vec", vec),
         (f"split{h}", split),
         ("paged", paged),
+        ("inv", inv),
     ]
     res: dict[str, list[float]] = {}
     for name, f in variants * 2:  # interleaved
@@ -71,8 +80,9 @@ def main() -> int:
         print("needs the native kernels with the vector prefill kernel")
         return 1
     torch.set_num_threads(1)
-    for n in (512, 1024, 2048):
-        print(n, "tokens:", measure(kernel, vec_kernel, n), "ms per layer")
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (512, 1024, 2048):
+            print(dtype, n, "tokens:", measure(kernel, vec_kernel, n, dtype), "ms per layer")
     return 0
 
 

@@ -278,6 +278,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     step_cost.add_arguments(p)
     p.set_defaults(_bench_run=step_cost.run)
+    from kvserve.bench import invariance
+
+    p = sub.add_parser(
+        "invariance",
+        help="batch invariance: alone vs batched vs cache hit vs disaggregated, bitwise",
+        description=invariance.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    invariance.add_arguments(p)
+    p.set_defaults(_bench_run=invariance.run)
     p = sub.add_parser("forward", help="model forward-pass benchmark")
     try:
         forward = importlib.import_module("kvserve.bench.forward")
@@ -294,7 +304,8 @@ def run(args: argparse.Namespace) -> int:
     """Dispatch to the chosen bench command; 2 when none was chosen."""
     if getattr(args, "_bench_run", None) is None:
         print(
-            "usage: kvserve bench {serve,compare,step-cost,forward} ... (see kvserve bench -h)",
+            "usage: kvserve bench {serve,compare,step-cost,invariance,forward} ... "
+            "(see kvserve bench -h)",
             file=sys.stderr,
         )
         return 2

@@ -75,6 +75,7 @@ from kvserve.model.attention_metadata import (  # noqa: F401  (re-exported)
     build_attention_metadata,
     resolve_attention_backend,
 )
+from kvserve.model.invariance import attend_invariant
 from kvserve.model.kernels.ops import paged_attention_op, write_kv_and_attend_op
 from kvserve.model.kernels_kv8 import is_kv8, kv8_paged_attention
 
@@ -319,8 +320,8 @@ def native_attention(
         return _native_attention_amx(q, kv_cache, nb, seg, scale, vec=True)
     if not nb.prefills:
         c = nb.cascade
-        if c is None:
-            return nb.kernel(q, kv_cache, nb.seqs, nb.block_tables, seg, scale)
+        if c is None:  # (the full invariant mode's prefills too: see attend_invariant)
+            return attend_invariant(nb, q, kv_cache, nb.seqs, nb.block_tables, seg, scale)
         # cascade on the vector kernel: suffixes, then each group's prefix with its
         # members' rows as one seq (K/V read once per row tile), merged into them
         suffix_lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32)
@@ -392,8 +393,8 @@ def _native_attention_amx(
         assert nb.decode_seqs is not None and nb.decode_tables is not None
         decode_seqs, decode_tables = nb.decode_seqs, nb.decode_tables
     lse = torch.full(q.shape[:2], _NEG_INF, dtype=torch.float32) if c is not None else None
-    if decode_seqs.shape[0]:
-        out = nb.kernel(q, kv_cache, decode_seqs, decode_tables, seg, scale, lse=lse)
+    if decode_seqs.shape[0]:  # (with the invariant prefills: see attend_invariant)
+        out = attend_invariant(nb, q, kv_cache, decode_seqs, decode_tables, seg, scale, lse=lse)
     else:
         out = torch.empty(q.shape, dtype=q.dtype)
     if nb.prefill_seqs is not None and nb.prefill_seqs.shape[0]:

@@ -22,6 +22,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.attention_metadata import AUTO_INVARIANT_MAX_CONTEXT
+from kvserve.model.invariance import auto_invariant_reach
 from kvserve.model.kernels_kv8 import resolve_kv_cache_dtype
 from kvserve.model.kv_cache_tensor import allocate_kv_cache as allocate_kv_cache  # re-exported
 from kvserve.model.kv_cache_tensor import kv_cache_bytes_per_block as kv_cache_bytes_per_block
@@ -157,6 +158,14 @@ class ModelRunner:
         self.invariant_max_context = resolve_auto_invariance(
             batch_invariant, self.model, self.attention_backend, compile
         )
+        if self.invariant_max_context and not self.kv_format.is_8bit:
+            self.invariant_max_context = auto_invariant_reach(
+                self.kernels,
+                loaded.dtype,
+                self.model.config.head_dim,
+                self.block_size,
+                self.kv_segment_size,
+            )
         self.model.set_batch_invariant(self.batch_invariant or self.invariant_max_context > 0)
         self.input_batch = InputBatch(
             block_size=self.block_size,

@@ -38,6 +38,10 @@ def test_engine_default_mode_short_requests() -> None:
     prompts.append(prompts[1][:48] + make_prompts(1, 1100, 1100, seed=6)[0])
     rep = check_invariance(prompts, max_tokens=5, max_num_seqs=6)
     assert not rep.batch_invariant and rep.invariant_max_context >= 512
-    assert rep.counts["batched"]["guaranteed"] == [5, 5]
-    assert rep.counts["cache_hit"]["guaranteed"] == [5, 5]
+    # the long request is within the reach where the invariant prefill kernel runs
+    # (AUTO_INVARIANT_MAX_CONTEXT_VEC), past it elsewhere (512)
+    n = sum(len(p) + 5 <= rep.invariant_max_context for p in prompts)
+    assert n >= 5
+    assert rep.counts["batched"]["guaranteed"] == [n, n]
+    assert rep.counts["cache_hit"]["guaranteed"] == [n, n]
     assert rep.mismatches == []

@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -242,6 +243,246 @@ void pack_v_pairs(const Args& a, const int64_t* bt, int h, int64_t keys, uint32_
 }
 #endif
 
+#if defined(KVS_PF_HAVE_512)
+// ------------------------------------------------------- the batch-invariant variant
+// kvs_prefill_attention_inv: the same contract, but each row's arithmetic is exactly
+// that of paged_attention.cpp's AVX-512 path (the decode form), so a position's
+// attention is bitwise the same whether it runs here as a prefill row or there as a
+// decode row (docs/determinism.md). The rows stay in the lanes (16 stacked query
+// rows per register), but every number is formed as the paged kernel forms it:
+//   - keys in parts at absolute positions ([0, P), [P, 2P), ... P = seg, split at
+//     multiples of 512: part_end below, the paged kernel's), each part bounded at the
+//     tile's last visible key;
+//   - a score: per head-dim lane l (0..15) the chain of products of units l, 16 + l,
+//     ... (mul then FMAs in fp32, split order for bf16; vdpbf16ps from zero over
+//     pairs 16j + l for the dot variant), the 16 lane sums reduced with hsum16's tree
+//     ((G0 + G1) + (G2 + G3)), G_q = (P[4q] + P[4q + 2]) + (P[4q + 1] + P[4q + 3]),
+//     then times scale (natural-log units);
+//   - per part: the max, exp512(x - m_new) (0 where masked), the sum of the part's
+//     exponentials in 16 key-offset lanes reduced with GCC's _mm512_reduce_add_ps
+//     tree, l = l * corr + sum with corr = std::exp(m_old - m_new) (0 for the first),
+//     acc *= corr, then P.V in key order (fp32 FMAs; P rounded to bf16 and V in key
+//     pairs for the dot variant, pairs at even positions: block_size must be even);
+//   - the row finished as finish_row does (1 / l, the lse merge).
+// The dot variant is chosen as the paged kernel chooses it (use_bf16_dot there:
+// AMD CPUs with AVX512_BF16, KVSERVE_BF16_DOT=fma|dp overrides). Keep the two in
+// step: tests/model/test_attention_invariance.py compares them bit for bit.
+constexpr int64_t kPartMax = 512;
+
+inline int64_t part_end(int seg, int64_t p0) {  // as paged_attention.cpp
+  int64_t e = (p0 / kPartMax + 1) * kPartMax;
+  if (seg > 0) e = std::min<int64_t>(e, (p0 / seg + 1) * seg);
+  return e;
+}
+
+inline bool inv_bf16_dot() {  // as paged_attention.cpp's use_bf16_dot
+  static const bool v = [] {
+    const char* e = std::getenv("KVSERVE_BF16_DOT");
+    if (e != nullptr && std::strcmp(e, "fma") == 0) return false;
+    if (e != nullptr && std::strcmp(e, "dp") == 0) return true;
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_is("amd");
+  }();
+  return v;
+}
+
+// the head dim that unit (dv, lane) of a score chain multiplies: natural order for
+// float32, the paged kernel's split order for widened bfloat16
+template <typename T>
+constexpr int inv_dim(int dv, int lane) {
+  if constexpr (std::is_same_v<T, bf16_t>) return 32 * (dv / 2) + 2 * lane + (dv % 2);
+  return 16 * dv + lane;
+}
+
+template <typename T, int D, bool kDp>
+void run_task_inv(const Args& a, int seg, const Task& t, const uint32_t* vp) {
+  using V = V512;
+  using vec = __m512;
+  constexpr int L = 16, DV = D / 16, DB = 16, KB = 4;
+  const int64_t* s = a.seqs + 5 * t.seq;
+  const int64_t row_start = s[0], num_tokens = s[2], cached = s[3], prior_only = s[4];
+  const int g = a.num_heads / a.num_kv_heads;
+  const int64_t m_total = num_tokens * g;
+  const int m_hi = static_cast<int>(std::min<int64_t>(L, m_total - t.r0));
+  const int64_t* bt = a.block_tables + t.seq * a.max_blocks;
+
+  alignas(64) float qt[kDp ? 1 : D][L];
+  alignas(64) uint32_t qp[kDp ? D / 2 : 1][L];
+  alignas(64) float obuf[D][L];
+  alignas(64) float sbuf[kPartMax][L];
+  alignas(64) uint32_t pp[kDp ? kPartMax / 2 + 1 : 1][L];
+  alignas(64) int32_t lim_arr[L];
+  alignas(64) float mxa[L], la[L], mna[L], corra[L];
+  const T* kptr[kPartMax];
+  const T* vptr[kPartMax];
+  int64_t max_lim = 0;
+  for (int m = 0; m < L; ++m) {
+    if (m < m_hi) {
+      const int64_t r = t.r0 + m, j = r / g;
+      const int head = t.h * g + static_cast<int>(r % g);
+      const T* src = static_cast<const T*>(a.q) + batch_row(a, row_start + j) * a.q_row_stride +
+                     head * a.q_head_stride;
+      if constexpr (kDp) {
+        const u32a* s32 = reinterpret_cast<const u32a*>(src);
+        for (int p = 0; p < D / 2; ++p) qp[p][m] = s32[p];
+      } else {
+        for (int d = 0; d < D; ++d) qt[d][m] = to_f32(src[d]);
+      }
+      lim_arr[m] = static_cast<int32_t>(prior_only ? cached : cached + j + 1);
+      max_lim = std::max<int64_t>(max_lim, lim_arr[m]);
+    } else {
+      if constexpr (kDp) {
+        for (int p = 0; p < D / 2; ++p) qp[p][m] = 0;
+      } else {
+        for (int d = 0; d < D; ++d) qt[d][m] = 0.f;
+      }
+      lim_arr[m] = 0;
+    }
+    mxa[m] = kNegInf;
+    la[m] = 0.f;
+  }
+  for (int d = 0; d < D; ++d) V::store(obuf[d], V::zero());
+  const vec scale = V::set1(a.scale);
+  const vec neg_inf = V::set1(kNegInf);
+  const __m512i lim = V::loadi(lim_arr);
+
+  for (int64_t p0 = 0; p0 < max_lim;) {
+    const int64_t p1 = std::min<int64_t>(part_end(seg, p0), max_lim);
+    const int n = static_cast<int>(p1 - p0);
+    row_ptrs<T>(a, bt, 0, t.h, p0, n, kptr);
+    if constexpr (!kDp) row_ptrs<T>(a, bt, 1, t.h, p0, n, vptr);
+    // 1. scores, KB keys at a time (rows past n point at key 0 of the part: unused)
+    for (int k0 = 0; k0 < n; k0 += KB) {
+      const int nk = std::min(KB, n - k0);
+      const T* kr[KB];
+      for (int kk = 0; kk < KB; ++kk) kr[kk] = kptr[k0 + (kk < nk ? kk : 0)];
+      vec h01[KB], g2[KB], sc[KB];
+      for (int q4 = 0; q4 < 4; ++q4) {
+        vec P[KB][4];
+        for (int li = 0; li < 4; ++li) {
+          const int ln = 4 * q4 + li;
+          if constexpr (kDp) {
+#if defined(KVS_PF_HAVE_DP)
+            for (int kk = 0; kk < KB; ++kk) P[kk][li] = V::zero();
+            for (int j = 0; j < D / 32; ++j) {
+              const __m512bh qv = (__m512bh)_mm512_load_si512(qp[16 * j + ln]);
+              for (int kk = 0; kk < KB; ++kk)
+                P[kk][li] = dp_bcast(P[kk][li], qv, reinterpret_cast<const u32a*>(kr[kk]) + 16 * j + ln);
+            }
+#endif
+          } else {
+            {
+              const vec qv = V::load(qt[inv_dim<T>(0, ln)]);
+              for (int kk = 0; kk < KB; ++kk) P[kk][li] = V::mul(V::bcast(kr[kk] + inv_dim<T>(0, ln)), qv);
+            }
+            for (int dv = 1; dv < DV; ++dv) {
+              const vec qv = V::load(qt[inv_dim<T>(dv, ln)]);
+              for (int kk = 0; kk < KB; ++kk)
+                P[kk][li] = V::fma(V::bcast(kr[kk] + inv_dim<T>(dv, ln)), qv, P[kk][li]);
+            }
+          }
+        }
+        for (int kk = 0; kk < KB; ++kk) {
+          const vec G = V::add(V::add(P[kk][0], P[kk][2]), V::add(P[kk][1], P[kk][3]));
+          if (q4 == 0) h01[kk] = G;
+          else if (q4 == 1) h01[kk] = V::add(h01[kk], G);
+          else if (q4 == 2) g2[kk] = G;
+          else sc[kk] = V::add(h01[kk], V::add(g2[kk], G));
+        }
+      }
+      for (int kk = 0; kk < nk; ++kk)
+        V::store(sbuf[k0 + kk], V::visible(lim, static_cast<int32_t>(p0 + k0 + kk), V::mul(sc[kk], scale)));
+    }
+    // 2. the part's exact softmax per row, merged into the running (max, sum, acc);
+    // rows that see no key of the part are left as they are (the paged kernel skips them)
+    vec vmax = neg_inf;
+    for (int k = 0; k < n; ++k) vmax = V::max(vmax, V::load(sbuf[k]));
+    const __mmask16 active = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(static_cast<int32_t>(p0)));
+    const vec mold = V::load(mxa);
+    const vec mnew = _mm512_mask_max_ps(mold, active, mold, vmax);
+    V::store(mna, mnew);
+    for (int m = 0; m < L; ++m)
+      corra[m] = !((active >> m) & 1) ? 1.f : (mxa[m] == kNegInf ? 0.f : std::exp(mxa[m] - mna[m]));
+    vec vs[16];
+    for (int r = 0; r < 16; ++r) vs[r] = V::zero();
+    for (int k = 0; k < n; ++k) {
+      const vec x = V::load(sbuf[k]);
+      const vec e = V::finite_or_zero(x, kvs::exp512(_mm512_sub_ps(x, mnew)));
+      vs[k % 16] = V::add(vs[k % 16], e);
+      V::store(sbuf[k], e);
+    }
+    {  // GCC's _mm512_reduce_add_ps tree over the 16 key-offset lanes
+      vec t3[8], t6[4];
+      for (int i = 0; i < 8; ++i) t3[i] = V::add(vs[8 + i], vs[i]);
+      for (int i = 0; i < 4; ++i) t6[i] = V::add(t3[4 + i], t3[i]);
+      const vec sum = V::add(V::add(t6[0], t6[2]), V::add(t6[1], t6[3]));
+      const vec corr = V::load(corra);
+      // (GCC contracts the paged kernel's scalar `l * corr + sum` into an FMA: C++
+      // builds default to -ffp-contract=fast)
+      V::store(la, _mm512_mask_mov_ps(V::load(la), active, _mm512_fmadd_ps(V::load(la), corr, sum)));
+      V::store(mxa, mnew);
+      for (int d = 0; d < D; ++d) V::store(obuf[d], V::mul(V::load(obuf[d]), corr));
+    }
+    // 3. acc += P . V in key order
+    if constexpr (kDp) {
+#if defined(KVS_PF_HAVE_DP)
+      const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                  23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      const int npairs = (n + 1) / 2;
+      for (int kk = 0; kk < npairs; ++kk) {
+        const vec e0 = V::load(sbuf[2 * kk]);
+        const vec e1 = 2 * kk + 1 < n ? V::load(sbuf[2 * kk + 1]) : V::zero();
+        const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);
+        _mm512_store_si512(pp[kk], _mm512_permutexvar_epi16(interleave, (__m512i)pair));
+      }
+      const uint32_t* vc = vp + (p0 / 2) * D;
+      for (int d0 = 0; d0 < D; d0 += DB) {
+        vec acc[DB];
+        for (int j = 0; j < DB; ++j) acc[j] = V::load(obuf[d0 + j]);
+        for (int kk = 0; kk < npairs; ++kk) {
+          const __m512bh pv = (__m512bh)_mm512_load_si512(pp[kk]);
+          const u32a* vr = reinterpret_cast<const u32a*>(vc + kk * D + d0);
+          for (int j = 0; j < DB; ++j) acc[j] = dp_bcast(acc[j], pv, vr + j);
+        }
+        for (int j = 0; j < DB; ++j) V::store(obuf[d0 + j], acc[j]);
+      }
+#endif
+    } else {
+      for (int d0 = 0; d0 < D; d0 += DB) {
+        vec acc[DB];
+        for (int j = 0; j < DB; ++j) acc[j] = V::load(obuf[d0 + j]);
+        for (int k = 0; k < n; ++k) {
+          const vec pk = V::load(sbuf[k]);
+          const T* vr = vptr[k] + d0;
+          for (int j = 0; j < DB; ++j) acc[j] = V::fma(V::bcast(vr + j), pk, acc[j]);
+        }
+        for (int j = 0; j < DB; ++j) V::store(obuf[d0 + j], acc[j]);
+      }
+    }
+    p0 = p1;
+  }
+
+  T* out = static_cast<T*>(a.out);
+  for (int m = 0; m < m_hi; ++m) {  // finish_row of paged_attention.cpp
+    const int64_t r = t.r0 + m, row = batch_row(a, row_start + r / g);
+    const int head = t.h * g + static_cast<int>(r % g);
+    T* o = out + (row * a.num_heads + head) * D;
+    const float mx = mxa[m], l = la[m];
+    const float mine = l > 0.f ? mx + std::log(l) : kNegInf;
+    float lse_new = mine, w_old = 0.f, w_acc = l > 0.f ? 1.f / l : 0.f;
+    float* lse = a.lse ? a.lse + row * a.num_heads + head : nullptr;
+    if (a.merge && *lse != kNegInf) {
+      const float old = *lse;
+      lse_new = std::max(old, mine) + std::log1p(std::exp(-std::fabs(old - mine)));
+      w_old = std::exp(old - lse_new);
+      w_acc *= mine == kNegInf ? 0.f : std::exp(mine - lse_new);
+    }
+    if (lse) *lse = lse_new;
+    for (int d = 0; d < D; ++d)
+      from_f32(std::fma(obuf[d][m], w_acc, w_old != 0.f ? to_f32(o[d]) * w_old : 0.f), o + d);
+  }
+}
+#endif  // KVS_PF_HAVE_512
+
 // One task: L stacked query rows of one (seq, KV head) against all their keys.
 // kDp: bfloat16 products with vdpbf16ps (V512 only; vp = the packed V pairs).
 template <class V, typename T, int D, bool kDp>
@@ -433,8 +674,8 @@ void run_task(const Args& a, const Task& t, const uint32_t* vp) {
   }
 }
 
-template <class V, typename T, int D, bool kDp>
-void run_all(const Args& a, int64_t num_seqs, int num_threads) {
+template <class V, typename T, int D, bool kDp, bool kInv = false>
+void run_all(const Args& a, int64_t num_seqs, int num_threads, int seg = 0) {
   constexpr int L = V::L;
   const int g = a.num_heads / a.num_kv_heads;
   const int64_t hk = a.num_kv_heads;
@@ -475,7 +716,14 @@ void run_all(const Args& a, int64_t num_seqs, int num_threads) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i) {
       const Task& t = tasks[i];
-      run_task<V, T, D, kDp>(a, t, kDp ? base + offset[t.seq * hk + t.h] : nullptr);
+      const uint32_t* vpk = kDp ? base + offset[t.seq * hk + t.h] : nullptr;
+#if defined(KVS_PF_HAVE_512)
+      if constexpr (kInv) {
+        run_task_inv<T, D, kDp>(a, seg, t, vpk);
+        continue;
+      }
+#endif
+      run_task<V, T, D, kDp>(a, t, vpk);
     }
   }
   // padding rows: zero output, lse -inf
@@ -512,6 +760,18 @@ int dispatch(const Args& a, int64_t num_seqs, int num_threads, int isa) {
     default: return 2;
   }
 }
+
+#if defined(KVS_PF_HAVE_512)
+template <typename T, int D>
+void dispatch_inv(const Args& a, int64_t num_seqs, int num_threads, int seg) {
+#if defined(KVS_PF_HAVE_DP)
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    if (inv_bf16_dot()) return run_all<V512, T, D, true, true>(a, num_seqs, num_threads, seg);
+  }
+#endif
+  run_all<V512, T, D, false, true>(a, num_seqs, num_threads, seg);
+}
+#endif
 
 // The ISAs this build has and this CPU runs, as a bit set (1 << isa).
 int available_isas() {
@@ -572,5 +832,46 @@ int kvs_prefill_attention_vec(const void* q, int64_t q_row_stride, int64_t q_hea
     case 64: return dispatch<bf16_t, 64>(a, num_seqs, num_threads, isa);
     default: return dispatch<bf16_t, 128>(a, num_seqs, num_threads, isa);
   }
+}
+
+// The batch-invariant variant (see run_task_inv): the arguments of
+// kvs_prefill_attention_vec without isa, plus seg (kv_segment_size, 0: none).
+// Returns 0 on success; 1: unsupported dtype; 2: no AVX-512 (F + BW) here; 3:
+// unsupported shape (head_dim 32, 64 or 128, num_heads a multiple of num_kv_heads,
+// an even block_size, seg a multiple of 2); 4: merge without lse.
+int kvs_prefill_attention_inv(const void* q, int64_t q_row_stride, int64_t q_head_stride,
+                              void* out, const void* kv, int64_t num_blocks, int block_size,
+                              int num_heads, int num_kv_heads, int head_dim, const int64_t* seqs,
+                              int64_t num_seqs, const int64_t* block_tables, int64_t max_blocks,
+                              int seg, float scale, int dtype, int num_threads, float* lse,
+                              const int64_t* row_map, int merge) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) return 3;
+  if (head_dim != 32 && head_dim != 64 && head_dim != 128) return 3;
+  if (block_size % 2 != 0 || seg < 0 || seg % 2 != 0) return 3;
+  if (merge && lse == nullptr) return 4;
+  if (dtype != 0 && dtype != 1) return 1;
+#if defined(KVS_PF_HAVE_512)
+  if (!(available_isas() & (1 << 2))) return 2;
+  Args a{q,         q_row_stride, q_head_stride, out,          kv,        num_blocks, block_size,
+         num_heads, num_kv_heads, head_dim,      seqs,         block_tables, max_blocks, scale,
+         lse,       row_map,      merge};
+  if (dtype == 0) {
+    switch (head_dim) {
+      case 32: dispatch_inv<float, 32>(a, num_seqs, num_threads, seg); return 0;
+      case 64: dispatch_inv<float, 64>(a, num_seqs, num_threads, seg); return 0;
+      default: dispatch_inv<float, 128>(a, num_seqs, num_threads, seg); return 0;
+    }
+  }
+  switch (head_dim) {
+    case 32: dispatch_inv<bf16_t, 32>(a, num_seqs, num_threads, seg); return 0;
+    case 64: dispatch_inv<bf16_t, 64>(a, num_seqs, num_threads, seg); return 0;
+    default: dispatch_inv<bf16_t, 128>(a, num_seqs, num_threads, seg); return 0;
+  }
+#else
+  (void)q_row_stride, (void)q_head_stride, (void)out, (void)kv, (void)num_blocks, (void)seqs,
+      (void)num_seqs, (void)block_tables, (void)max_blocks, (void)scale, (void)num_threads,
+      (void)lse, (void)row_map, (void)q;
+  return 2;
+#endif
 }
 }

@@ -39,12 +39,20 @@ _PARAMS = [
     ("merge", I32),
 ]
 
+# kvs_prefill_attention_inv: no isa, plus seg (kv_segment_size) before scale
+_INV_PARAMS = [
+    *(p for p in _PARAMS[:14]),
+    ("seg", I32),
+    *(p for p in _PARAMS[14:] if p[0] != "isa"),
+]
+
 
 class PrefillVec:
     """``kvs_prefill_attention_vec``; ``isas``: the variants usable on this CPU, by name."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = CFunction(lib, "kvs_prefill_attention_vec", _PARAMS)
+        self._inv = CFunction(lib, "kvs_prefill_attention_inv", _INV_PARAMS)
         probe = lib.kvs_prefill_vec_isas
         probe.argtypes = []
         probe.restype = I32
@@ -114,3 +122,64 @@ class PrefillVec:
         )
         if rc != 0:
             raise RuntimeError(f"kvs_prefill_attention_vec returned {rc} (isa {name!r})")
+
+    # ------------------------------------------------------------ invariant variant
+    def supports_invariant(
+        self, dtype: torch.dtype, head_dim: int, block_size: int, kv_segment_size: int
+    ) -> bool:
+        """Whether :meth:`invariant` runs here: AVX-512 (F + BW), float32 or bfloat16,
+        head_dim 32, 64 or 128, an even ``block_size`` and ``kv_segment_size``, and
+        ``KVSERVE_PREFILL_VEC`` not ``0``."""
+        return (
+            os.environ.get(VEC_ENV_VAR, "1") != "0"
+            and "avx512" in self.isas
+            and dtype in DTYPE_CODES
+            and head_dim in (32, 64, 128)
+            and block_size % 2 == 0
+            and kv_segment_size % 2 == 0
+        )
+
+    def invariant(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        seqs: torch.Tensor,
+        block_tables: torch.Tensor,
+        kv_segment_size: int,
+        scale: float,
+        out: torch.Tensor,
+        lse: torch.Tensor | None = None,
+        row_map: torch.Tensor | None = None,
+        merge: bool = False,
+    ) -> None:
+        """:meth:`__call__`'s contract, but every row computed with exactly the per-row
+        arithmetic of the paged kernel (``kvs_paged_attention`` with the same
+        ``kv_segment_size``): a position's output and lse are bitwise those of the same
+        position as a decode row there (batch invariance, docs/determinism.md), at the
+        prefill kernel's row-in-lanes speed. Rules: :meth:`supports_invariant` holds."""
+        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        rc = self._inv(
+            q=q.data_ptr(),
+            q_row_stride=q.stride(0),
+            q_head_stride=q.stride(1),
+            out=out.data_ptr(),
+            kv=kv_cache.data_ptr(),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_heads=q.shape[1],
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            seqs=seqs.data_ptr(),
+            num_seqs=seqs.shape[0],
+            block_tables=block_tables.data_ptr(),
+            max_blocks=block_tables.shape[1],
+            seg=kv_segment_size,
+            scale=scale,
+            dtype=DTYPE_CODES[q.dtype],
+            num_threads=torch.get_num_threads(),
+            lse=ptr(lse),
+            row_map=ptr(row_map),
+            merge=int(merge),
+        )
+        if rc != 0:
+            raise RuntimeError(f"kvs_prefill_attention_inv returned {rc}")
