@@ -484,7 +484,7 @@ def _kv_fingerprint(loaded: ModelInfo, runner: Runner) -> str:
     kv_format = getattr(runner, "kv_format", None)
     if kv_format is None:
         return loaded.fingerprint
-    from kvserve.model.kernels_kv8 import kv_cache_fingerprint
+    from kvserve.model.kernels.kv8 import kv_cache_fingerprint
 
     return kv_cache_fingerprint(loaded.fingerprint, kv_format, getattr(loaded, "dtype", None))
 

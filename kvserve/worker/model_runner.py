@@ -22,7 +22,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.attention_metadata import AUTO_INVARIANT_MAX_CONTEXT
-from kvserve.model.kernels_kv8 import KVCacheFormat, resolve_kv_cache_dtype
+from kvserve.model.kernels.kv8 import KVCacheFormat, resolve_kv_cache_dtype
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -57,7 +57,7 @@ def allocate_kv_cache(
     kv_format: KVCacheFormat | None = None,
 ) -> torch.Tensor:
     """Zeroed cache ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``
-    (8-bit ``kv_format``: last dim ``head_dim + 4``, see :mod:`kvserve.model.kernels_kv8`).
+    (8-bit ``kv_format``: last dim ``head_dim + 4``, see :mod:`kvserve.model.kernels.kv8`).
 
     ``cache[i]`` is layer ``i``'s view in the layout of ``kvserve.model.attention``.
     """

@@ -35,7 +35,7 @@ SOURCES = [
         "linear_panels.cpp",
         "prefill_vec.cpp",
         "linear_quant.cpp",
-        "attention_kv8.cpp",  # 8-bit KV cache (bindings: kvserve.model.kernels_kv8)
+        "attention_kv8.cpp",  # 8-bit KV cache (bindings: kvserve.model.kernels.kv8)
     )
 ]
 HEADERS = [CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources
