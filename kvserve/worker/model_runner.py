@@ -22,6 +22,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.attention_metadata import AUTO_INVARIANT_MAX_CONTEXT
+from kvserve.model.hugepages import zeros_hugepages
 from kvserve.model.kernels.kv8 import KVCacheFormat, resolve_kv_cache_dtype
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
@@ -65,16 +66,10 @@ def allocate_kv_cache(
     last = cfg.head_dim
     if kv_format is not None:
         dtype, last = kv_format.torch_dtype, kv_format.last_dim(cfg.head_dim)
-    return torch.zeros(
-        cfg.num_layers,
-        2,
-        cfg.num_kv_heads,
-        num_blocks,
-        block_size,
-        last,
-        dtype=dtype,
-        device=device,
-    )
+    shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, last)
+    if torch.device(device).type == "cpu":  # scattered block reads: fewer TLB misses
+        return zeros_hugepages(*shape, dtype=dtype)
+    return torch.zeros(*shape, dtype=dtype, device=device)
 
 
 def resolve_batch_invariant(

@@ -790,6 +790,85 @@ void run_all(const Args& a, int64_t num_seqs, int row_tile, int num_threads) {
   }
 }
 
+
+// ------------------------------------------------ the bandwidth limit, measured fairly
+// What the decode kernel is held against (kvserve/bench/attention_bench.py): the same
+// OpenMP threads reading memory with 512-bit loads and no arithmetic beyond an OR.
+// read_slices: a contiguous buffer, one slice per thread (the machine's stream-read
+// bandwidth). read_pages: the K and V bytes a kernel call over (seqs, block_tables)
+// reads, task by task in the kernel's order and schedule (one task per request and KV
+// head, scattered blocks, K prefetched kPrefetchBlocks ahead): the access pattern's
+// own limit, no scores or softmax. Both return the OR of the 64-bit little-endian
+// words read (counted from 64-byte aligned offsets of the slice / page).
+inline uint64_t or_bytes(const char* p, int64_t n) {
+#if defined(__AVX512F__)
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 256 <= n; i += 256) {
+    a0 = _mm512_or_si512(a0, _mm512_loadu_si512(p + i));
+    a1 = _mm512_or_si512(a1, _mm512_loadu_si512(p + i + 64));
+    a2 = _mm512_or_si512(a2, _mm512_loadu_si512(p + i + 128));
+    a3 = _mm512_or_si512(a3, _mm512_loadu_si512(p + i + 192));
+  }
+  for (; i + 64 <= n; i += 64) a0 = _mm512_or_si512(a0, _mm512_loadu_si512(p + i));
+  const __m512i r = _mm512_or_si512(_mm512_or_si512(a0, a1), _mm512_or_si512(a2, a3));
+  uint64_t s = static_cast<uint64_t>(_mm512_reduce_or_epi64(r));
+#else
+  uint64_t s = 0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t x;
+    std::memcpy(&x, p + i, 8);
+    s |= x;
+  }
+#endif
+  for (; i < n; ++i) s |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * (i & 7));
+  return s;
+}
+
+uint64_t read_slices(const char* buf, int64_t bytes, int num_threads) {
+  uint64_t s = 0;
+#pragma omp parallel num_threads(std::max(1, num_threads)) reduction(| : s)
+  {
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t per = (bytes / nt) & ~int64_t{63};
+    const int64_t b0 = per * t, b1 = t == nt - 1 ? bytes : b0 + per;
+    s |= or_bytes(buf + b0, b1 - b0);
+  }
+  return s;
+}
+
+uint64_t read_pages(const Args& a, int64_t num_seqs, int elem, int num_threads) {
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int h = 0; h < a.num_kv_heads; ++h) tasks.push_back(Task{s, 0, a.seqs[5 * s + 1], h});
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  const int64_t row = static_cast<int64_t>(a.head_dim) * elem, bs = a.block_size;
+  const int64_t head_stride = a.num_blocks * bs * row;
+  uint64_t sum = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, num_threads)) reduction(| : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const Task& task = tasks[i];
+    const int64_t* s = a.seqs + 5 * task.seq;
+    const int64_t keys = s[4] ? s[3] : s[3] + s[2];
+    const int64_t* bt = a.block_tables + a.max_blocks * task.seq;
+    const char* kb = static_cast<const char*>(a.kv) + task.kvh * head_stride;
+    const char* vb = static_cast<const char*>(a.kv) + (a.num_kv_heads + task.kvh) * head_stride;
+    const int64_t nblk = (keys + bs - 1) / bs;
+    constexpr int64_t ahead = 4;  // the AVX-512 kernel's kPrefetchBlocks
+    for (int64_t b = 0; b < std::min(nblk, ahead); ++b)
+      for (int64_t o = 0; o < bs * row; o += 64) __builtin_prefetch(kb + bt[b] * bs * row + o, 0, 2);
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int64_t nbytes = std::min(bs, keys - b * bs) * row;
+      if (b + ahead < nblk)
+        for (int64_t o = 0; o < bs * row; o += 64)
+          __builtin_prefetch(kb + bt[b + ahead] * bs * row + o, 0, 2);
+      sum |= or_bytes(kb + bt[b] * bs * row, nbytes) | or_bytes(vb + bt[b] * bs * row, nbytes);
+    }
+  }
+  return sum;
+}
+
 }  // namespace
 
 extern "C" {
@@ -814,6 +893,27 @@ int kvs_paged_attention(const void* q, int64_t q_row_stride, int64_t q_head_stri
     return 1;
   }
   return 0;
+}
+
+// The reads the decode kernel is held against (see read_slices / read_pages); the
+// results are an OR of the bytes read (returned so that no read is optimised away).
+uint64_t kvs_read_slices(const void* buf, int64_t bytes, int num_threads) {
+  return read_slices(static_cast<const char*>(buf), bytes, num_threads);
+}
+
+uint64_t kvs_read_pages(const void* kv, int64_t num_blocks, int block_size, int num_kv_heads,
+                        int head_dim, int elem_size, const int64_t* seqs, int64_t num_seqs,
+                        const int64_t* block_tables, int64_t max_blocks, int num_threads) {
+  Args a{};
+  a.kv = kv;
+  a.num_blocks = num_blocks;
+  a.block_size = block_size;
+  a.num_kv_heads = num_kv_heads;
+  a.head_dim = head_dim;
+  a.seqs = seqs;
+  a.block_tables = block_tables;
+  a.max_blocks = max_blocks;
+  return read_pages(a, num_seqs, elem_size, num_threads);
 }
 
 int kvs_abi_version() { return 1; }
