@@ -75,8 +75,8 @@ from kvserve.model.attention_metadata import (  # noqa: F401  (re-exported)
     build_attention_metadata,
     resolve_attention_backend,
 )
-from kvserve.model.kernels.ops import paged_attention_op, write_kv_and_attend_op
 from kvserve.model.kernels.kv8 import is_kv8, kv8_paged_attention
+from kvserve.model.kernels.ops import paged_attention_op, write_kv_and_attend_op
 
 _NEG_INF = float("-inf")
 

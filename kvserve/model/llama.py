@@ -26,8 +26,8 @@ from torch import nn
 from kvserve.model.arch import ModelArchConfig  # noqa: F401  (re-exported)
 from kvserve.model.attention import AttentionMetadata, native_attention, paged_attention
 from kvserve.model.kernels.backend import KernelBackend, default_backend
-from kvserve.model.kernels.paged_attention import PagedAttention
 from kvserve.model.kernels.kv8 import is_kv8, kv8_paged_attention
+from kvserve.model.kernels.paged_attention import PagedAttention
 from kvserve.model.linear import FastLinear, mkldnn_linear_works
 from kvserve.model.quant.formats import QuantWeight
 from kvserve.model.quant.kernel import QuantKernel
