@@ -45,7 +45,11 @@ def read_bandwidth_gb_s(num_bytes: int = 512 << 20, repeats: int = 7) -> float:
     return num_bytes / statistics.median(times) / 1e9
 
 
-def stream_read_gb_s(num_bytes: int = 512 << 20, repeats: int = 7) -> float | None:
+def stream_read_gb_s(
+    num_bytes: int = 512 << 20,
+    repeats: int = 7,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float | None:
     """Read bandwidth (GB/s, median) of the native stream read over a huge-page buffer
     on torch's thread count; None where the native kernels are unavailable."""
     import torch
@@ -61,9 +65,9 @@ def stream_read_gb_s(num_bytes: int = 512 << 20, repeats: int = 7) -> float | No
     kernel.read_slices(buf, threads)
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         kernel.read_slices(buf, threads)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return num_bytes / statistics.median(times) / 1e9
 
 
@@ -149,7 +153,7 @@ def run_attention_grid(
     import torch
 
     torch_sum = read_bandwidth_gb_s()
-    samples = [s for s in (stream_read_gb_s(),) if s is not None]
+    samples = [s for s in (stream_read_gb_s(clock=clock),) if s is not None]
     rows = []
     for backend in backends:
         for context in contexts:
@@ -166,7 +170,7 @@ def run_attention_grid(
                     clock=clock,
                 )
                 rows.append(r)
-                s = stream_read_gb_s(repeats=3)
+                s = stream_read_gb_s(repeats=3, clock=clock)
                 if s is not None:
                     samples.append(s)
     bw = statistics.median(samples) if samples else torch_sum
