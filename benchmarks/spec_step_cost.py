@@ -42,7 +42,7 @@ def main() -> None:
     per_req = ctx // bs + 2
     nb = max(batches)
     cache = CacheConfig(block_size=bs, num_kv_blocks=1 + nb * per_req)
-    sched = SchedulerConfig(max_num_batched_tokens=8192, block_size=bs)
+    sched = SchedulerConfig(max_num_batched_tokens=8192)
     spec = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": max(ks) or 1})
     runner = ModelRunner(loaded, cache, sched, speculative_config=spec)
     greedy = SamplingParams(temperature=0.0, max_tokens=4096)
@@ -59,7 +59,6 @@ def main() -> None:
             num_scheduled_tokens_padded={r: ctx},
             scheduled_token_ids={r: prompt},
             cached_seq_len={r: 0},
-            kv_segment_size=sched.kv_segment_size,
         )
         runner.execute_model(so)
 
@@ -74,7 +73,6 @@ def main() -> None:
             num_scheduled_tokens_padded={r: 1 + k for r in sel},
             scheduled_token_ids={r: [5] + [7] * k for r in sel},
             cached_seq_len={r: ctx for r in sel},
-            kv_segment_size=sched.kv_segment_size,
             scheduled_spec_decode_tokens=drafts,
         )
         for r in sel:  # keep the runner's view: ctx + 1 tokens, nothing generated past

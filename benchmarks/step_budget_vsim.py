@@ -27,7 +27,7 @@ from typing import Any
 
 from kvserve.bench.step_cost import RequestTimes, stream_figures
 from kvserve.bench.workloads import arrival_times
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine_core import EngineCore
 from kvserve.request import SamplingParams
 from kvserve.sched.cost_model import CostModel
@@ -76,19 +76,19 @@ def run(
     config: SchedulerConfig, prompts: list[tuple[list[int], int]], args: argparse.Namespace
 ) -> dict[str, Any]:
     config = config.resolved()
-    num_blocks = 1 + (args.kv_tokens // config.block_size)
+    block_size = CacheConfig().block_size
+    num_blocks = 1 + (args.kv_tokens // block_size)
     runner = StandInRunner(num_blocks)
     runner.cost_model = CostModel(tuple(args.coef), source="model", online=False)  # type: ignore[arg-type]
     now = [0.0]
     engine = EngineCore(
         EngineConfig(
-            model=ModelConfig(max_model_len=config.max_model_len),
             cache=CacheConfig(
-                block_size=config.block_size, num_kv_blocks=num_blocks, enable_prefix_caching=True
+                block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=True
             ),
             scheduler=config,
         ),
-        loaded=SimulatedModel(config.max_model_len, vocab_size=UNBOUNDED_VOCAB),
+        loaded=SimulatedModel(config.model_len, vocab_size=UNBOUNDED_VOCAB),
         runner=runner,
         clock=lambda: now[0],
     )
@@ -183,7 +183,7 @@ def main() -> int:
     base_seed = args.seed
     for spec in args.variant or ["default="]:
         name, _, flags = spec.partition("=")
-        kw: dict[str, Any] = {"max_model_len": 8192, "enable_prefix_caching": True}
+        kw: dict[str, Any] = {"max_model_len": 8192}
         toks = shlex.split(flags)
         for i in range(0, len(toks), 2):
             key = toks[i].lstrip("-").replace("-", "_")

@@ -30,12 +30,16 @@ VALID_KV_SEGMENT_SIZES = (0, 512, 1024, 2048, 4096)
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache.
+    """Paged KV cache: the one owner of ``block_size`` and ``enable_prefix_caching``
+    (the scheduler reads them from its KV cache manager, the runner from here).
 
     ``num_kv_blocks`` counts the null block 0, so ``num_kv_blocks - 1`` blocks are
     usable. When None, the model runner derives it from ``kv_cache_memory_gib``.
     ``hash_algo`` is "sha256" (default, stable across processes) or "builtin"
     (Python's hash of a tuple: faster, not stable across processes).
+    ``kv_segment_size``: one of 0 (off), 512, 1024, 2048, 4096 and, when not 0, a
+    multiple of ``block_size``; the model runner's attention reads prior KV in
+    segments of it (prefill chunks need NOT equal it). The scheduler never reads it.
     """
 
     block_size: int = 16
@@ -46,6 +50,9 @@ class CacheConfig:
     # how K/V are stored: "auto" (the model dtype), "bfloat16", "float32", or 8-bit
     # "int8" / "fp8_e4m3" (kvserve.model.kernels.kv8; docs/quantization.md)
     kv_cache_dtype: str = "auto"
+    # prior KV is read in segments of this many tokens (0: one pass), an attention
+    # kernel setting read by the model runner only (kvserve.model.attention)
+    kv_segment_size: int = 512
 
     def validate(self) -> None:
         check_int("block_size", self.block_size, "block_size=16")
@@ -72,12 +79,34 @@ class CacheConfig:
             raise config_error(
                 "hash_algo", self.hash_algo, "must be 'sha256' or 'builtin'", "hash_algo='sha256'"
             )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise config_error(
+                "enable_prefix_caching",
+                self.enable_prefix_caching,
+                "must be True or False",
+                "enable_prefix_caching=True",
+            )
         if self.kv_cache_dtype not in (*KV_CACHE_DTYPES, "fp8"):
             raise config_error(
                 "kv_cache_dtype",
                 self.kv_cache_dtype,
                 f"must be one of {', '.join(KV_CACHE_DTYPES)}",
                 "kv_cache_dtype='int8' (--kv-cache-dtype int8)",
+            )
+        seg = self.kv_segment_size
+        if isinstance(seg, bool) or seg not in VALID_KV_SEGMENT_SIZES:
+            raise config_error(
+                "kv_segment_size",
+                seg,
+                "must be one of 512, 1024, 2048, 4096 (or 0 = off)",
+                "kv_segment_size=1024",
+            )
+        if seg and seg % self.block_size:
+            raise config_error(
+                "kv_segment_size",
+                seg,
+                f"must be a multiple of block_size={self.block_size}",
+                f"kv_segment_size={max(512, self.block_size)} with block_size={self.block_size}",
             )
 
 
@@ -104,6 +133,10 @@ DEFAULT_MAX_STEP_MS = 300.0
 # random, interference and multi-turn rows unchanged (no short-prompt-only steps there).
 DEFAULT_SHORT_PROMPT_STEP_MS = 90.0
 
+# ``SchedulerConfig.max_model_len`` at most, where the model's context is longer (and
+# without a model: the simulator, a scheduler of its own).
+DEFAULT_MAX_MODEL_LEN = 8192
+
 # A burst wait (``AdmissionConfig.batch_wait_ms``) lasts at most this many times it.
 BATCH_WAIT_MAX_FACTOR = 8
 
@@ -116,9 +149,14 @@ class SchedulerConfig:
     ``resolved()`` returns a copy with them filled in (and validates first).
     ``validate()`` raises ValueError naming the value, the rule and a valid example:
 
-    - ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``: positive integers.
-    - ``block_size``: a power of two. ``long_prefill_token_threshold``: integer >= 0
-      (0 = off).
+    - ``max_num_seqs``, ``max_num_batched_tokens``: positive integers.
+    - ``max_model_len``: positive integer, the longest prompt + output a request may
+      have (the one owner of this limit: the engine, the KV cache manager and the
+      runner read it from here). None (the default): the model's context length, at
+      most ``DEFAULT_MAX_MODEL_LEN``, which the engine fills in before it resolves
+      (:func:`kvserve.engine.args.with_max_model_len`); ``resolved()`` without a model
+      (a scheduler of its own, the simulator) uses ``DEFAULT_MAX_MODEL_LEN``.
+    - ``long_prefill_token_threshold``: integer >= 0 (0 = off).
     - ``prefill_budget_with_decodes``: integer >= 0 (0 = off). Mixed policy: in a
       step that also runs decodes, prompt chunks get at most this many tokens in all
       (the step's length is what every running stream waits between two tokens);
@@ -138,8 +176,8 @@ class SchedulerConfig:
       prompt's chunk in the step lifts it to ``max_step_ms``). Values above
       ``max_step_ms`` act as ``max_step_ms``.
     - ``scheduler_policy``: ``"mixed"`` or ``"separated"``.
-    - ``kv_segment_size``: one of 0 (off), 512, 1024, 2048, 4096 and, when not 0, a
-      multiple of ``block_size``. Prefill chunks need NOT equal it.
+    - The KV block size and prefix caching are the KV cache's (``CacheConfig``); the
+      scheduler reads them from its KV cache manager.
     - ``num_batched_tokens_buckets``: strictly ascending positive integers whose last
       entry equals ``min(max_num_batched_tokens, max_model_len)``.
     - ``num_seqs_buckets``: strictly ascending positive integers whose last entry
@@ -148,7 +186,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_model_len: int = 8192
+    max_model_len: int | None = None
     scheduler_policy: SchedulerPolicy = "mixed"
     long_prefill_token_threshold: int = 0
     prefill_budget_with_decodes: int = 0
@@ -156,21 +194,14 @@ class SchedulerConfig:
     short_prompt_step_ms: float = DEFAULT_SHORT_PROMPT_STEP_MS
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     num_seqs_buckets: tuple[int, ...] | None = None
-    kv_segment_size: int = 512
-    block_size: int = 16
-    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, "max_num_seqs=64")
         check_int(
             "max_num_batched_tokens", self.max_num_batched_tokens, "max_num_batched_tokens=2048"
         )
-        check_int("max_model_len", self.max_model_len, "max_model_len=8192")
-        check_int("block_size", self.block_size, "block_size=16")
-        if self.block_size & (self.block_size - 1):
-            raise config_error(
-                "block_size", self.block_size, "must be a power of two", "16, 32 or 128"
-            )
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, "max_model_len=8192")
         if self.scheduler_policy not in ("mixed", "separated"):
             raise config_error(
                 "scheduler_policy",
@@ -216,30 +247,8 @@ class SchedulerConfig:
                 "must be a number of milliseconds from 0 (off) to 60000",
                 "short_prompt_step_ms=100",
             )
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise config_error(
-                "enable_prefix_caching",
-                self.enable_prefix_caching,
-                "must be True or False",
-                "enable_prefix_caching=True",
-            )
-        seg = self.kv_segment_size
-        if isinstance(seg, bool) or seg not in VALID_KV_SEGMENT_SIZES:
-            raise config_error(
-                "kv_segment_size",
-                seg,
-                "must be one of 512, 1024, 2048, 4096 (or 0 = off)",
-                "kv_segment_size=1024",
-            )
-        if seg and seg % self.block_size:
-            raise config_error(
-                "kv_segment_size",
-                seg,
-                f"must be a multiple of block_size={self.block_size}",
-                f"kv_segment_size={max(512, self.block_size)} with block_size={self.block_size}",
-            )
         if self.num_batched_tokens_buckets is not None:
-            last = max_prefill_bucket(self.max_num_batched_tokens, self.max_model_len)
+            last = max_prefill_bucket(self.max_num_batched_tokens, self.model_len)
             validate_buckets(
                 "num_batched_tokens_buckets",
                 self.num_batched_tokens_buckets,
@@ -263,8 +272,14 @@ class SchedulerConfig:
             return None
         return tuple(self.num_seqs_buckets)
 
+    @property
+    def model_len(self) -> int:
+        """``max_model_len``, or ``DEFAULT_MAX_MODEL_LEN`` where it is None (unresolved)."""
+        return DEFAULT_MAX_MODEL_LEN if self.max_model_len is None else self.max_model_len
+
     def resolved(self) -> SchedulerConfig:
-        """Validate, then return a copy with default bucket lists filled in (as tuples).
+        """Validate, then return a copy with default bucket lists filled in (as tuples)
+        and ``max_model_len`` set (None: ``DEFAULT_MAX_MODEL_LEN``).
 
         Validation runs once per distinct configuration: a configuration resolved
         before (or the result of ``resolved()``) is looked up, not checked again, so
@@ -279,12 +294,11 @@ class SchedulerConfig:
         decode = self.num_seqs_buckets
         resolved = replace(
             self,
+            max_model_len=self.model_len,
             num_batched_tokens_buckets=tuple(
                 prefill
                 if prefill is not None
-                else default_num_batched_tokens_buckets(
-                    self.max_num_batched_tokens, self.max_model_len
-                )
+                else default_num_batched_tokens_buckets(self.max_num_batched_tokens, self.model_len)
             ),
             num_seqs_buckets=tuple(
                 decode if decode is not None else default_num_seqs_buckets(self.max_num_seqs)
@@ -341,7 +355,6 @@ class ModelConfig:
     # auto: run a quantized GGUF quantized; none: dequantize; int8/int4: quantize at load
     quantization: str = "auto"
     device: str = "cpu"
-    max_model_len: int | None = None  # None: min(model's context, 8192)
     compile: bool = False  # decode steps as torch.compile graphs, one per decode bucket
     # a row's logits bitwise independent of batch, chunking and cache (docs/determinism.md);
     # True: every length; None: automatic, positions below 512 where cheap (quantized or

@@ -32,13 +32,15 @@ class KvserveDriver:
         self.runner = ModelRunner(
             loaded,
             CacheConfig(
-                block_size=block_size, num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype
+                block_size=block_size,
+                num_kv_blocks=num_blocks,
+                kv_cache_dtype=kv_cache_dtype,
+                kv_segment_size=kv_segment_size,
             ),
             SchedulerConfig(),
             batch_invariant=batch_invariant,
         )
         self.block_size = block_size
-        self.kv_segment_size = kv_segment_size
         self.params = SamplingParams(temperature=0.0, max_tokens=None)
         self.next_block = 1
         self.counter = 0
@@ -73,7 +75,6 @@ class KvserveDriver:
             num_scheduled_tokens_padded={r.req_id: len(r.prompt_token_ids) for r in new},
             scheduled_token_ids={r.req_id: list(r.prompt_token_ids) for r in new},
             cached_seq_len={r.req_id: 0 for r in new},
-            kv_segment_size=self.kv_segment_size,
             finished_req_ids=finished,
         )
         out = self.runner.execute_model(so)
@@ -104,7 +105,6 @@ class KvserveDriver:
             num_scheduled_tokens_padded={req_id: n},
             scheduled_token_ids={req_id: list(prompt[cached:])},
             cached_seq_len={req_id: cached},
-            kv_segment_size=self.kv_segment_size,
             finished_req_ids=finished,
         )
         out = self.runner.execute_model(so)
@@ -124,7 +124,6 @@ class KvserveDriver:
             num_scheduled_tokens_padded={r: 1 for r in ids},
             scheduled_token_ids={r: [self.live[r]["last"]] for r in ids},
             cached_seq_len={r: self.live[r]["len"] for r in ids},
-            kv_segment_size=self.kv_segment_size,
         )
         out = self.runner.execute_model(so)
         for r in ids:

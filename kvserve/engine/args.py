@@ -12,14 +12,22 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.config import AdmissionConfig, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import (
+    DEFAULT_MAX_MODEL_LEN,
+    AdmissionConfig,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    is_int,
+)
 from kvserve.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
 class _Option:
     name: str
-    section: str  # "model" | "cache" | "scheduler" | "shared" | "speculative"
+    section: str  # "model" | "cache" | "scheduler" | "admission" | "speculative"
     type: type
     help: str
 
@@ -68,9 +76,9 @@ OPTIONS: tuple[_Option, ...] = (
         "where that is cheap; --batch-invariant costs up to 0.83x on long prompts; "
         "docs/determinism.md)",
     ),
-    _Option("max_model_len", "shared", int, "longest prompt + output a request may have"),
-    _Option("block_size", "shared", int, "tokens per KV block (power of two)"),
-    _Option("enable_prefix_caching", "shared", bool, "reuse KV of shared prompt prefixes"),
+    _Option("max_model_len", "scheduler", int, "longest prompt + output a request may have"),
+    _Option("block_size", "cache", int, "tokens per KV block (power of two)"),
+    _Option("enable_prefix_caching", "cache", bool, "reuse KV of shared prompt prefixes"),
     _Option("num_kv_blocks", "cache", int, "KV blocks to allocate (overrides kv_cache_memory_gib)"),
     _Option("kv_cache_memory_gib", "cache", float, "GiB of memory for the KV cache"),
     _Option("hash_algo", "cache", str, "prefix-cache block hash: sha256 (default) or builtin"),
@@ -134,7 +142,7 @@ OPTIONS: tuple[_Option, ...] = (
     ),
     _Option(
         "kv_segment_size",
-        "scheduler",
+        "cache",
         int,
         "segment of cached KV read per attention pass: 0, 512, 1024, 2048, 4096",
     ),
@@ -154,8 +162,9 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
     """Map flat engine options onto an :class:`EngineConfig` and validate it.
 
     Unknown names raise TypeError listing the valid ones. ``None`` values mean
-    "default". ``max_model_len`` left unset stays None in ModelConfig and is
-    resolved against the model's own context length by the engine.
+    "default". Each option has one section (its one owner). ``max_model_len`` left
+    unset stays None in SchedulerConfig and is resolved against the model's own
+    context length by the engine (:func:`with_max_model_len`).
     """
     unknown = sorted(set(kwargs) - set(OPTION_NAMES))
     if unknown:
@@ -181,15 +190,7 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
         value = given[opt.name]
         if opt.section == "speculative":
             continue
-        if opt.section == "shared":
-            if opt.name == "max_model_len":
-                sections["model"]["max_model_len"] = value
-                sections["scheduler"]["max_model_len"] = value
-            else:
-                sections["cache"][opt.name] = value
-                sections["scheduler"][opt.name] = value
-        else:
-            sections[opt.section][opt.name] = value
+        sections[opt.section][opt.name] = value
     config = EngineConfig(
         model=ModelConfig(**sections["model"]),
         cache=CacheConfig(**sections["cache"]),
@@ -207,24 +208,26 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
 
 
 def with_max_model_len(config: EngineConfig, model_max_len: int) -> EngineConfig:
-    """Resolve max_model_len against the model's context length; validate the scheduler.
+    """Resolve ``SchedulerConfig.max_model_len`` against the model's context length
+    (None: the model's, at most ``DEFAULT_MAX_MODEL_LEN``); validate the cache config
+    and the scheduler config (the one validation of an engine's: later ``resolved()``
+    calls find it).
 
     An explicit max_model_len larger than the model allows is refused.
     """
-    requested = config.model.max_model_len
+    config.cache.validate()
+    requested = config.scheduler.max_model_len
     if requested is None:
-        max_len = min(model_max_len, 8192)
-    elif requested > model_max_len:
+        max_len = min(model_max_len, DEFAULT_MAX_MODEL_LEN)
+    elif is_int(requested) and requested > model_max_len:
         raise ValueError(
             f"invalid max_model_len={requested}: the model supports at most {model_max_len} tokens "
-            f"(for example: max_model_len={min(model_max_len, 8192)})"
+            f"(for example: max_model_len={min(model_max_len, DEFAULT_MAX_MODEL_LEN)})"
         )
     else:
         max_len = requested
     sched = dataclasses.replace(config.scheduler, max_model_len=max_len).resolved()
-    return dataclasses.replace(
-        config, model=dataclasses.replace(config.model, max_model_len=max_len), scheduler=sched
-    )
+    return dataclasses.replace(config, scheduler=sched)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

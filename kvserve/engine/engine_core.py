@@ -30,7 +30,7 @@ from kvserve.engine.allocator import tune_allocator
 from kvserve.engine.args import with_max_model_len
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import EngineStats, RequestDelta, RequestMetrics
-from kvserve.engine.runner import ConnectedRunner, CostedRunner, ModelInfo, Runner
+from kvserve.engine.runner import ConnectedRunner, CostedRunner, KVFormatRunner, ModelInfo, Runner
 from kvserve.engine.validation import RequestLimits, validate_request
 from kvserve.kv_cache import KVCacheManager
 from kvserve.kv_transfer.connector import KVConnector
@@ -43,7 +43,7 @@ from kvserve.request import (
 )
 from kvserve.sched import make_scheduler
 from kvserve.sched.cost_model import CostModel, output_features
-from kvserve.sched.output import Logprobs, ModelRunnerOutput
+from kvserve.sched.output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from kvserve.structured.compiler import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class EngineCore:
         self.loaded = loaded
         self.tokenizer: Any = loaded.tokenizer
         self.model_name: str = loaded.name
-        self.max_model_len: int = config.scheduler.max_model_len
+        self.max_model_len: int = config.scheduler.model_len
         self.eos_token_ids: list[int] = list(loaded.eos_token_ids)
         self.vocab_size: int = loaded.vocab_size
         self.limits = RequestLimits(
@@ -352,7 +352,9 @@ class EngineCore:
             deltas.append(delta)
         return deltas
 
-    def _observe_step(self, model: CostModel, so: Any, out: ModelRunnerOutput, t0: float) -> None:
+    def _observe_step(
+        self, model: CostModel, so: SchedulerOutput, out: ModelRunnerOutput, t0: float
+    ) -> None:
         """Feed the step's measured time (schedule + execute + update) to the cost model."""
         ms = (time.perf_counter() - t0) * 1e3
         features = output_features(
@@ -481,12 +483,13 @@ def _metrics(request: Request) -> RequestMetrics:
 def _kv_fingerprint(loaded: ModelInfo, runner: Runner) -> str:
     """The block-hash salt: the model's fingerprint, and the KV cache format when it is
     not the model dtype (an int8 cache's blocks never match a bfloat16 one's)."""
-    kv_format = getattr(runner, "kv_format", None)
-    if kv_format is None:
+    if not isinstance(runner, KVFormatRunner):
         return loaded.fingerprint
     from kvserve.model.kernels.kv8 import kv_cache_fingerprint
 
-    return kv_cache_fingerprint(loaded.fingerprint, kv_format, getattr(loaded, "dtype", None))
+    return kv_cache_fingerprint(
+        loaded.fingerprint, runner.kv_format, getattr(loaded, "dtype", None)
+    )
 
 
 def _model_runner(
@@ -538,5 +541,5 @@ def _step_cost_model(config: EngineConfig, runner: Runner, vocab_size: int) -> C
     from kvserve.worker.step_cost import cached_calibration
 
     return cached_calibration(
-        runner, vocab_size=vocab_size, max_model_len=config.scheduler.max_model_len
+        runner, vocab_size=vocab_size, max_model_len=config.scheduler.model_len
     )

@@ -7,11 +7,14 @@ test double. Nothing here imports torch.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.sched.cost_model import CostModel
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvserve.model.kernels.kv8 import KVCacheFormat
 
 
 class ModelInfo(Protocol):
@@ -75,6 +78,15 @@ class ConnectedRunner(Runner, Protocol):
     ``set_kv_connector`` is called once, before the first step."""
 
     def set_kv_connector(self, connector: KVConnectorWorker) -> None: ...
+
+
+@runtime_checkable
+class KVFormatRunner(Runner, Protocol):
+    """A runner whose KV cache has a storage format (the real runner: the model dtype
+    or 8-bit); the engine salts the prefix-cache block hashes with it, so blocks of
+    one format never match another's."""
+
+    kv_format: KVCacheFormat
 
 
 @runtime_checkable

@@ -11,6 +11,10 @@ writing the paged KV cache tensors it is given. Variants it covers:
 
 For speed the layers are plain functions over fused weights (``qkv_proj`` =
 [q; k; v], ``gate_up_proj`` = [gate; up]) with no per-layer ``nn.Module`` call.
+Homes: this module holds the parameters, kernel preparation, RoPE tables and the
+portable forward; :mod:`kvserve.model.llama_native` the forward on the fused native
+kernels (and the one-call decode step); :mod:`kvserve.model.llama_weights` the
+checkpoint copying.
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.arch import ModelArchConfig  # noqa: F401  (re-exported)
-from kvserve.model.attention import AttentionMetadata, native_attention, paged_attention
+from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.kernels.backend import KernelBackend, default_backend
-from kvserve.model.kernels.kv8 import is_kv8, kv8_paged_attention
 from kvserve.model.kernels.paged_attention import PagedAttention
 from kvserve.model.linear import FastLinear, mkldnn_linear_works
+from kvserve.model.llama_native import FusedDecode, forward_native
+from kvserve.model.llama_weights import load_llama_weights
 from kvserve.model.quant.formats import QuantWeight
 from kvserve.model.quant.kernel import QuantKernel
 from kvserve.model.quant.linear import QuantEmbedding, QuantLinear
@@ -97,6 +102,7 @@ class LlamaForCausalLM(nn.Module):
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rope_f32: tuple[torch.Tensor, torch.Tensor] | None = None  # [n, D/2] cos, sin
         self._native: KernelBackend | None = None  # set when the fused native layers run
+        self._fused_decode: FusedDecode | None = None  # all layers of a decode step, one call
         self.kernels = KernelBackend.portable()  # the backend prepare() was given
         self._ops: list[_LayerOps] = []
         self._qkernel: QuantKernel | None = None
@@ -126,109 +132,10 @@ class LlamaForCausalLM(nn.Module):
         and runs as a :class:`QuantLinear` (fused q/k/v or gate/up parts of different
         formats stay separate row blocks; a fused weight mixing float and quantized parts
         is dequantized). Raises ValueError listing missing or unexpected tensors (e.g.
-        an MoE layer), so a wrong checkpoint never runs silently.
+        an MoE layer), so a wrong checkpoint never runs silently. The copying rules are
+        in :func:`kvserve.model.llama_weights.load_llama_weights`.
         """
-        c = self.config
-        src = dict(tensors)
-        used: set[str] = set()
-        self._quant = {}
-
-        def take(name: str) -> torch.Tensor | QuantWeight:
-            if name not in src:
-                raise ValueError(f"checkpoint lacks tensor {name!r} needed by {c.architecture}")
-            used.add(name)
-            return src[name]
-
-        def dense(name: str) -> torch.Tensor:
-            value = take(name)
-            return value.dequantize() if isinstance(value, QuantWeight) else value
-
-        def cat(values: list[torch.Tensor | QuantWeight]) -> torch.Tensor | list[QuantWeight]:
-            quant = [v for v in values if isinstance(v, QuantWeight)]
-            if len(quant) < len(values):
-                plain = [v.dequantize() if isinstance(v, QuantWeight) else v for v in values]
-                return torch.cat(plain, 0)
-            parts: list[QuantWeight] = []
-            for v in quant:  # neighbours of one format become one block
-                if parts and parts[-1].fmt == v.fmt:
-                    parts[-1] = QuantWeight.cat([parts[-1], v])
-                else:
-                    parts.append(v)
-            return parts
-
-        def put(
-            param: nn.Parameter | None,
-            value: torch.Tensor | QuantWeight | list[QuantWeight],
-            name: str,
-            key: str | None = None,
-        ) -> None:
-            assert param is not None
-            if isinstance(value, QuantWeight):
-                value = [value]
-            shape: tuple[int, ...]
-            if isinstance(value, list):
-                shape = (sum(v.n for v in value), value[0].k)
-            else:
-                shape = tuple(value.shape)
-            if tuple(param.shape) != shape:
-                raise ValueError(
-                    f"tensor {name!r} has shape {shape}, expected {tuple(param.shape)}"
-                )
-            if isinstance(value, list):
-                assert key is not None, f"{name} cannot be quantized"
-                self._quant[key] = value
-                param.data = torch.empty(0, param.shape[1], device=device, dtype=dtype)
-            else:
-                param.data = value.to(device=device, dtype=dtype).contiguous()
-
-        embed = take("model.embed_tokens.weight")
-        put(self.embed_tokens, embed, "model.embed_tokens.weight", "embed_tokens")
-        put(self.norm, dense("model.norm.weight"), "model.norm.weight")
-        if self.lm_head is not None:
-            put(self.lm_head, take("lm_head.weight"), "lm_head.weight", "lm_head")
-        else:
-            used.add("lm_head.weight")
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
-            q = f"layers.{i}."
-            put(layer.input_layernorm, dense(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(
-                layer.post_attention_layernorm,
-                dense(p + "post_attention_layernorm.weight"),
-                p + "post_attention_layernorm",
-            )
-            qkv = cat([take(f"{a}{x}_proj.weight") for x in "qkv"])
-            put(layer.qkv_proj, qkv, a + "qkv_proj", q + "qkv_proj")
-            if c.qkv_bias:
-                put(
-                    layer.qkv_bias,
-                    torch.cat([dense(f"{a}{x}_proj.bias") for x in "qkv"]),
-                    a + "qkv_bias",
-                )
-            put(layer.o_proj, take(a + "o_proj.weight"), a + "o_proj.weight", q + "o_proj")
-            if c.o_bias:
-                put(layer.o_bias, dense(a + "o_proj.bias"), a + "o_proj.bias")
-            if c.qk_norm:
-                qn, kn = dense(a + "q_norm.weight"), dense(a + "k_norm.weight")
-                norm = torch.cat([qn.expand(c.num_heads, -1), kn.expand(c.num_kv_heads, -1)])
-                put(layer.qk_norm, norm, a + "qk_norm")
-            gate_up = cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-            put(layer.gate_up_proj, gate_up, m + "gate_up_proj", q + "gate_up_proj")
-            down = take(m + "down_proj.weight")
-            put(layer.down_proj, down, m + "down_proj.weight", q + "down_proj")
-            if c.mlp_bias:
-                gu_bias = torch.cat([dense(m + "gate_proj.bias"), dense(m + "up_proj.bias")])
-                put(layer.gate_up_bias, gu_bias, m + "gate_up_bias")
-                put(layer.down_bias, dense(m + "down_proj.bias"), m + "down_proj.bias")
-        unexpected = sorted(
-            k for k in src if k not in used and not k.endswith("rotary_emb.inv_freq")
-        )
-        if unexpected:
-            raise ValueError(
-                f"checkpoint has tensors {c.architecture} does not use: {unexpected[:8]}"
-                f"{' ...' if len(unexpected) > 8 else ''}"
-            )
+        self._quant = load_llama_weights(self, tensors, dtype, device)
         self._rope_cache = None
         self._rope_f32 = None
         self.prepare(fast=fast_kernels)
@@ -303,6 +210,7 @@ class LlamaForCausalLM(nn.Module):
             and PagedAttention.supports(self.embed_tokens.dtype)
         )
         self._native = kernels if usable and not self.config.qk_norm else None
+        self._fused_decode = None if self._native is None else FusedDecode.build(self, kernels)
         self.batch_invariant = False
         self.set_batch_invariant(self.batch_invariant_default)
 
@@ -488,7 +396,7 @@ class LlamaForCausalLM(nn.Module):
             and attn_meta.native is not None
             and not torch.compiler.is_compiling()
         ):
-            return self._forward_native(input_ids, positions, kv_caches, attn_meta, self._native)
+            return forward_native(self, input_ids, positions, kv_caches, attn_meta, self._native)
         c = self.config
         h, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         num_tokens = input_ids.shape[0]
@@ -514,64 +422,6 @@ class LlamaForCausalLM(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             x = x + ops.down(F.silu(gate) * up)
         return x
-
-    def _forward_native(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-        kernels: KernelBackend,
-    ) -> torch.Tensor:
-        """The same layers with fused native ops and an fp32 residual stream.
-
-        Per layer: add+RMSNorm, qkv linear, RoPE + KV write, paged attention, o linear,
-        add+RMSNorm, gate_up linear, SiLU*mul, down linear. Returns the fp32 residual
-        stream [T, hidden] (before the final norm).
-        """
-        assert meta.native is not None
-        nk, attention = kernels.norms, kernels.attention
-        assert nk is not None and attention is not None
-        c = self.config
-        h, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
-        num_tokens = input_ids.shape[0]
-        eps = c.rms_norm_eps
-        cos, sin = self._rope_tables(positions)
-        seqs, tables, seg = meta.native.seqs, meta.native.block_tables, meta.kv_segment_size
-        residual = self.embed(input_ids).float()  # [T, hidden] fp32
-        pending: torch.Tensor | None = None  # the last sublayer's output, not yet added
-        no_write: torch.Tensor | None = None  # all -1 slots (8-bit caches are written apart)
-        for ops, kv_cache in zip(self._ops, kv_caches, strict=True):
-            y = nk.add_rms_norm(residual, pending, ops.input_layernorm, eps)
-            qkv = ops.qkv(y)  # [T, (H + 2Hk) * D]
-            if is_kv8(kv_cache):  # RoPE only, then the quantized write and 8-bit attention
-                if no_write is None:
-                    no_write = torch.full((num_tokens,), -1, dtype=torch.int64)
-                nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv_cache, no_write)
-                qkv3 = qkv.view(num_tokens, h + 2 * hk, d)
-                attn = kv8_paged_attention(
-                    qkv3[:, :h], qkv3[:, h : h + hk], qkv3[:, h + hk :], kv_cache, meta, self.scale
-                )
-            else:
-                nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv_cache, meta.slot_mapping)
-                q = qkv[:, : h * d].view(num_tokens, h, d)
-                if meta.native.prefills or meta.native.cascade is not None:
-                    k = qkv[:, h * d : (h + hk) * d].view(num_tokens, hk, d)
-                    v = qkv[:, (h + hk) * d :].view(num_tokens, hk, d)
-                    attn = native_attention(q, k, v, kv_cache, meta, self.scale)
-                else:
-                    attn = attention(q, kv_cache, seqs, tables, seg, self.scale)  # [T, H, D]
-            o = ops.o(attn.view(num_tokens, h * d))
-            y = nk.add_rms_norm(residual, o, ops.post_attention_layernorm, eps)
-            gu = ops.gate_up
-            if isinstance(gu, QuantLinear) and gu.fused_silu_capable:
-                act = gu.silu_mul(y)  # the same values in one native pass
-            else:
-                act = nk.silu_mul(gu(y))
-            pending = ops.down(act)
-        if pending is not None:
-            residual += pending
-        return residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (rows to sample from) -> fp32 logits [N, vocab].

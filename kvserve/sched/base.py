@@ -74,8 +74,8 @@ class Scheduler(abc.ABC):
     """Base of both policies. Subclasses implement :meth:`schedule`.
 
         ``config`` is resolved (validated, default buckets filled in) on construction;
-        a bad config, or one whose ``block_size``/``max_model_len`` disagree with the KV
-        cache manager, raises ValueError. ``clock`` returns the time stamped on requests
+        a bad config, or a ``max_model_len`` longer than the KV cache manager was built
+        for, raises ValueError. The block size and prefix caching are the manager's. ``clock`` returns the time stamped on requests
         (``first_scheduled_time``, ``first_token_time``, ``finished_time``); the
         simulator passes the step number. ``kv_connector``: see
     :class:`~kvserve.kv_transfer.connector.KVConnectorScheduler`. With one, a request
@@ -94,13 +94,7 @@ class Scheduler(abc.ABC):
         clock: Callable[[], float] = time.time,
     ) -> None:
         config = config.resolved()
-        if kv_cache_manager.block_size != config.block_size:
-            raise ValueError(
-                f"invalid block_size={config.block_size}: the scheduler and the KV cache manager "
-                f"must use the same block size, and the manager uses {kv_cache_manager.block_size} "
-                f"(for example: block_size={kv_cache_manager.block_size} in both)"
-            )
-        if kv_cache_manager.max_model_len < config.max_model_len:
+        if kv_cache_manager.max_model_len < config.model_len:
             raise ValueError(
                 f"invalid max_model_len={config.max_model_len}: the KV cache manager was built for "
                 f"at most {kv_cache_manager.max_model_len} tokens per request "
@@ -112,10 +106,8 @@ class Scheduler(abc.ABC):
         self.clock = clock
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = config.max_model_len
-        self.enable_prefix_caching = (
-            config.enable_prefix_caching and kv_cache_manager.enable_caching
-        )
+        self.max_model_len = config.model_len
+        self.enable_prefix_caching = kv_cache_manager.enable_caching
         # Unfinished requests only; a request leaves when it finishes.
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -400,7 +392,6 @@ class Scheduler(abc.ABC):
             ),
             scheduled_token_ids=step.scheduled_token_ids,
             cached_seq_len=step.cached_seq_len,
-            kv_segment_size=self.config.kv_segment_size,
             finished_req_ids=finished,
             decode_batch_size_padded=decode_batch_size_padded,
             forks=forks,

@@ -86,7 +86,6 @@ class SchedulerOutput:
     num_scheduled_tokens_padded: dict[str, int]
     scheduled_token_ids: dict[str, list[int]]
     cached_seq_len: dict[str, int]
-    kv_segment_size: int
     finished_req_ids: set[str] = field(default_factory=set)
     decode_batch_size_padded: int | None = None
     # KVConnectorMetadata for the worker side of a KV connector (None: nothing to do).

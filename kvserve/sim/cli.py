@@ -36,7 +36,7 @@ import sys
 from dataclasses import fields
 from typing import Any
 
-from kvserve.config import SchedulerConfig
+from kvserve.config import DEFAULT_MAX_MODEL_LEN, CacheConfig, SchedulerConfig
 from kvserve.sim.runner import DEFAULT_MAX_STEPS, SimulationError, simulate
 from kvserve.sim.workload import load_workload
 
@@ -46,19 +46,19 @@ _CONFIG_FLAGS = {
     "max_num_batched_tokens": "max_num_batched_tokens",
     "max_num_seqs": "max_num_seqs",
     "max_model_len": "max_model_len",
-    "block_size": "block_size",
-    "enable_prefix_caching": "enable_prefix_caching",
     "num_batched_tokens_buckets": "num_batched_tokens_buckets",
     "num_seqs_buckets": "num_seqs_buckets",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
     "prefill_budget_with_decodes": "prefill_budget_with_decodes",
-    "kv_segment_size": "kv_segment_size",
     "max_step_ms": "max_step_ms",
 }
+# flag dest -> CacheConfig field (the KV cache owns these)
+_CACHE_FLAGS = ("block_size", "enable_prefix_caching", "kv_segment_size")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = {f.name: f.default for f in fields(SchedulerConfig)}
+    defaults = {f.name: f.default for c in (SchedulerConfig, CacheConfig) for f in fields(c)}
+    defaults["max_model_len"] = DEFAULT_MAX_MODEL_LEN
     parser.add_argument("workload", metavar="WORKLOAD.json", help="workload file ('-' = stdin)")
     parser.add_argument(
         "--policy",
@@ -159,13 +159,26 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     return config
 
 
+def cache_config_from_args(args: argparse.Namespace) -> CacheConfig:
+    """The CacheConfig the flags describe (block size, prefix caching, KV segment
+    size; unset flags keep the defaults); validated."""
+    given = {
+        name: getattr(args, name) for name in _CACHE_FLAGS if getattr(args, name, None) is not None
+    }
+    cache = CacheConfig(**given)
+    cache.validate()
+    return cache
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        cache = cache_config_from_args(args)
         workload = load_workload(args.workload)
         result = simulate(
             workload,
             config,
+            cache=cache,
             num_kv_blocks=args.num_kv_blocks,
             max_steps=args.max_steps,
             vocab_size=args.vocab_size,

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, check_int
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, check_int
 from kvserve.engine.engine_core import EngineCore
 from kvserve.kv_cache.manager import cdiv
 from kvserve.request import Request, RequestError, SamplingParams
@@ -39,9 +39,9 @@ class SimulationError(RuntimeError):
     """The simulation cannot finish (no progress, or the step limit was reached)."""
 
 
-def default_num_kv_blocks(config: SchedulerConfig) -> int:
+def default_num_kv_blocks(config: SchedulerConfig, block_size: int) -> int:
     """Room for ``max_num_seqs`` requests of ``max_model_len`` tokens, plus the null block."""
-    return config.max_num_seqs * cdiv(config.max_model_len, config.block_size) + 1
+    return config.max_num_seqs * cdiv(config.model_len, block_size) + 1
 
 
 def fixed_token(req_id: str) -> int:
@@ -57,6 +57,7 @@ def simulate(
     workload: Sequence[WorkloadRequest],
     config: SchedulerConfig,
     *,
+    cache: CacheConfig | None = None,
     num_kv_blocks: int | None = None,
     max_steps: int = DEFAULT_MAX_STEPS,
     vocab_size: int | None = None,
@@ -64,14 +65,21 @@ def simulate(
     """Run ``workload`` to completion; return the JSON-ready result (see ``kvserve.sim.cli``).
 
     A simulator has no vocabulary: any token id >= 0 is accepted unless ``vocab_size``
-    is given, in which case ids must lie in ``[0, vocab_size)``.
+    is given, in which case ids must lie in ``[0, vocab_size)``. ``cache`` gives the
+    block size and prefix caching (default ``CacheConfig()``); ``num_kv_blocks``, when
+    given, replaces its ``num_kv_blocks`` (None in both: room for ``max_num_seqs``
+    requests of ``max_model_len``).
 
     Raises ValueError for a bad configuration or a request that can never be served,
     :class:`SimulationError` when the run cannot finish.
     """
     config = config.resolved()
+    cache = CacheConfig() if cache is None else cache
+    cache.validate()
     if num_kv_blocks is None:
-        num_kv_blocks = default_num_kv_blocks(config)
+        num_kv_blocks = cache.num_kv_blocks
+    if num_kv_blocks is None:
+        num_kv_blocks = default_num_kv_blocks(config, cache.block_size)
     check_int(
         "num_kv_blocks",
         num_kv_blocks,
@@ -85,16 +93,11 @@ def simulate(
     runner = StandInRunner(num_kv_blocks)
     engine = EngineCore(
         EngineConfig(
-            model=ModelConfig(max_model_len=config.max_model_len),
-            cache=CacheConfig(
-                block_size=config.block_size,
-                num_kv_blocks=num_kv_blocks,
-                enable_prefix_caching=config.enable_prefix_caching,
-            ),
+            cache=replace(cache, num_kv_blocks=num_kv_blocks),
             scheduler=config,
         ),
         loaded=SimulatedModel(
-            config.max_model_len,
+            config.model_len,
             vocab_size=UNBOUNDED_VOCAB if vocab_size is None else vocab_size,
         ),
         runner=runner,
@@ -159,15 +162,15 @@ def simulate(
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_num_seqs": config.max_num_seqs,
             "max_model_len": config.max_model_len,
-            "block_size": config.block_size,
+            "block_size": cache.block_size,
             "num_kv_blocks": num_kv_blocks,
-            "enable_prefix_caching": config.enable_prefix_caching,
+            "enable_prefix_caching": cache.enable_prefix_caching,
             "long_prefill_token_threshold": config.long_prefill_token_threshold,
             "prefill_budget_with_decodes": config.prefill_budget_with_decodes,
             "max_step_ms": config.max_step_ms,
             "num_batched_tokens_buckets": list(config.num_batched_tokens_buckets or ()),
             "num_seqs_buckets": list(config.num_seqs_buckets or ()),
-            "kv_segment_size": config.kv_segment_size,
+            "kv_segment_size": cache.kv_segment_size,
             "max_steps": max_steps,
         },
         "steps": steps,
@@ -258,7 +261,6 @@ def _idle_record(step: int, engine: EngineCore) -> dict[str, Any]:
             num_scheduled_tokens_padded={},
             scheduled_token_ids={},
             cached_seq_len={},
-            kv_segment_size=engine.config.scheduler.kv_segment_size,
         ),
         engine,
     )

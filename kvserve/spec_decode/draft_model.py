@@ -26,6 +26,7 @@ import torch
 
 from kvserve.kv_cache.manager import cdiv
 from kvserve.model.attention import SeqSpec, build_attention_metadata, resolve_attention_backend
+from kvserve.model.kv_cache_tensor import allocate_kv_cache, kv_cache_bytes_per_block
 from kvserve.spec_decode.config import SpeculativeConfig
 
 
@@ -46,8 +47,6 @@ class DraftModelProposer:
     """Greedy proposals from a draft model (see the module docstring)."""
 
     def __init__(self, loaded: Any, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        from kvserve.worker.model_runner import allocate_kv_cache
-
         self.loaded = loaded
         self.model = loaded.model
         self.block_size = block_size
@@ -74,7 +73,6 @@ class DraftModelProposer:
         The draft's KV cache has as many blocks as ``cache_config`` gives the target
         (``num_kv_blocks``) or fits in its ``kv_cache_memory_gib``."""
         from kvserve.model.loader import load_model
-        from kvserve.worker.model_runner import kv_cache_bytes_per_block
 
         assert config.model is not None
         dtype = config.draft_dtype or str(target.dtype).removeprefix("torch.")

@@ -183,7 +183,9 @@ class GrammarCompiler:
         request with an error mid-generation (``StructuredBatch``)."""
         from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
-        from kvserve.structured.matcher import unpack_bitmask
+        # here, not at the top: importing the compiler must not load torch (the
+        # simulator and the engine front import it)
+        from kvserve.structured.bitmask import unpack_bitmask
 
         eos = self.eos_token_id
         for step in range(PROBE_TOKENS):

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from kvserve.request import SamplingParams
+from kvserve.structured.bitmask import unpack_bitmask
 from kvserve.structured.budget import BudgetState, closing_plan
 from kvserve.structured.compiler import GrammarCompiler
 
@@ -224,11 +225,3 @@ class StructuredBatch:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
             self._pool = None
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[R, W]`` int32 words (bit ``b`` of word ``w`` = token ``32 w + b``) ->
-    ``[R, vocab_size]`` bool."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()

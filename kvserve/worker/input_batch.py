@@ -87,8 +87,10 @@ class InputBatch:
         kernels: KernelBackend | None = None,
         kv_8bit: bool = False,
         invariant_max_context: int = 0,
+        kv_segment_size: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.kv_segment_size = kv_segment_size  # the attention kernel's (CacheConfig)
         self.kernels = kernels  # the runner's backend (None: the default one)
         self.kv_8bit = kv_8bit  # 8-bit KV cache: one kernel call over every row
         self.attention_backend: ResolvedBackend = attention_backend
@@ -203,7 +205,7 @@ class InputBatch:
             num_tokens=num_rows,
             num_dummy_decode_rows=num_dummy,
             block_size=self.block_size,
-            kv_segment_size=so.kv_segment_size,
+            kv_segment_size=self.kv_segment_size,
             device=self.device,
             backend=self.attention_backend,
             batch_invariant=self.batch_invariant,

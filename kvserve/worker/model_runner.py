@@ -22,8 +22,9 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.attention_metadata import AUTO_INVARIANT_MAX_CONTEXT
-from kvserve.model.hugepages import zeros_hugepages
-from kvserve.model.kernels.kv8 import KVCacheFormat, resolve_kv_cache_dtype
+from kvserve.model.kernels.kv8 import resolve_kv_cache_dtype
+from kvserve.model.kv_cache_tensor import allocate_kv_cache as allocate_kv_cache  # re-exported
+from kvserve.model.kv_cache_tensor import kv_cache_bytes_per_block as kv_cache_bytes_per_block
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -37,39 +38,6 @@ from kvserve.worker.compiled_step import CompiledDecode
 from kvserve.worker.input_batch import InputBatch, StepInputs
 from kvserve.worker.prompt_logprobs import score
 from kvserve.worker.sampler import Sampler, SamplerOutput, SamplingRequestState
-
-
-def kv_cache_bytes_per_block(
-    loaded: LoadedModel, block_size: int, kv_format: KVCacheFormat | None = None
-) -> int:
-    """Bytes one KV block takes over all layers (K and V; 8-bit formats: codes and
-    their per-row scales). ``kv_format`` None: the model dtype."""
-    cfg = loaded.model.config
-    fmt = kv_format or resolve_kv_cache_dtype("auto", loaded.dtype)
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * fmt.row_bytes(cfg.head_dim)
-
-
-def allocate_kv_cache(
-    model: LlamaForCausalLM,
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    kv_format: KVCacheFormat | None = None,
-) -> torch.Tensor:
-    """Zeroed cache ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``
-    (8-bit ``kv_format``: last dim ``head_dim + 4``, see :mod:`kvserve.model.kernels.kv8`).
-
-    ``cache[i]`` is layer ``i``'s view in the layout of ``kvserve.model.attention``.
-    """
-    cfg = model.config
-    last = cfg.head_dim
-    if kv_format is not None:
-        dtype, last = kv_format.torch_dtype, kv_format.last_dim(cfg.head_dim)
-    shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, last)
-    if torch.device(device).type == "cpu":  # scattered block reads: fewer TLB misses
-        return zeros_hugepages(*shape, dtype=dtype)
-    return torch.zeros(*shape, dtype=dtype, device=device)
 
 
 def resolve_batch_invariant(
@@ -145,6 +113,7 @@ class ModelRunner:
         self.model: LlamaForCausalLM = loaded.model
         self.device = loaded.device
         self.block_size = cache_config.block_size
+        self.kv_segment_size = cache_config.kv_segment_size  # attention's, not the scheduler's
         self.scheduler_config = scheduler_config
         self.kv_format = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, loaded.dtype)
         per_block = kv_cache_bytes_per_block(loaded, self.block_size, self.kv_format)
@@ -200,6 +169,7 @@ class ModelRunner:
             kernels=self.kernels,
             kv_8bit=self.kv_format.is_8bit,
             invariant_max_context=self.invariant_max_context,
+            kv_segment_size=self.kv_segment_size,
         )
         self.sampler = sampler if sampler is not None else Sampler(kernels=self.kernels)
         self.kv_connector: KVConnectorWorker | None = None
@@ -212,11 +182,11 @@ class ModelRunner:
             self.compiled = CompiledDecode(
                 self.model,
                 buckets=scheduler_config.decode_batch_buckets,
-                max_model_len=scheduler_config.max_model_len,
+                max_model_len=scheduler_config.model_len,
                 block_size=self.block_size,
                 attention_backend=self.attention_backend,
             )
-            self.compiled.warm_up(self.kv_caches, scheduler_config.kv_segment_size)
+            self.compiled.warm_up(self.kv_caches, self.kv_segment_size)
 
     def set_kv_connector(self, connector: KVConnectorWorker) -> None:
         """Use ``connector``'s worker side around every step (disaggregation)."""

@@ -127,7 +127,6 @@ class _Calibrator:
             num_scheduled_tokens_padded=dict(sched),
             scheduled_token_ids=ids,
             cached_seq_len=cached,
-            kv_segment_size=self.runner.scheduler_config.kv_segment_size,
             finished_req_ids=finished,
         )
 
@@ -152,7 +151,6 @@ class _Calibrator:
                     num_scheduled_tokens_padded={},
                     scheduled_token_ids={},
                     cached_seq_len={},
-                    kv_segment_size=self.runner.scheduler_config.kv_segment_size,
                     finished_req_ids=self.live,
                 )
             )
@@ -171,7 +169,7 @@ def cached_calibration(runner: ModelRunner, *, vocab_size: int, max_model_len: i
         str(runner.device),
         torch.get_num_threads(),
         runner.block_size,
-        runner.scheduler_config.kv_segment_size,
+        runner.kv_segment_size,
         runner.compiled is not None,
         max_model_len,
     )

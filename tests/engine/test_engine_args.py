@@ -15,13 +15,46 @@ from kvserve.engine.args import (
 )
 
 
-def test_shared_options_reach_both_configs() -> None:
+def test_each_option_reaches_its_one_owner() -> None:
     cfg = build_engine_config(
-        block_size=32, enable_prefix_caching=False, max_num_batched_tokens=256
+        block_size=32,
+        enable_prefix_caching=False,
+        kv_segment_size=1024,
+        max_model_len=4096,
+        max_num_batched_tokens=256,
     )
-    assert cfg.cache.block_size == 32 and cfg.scheduler.block_size == 32
-    assert cfg.cache.enable_prefix_caching is False and cfg.scheduler.enable_prefix_caching is False
+    assert cfg.cache.block_size == 32 and not hasattr(cfg.scheduler, "block_size")
+    assert cfg.cache.enable_prefix_caching is False
+    assert not hasattr(cfg.scheduler, "enable_prefix_caching")
+    assert cfg.cache.kv_segment_size == 1024 and not hasattr(cfg.scheduler, "kv_segment_size")
+    assert cfg.scheduler.max_model_len == 4096 and not hasattr(cfg.model, "max_model_len")
     assert cfg.scheduler.max_num_batched_tokens == 256
+
+
+def test_an_engine_validates_its_scheduler_config_once(monkeypatch) -> None:
+    """One engine: with_max_model_len, make_scheduler and the scheduler all resolve the
+    config; only the first validates it."""
+    from kvserve import config as config_module
+    from kvserve.config import SchedulerConfig
+    from kvserve.engine.engine_core import EngineCore
+    from kvserve.sim.runner import SimulatedModel, StandInRunner
+
+    monkeypatch.setattr(config_module, "_RESOLVED", {})  # nothing resolved before
+    calls: list[SchedulerConfig] = []
+    real = SchedulerConfig.validate
+
+    def counting(self: SchedulerConfig) -> None:
+        calls.append(self)
+        real(self)
+
+    monkeypatch.setattr(SchedulerConfig, "validate", counting)
+    config = build_engine_config(max_num_seqs=4, max_num_batched_tokens=256, num_kv_blocks=64)
+    engine = EngineCore(config, loaded=SimulatedModel(2048), runner=StandInRunner(64))
+    assert len(calls) == 1
+    assert calls[0].max_model_len == 2048  # the resolved one, never the unset None
+    assert engine.scheduler.config.max_model_len == 2048
+    assert engine.kv_cache_manager.max_model_len == 2048
+    assert engine.scheduler.kv_cache_manager.block_size == config.cache.block_size
 
 
 def test_unknown_option_lists_valid_ones() -> None:
@@ -35,14 +68,26 @@ def test_bad_block_size_is_refused() -> None:
 
 
 def test_max_model_len_resolution() -> None:
+    assert build_engine_config().scheduler.max_model_len is None  # unset: the model's
     cfg = with_max_model_len(build_engine_config(), 8192)
-    assert cfg.scheduler.max_model_len == 8192 and cfg.model.max_model_len == 8192
+    assert cfg.scheduler.max_model_len == 8192
+    assert with_max_model_len(build_engine_config(), 2048).scheduler.max_model_len == 2048
+    assert with_max_model_len(build_engine_config(), 32768).scheduler.max_model_len == 8192
     cfg = with_max_model_len(
         build_engine_config(max_model_len=2048, max_num_batched_tokens=256), 8192
     )
     assert cfg.scheduler.max_model_len == 2048
     with pytest.raises(ValueError, match="at most 8192"):
         with_max_model_len(build_engine_config(max_model_len=100_000), 8192)
+
+
+def test_an_engine_refuses_a_bad_cache_config() -> None:
+    """An EngineConfig built by hand (not through build_engine_config) is checked too."""
+    from kvserve.config import CacheConfig, EngineConfig
+
+    for bad in (CacheConfig(block_size=24), CacheConfig(kv_segment_size=300)):
+        with pytest.raises(ValueError, match="block_size=24|kv_segment_size=300"):
+            with_max_model_len(EngineConfig(cache=bad), 8192)
 
 
 def test_bad_scheduler_option_is_refused_up_front() -> None:

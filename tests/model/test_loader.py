@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -242,3 +243,29 @@ def test_conversion_cache_is_keyed_by_content(tmp_path, monkeypatch, capsys) -> 
     assert len(calls) == 1
     assert resolve_model(str(c)) != first
     assert len(calls) == 2
+
+
+def test_metadata_folder_is_keyed_by_content(tmp_path, monkeypatch) -> None:
+    """The quantized run's metadata-only folder: copies of one GGUF (another clone,
+    another name, a newer mtime) share one folder; different bytes get their own."""
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    a = tmp_path / "clone1" / "m.gguf"
+    b = tmp_path / "clone2" / "renamed.gguf"
+    c = tmp_path / "other.gguf"
+    for p, data in ((a, b"GGUF same"), (b, b"GGUF same"), (c, b"GGUF different")):
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    os.utime(b, ns=(1, 1))
+    calls: list[Path] = []
+
+    def fake_write(src: Path, out: Path) -> None:
+        calls.append(src)
+        (out / "kvserve_meta.json").write_text("{}")
+
+    monkeypatch.setattr(loader, "_write_gguf_metadata", fake_write)
+    first = loader.resolve_gguf_metadata(a, "m")
+    assert loader.resolve_gguf_metadata(b, "renamed") == first
+    assert loader.resolve_gguf_metadata(a, "m") == first
+    assert calls == [a]
+    assert loader.resolve_gguf_metadata(c, "other") != first
+    assert calls == [a, c]

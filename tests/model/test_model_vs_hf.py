@@ -156,8 +156,8 @@ def test_greedy_continuations_match_hf_with_real_scheduler(loaded_model, hf_mode
     ]
     prompts = [tok(t)["input_ids"] for t in texts]
     assert len(prompts[-1]) > 1500
-    sched_cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, kv_segment_size=512)
-    cache_cfg = CacheConfig(block_size=BLOCK, num_kv_blocks=400)
+    sched_cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8).resolved()
+    cache_cfg = CacheConfig(block_size=BLOCK, num_kv_blocks=400, kv_segment_size=512)
     runner = ModelRunner(loaded_model, cache_cfg, sched_cfg)
     manager = KVCacheManager(
         runner.num_kv_blocks, BLOCK, sched_cfg.max_model_len, enable_caching=True

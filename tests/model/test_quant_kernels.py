@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.model.kernels.backend import default_backend
 from kvserve.model.quant.formats import (
     FORMATS,
     Q4_0,
@@ -17,7 +18,6 @@ from kvserve.model.quant.formats import (
     quantize_symmetric8,
     reference_linear,
 )
-from kvserve.model.quant.kernel import get_quant_kernel
 from kvserve.model.quant.linear import QuantLinear
 
 
@@ -32,7 +32,7 @@ def _random_weight(fmt_name: str, n: int, k: int, seed: int = 0) -> QuantWeight:
 
 @pytest.fixture(scope="module")
 def kernel():  # type: ignore[no-untyped-def]
-    k = get_quant_kernel()
+    k = default_backend().quant_linear
     if k is None:
         pytest.skip("native kernels unavailable")
     return k

@@ -147,7 +147,7 @@ def req(req_id, prompt_len, max_tokens=64):
 
 def make(model, **config):
     kv = KVCacheManager(4000, 16, 8192)
-    cfg = SchedulerConfig(block_size=16, max_model_len=8192, **config)
+    cfg = SchedulerConfig(max_model_len=8192, **config)
     sched = make_scheduler(cfg, kv)
     sched.cost_model = model
     return sched

@@ -6,8 +6,15 @@ import dataclasses
 
 import pytest
 
-from kvserve.config import SchedulerConfig
+from kvserve.config import (
+    DEFAULT_MAX_MODEL_LEN,
+    AdmissionConfig,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from kvserve.kv_cache import KVCacheManager
+from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.sched import MixedScheduler, SeparatedScheduler, make_scheduler
 
 
@@ -53,19 +60,11 @@ def test_default_prefill_buckets_use_max_model_len_when_smaller():
             ],
         ),
         ({"num_seqs_buckets": (4, 2, 8)}, ["num_seqs_buckets", "strictly ascending"]),
-        ({"kv_segment_size": 768}, ["kv_segment_size=768", "512, 1024, 2048, 4096", "for example"]),
-        ({"kv_segment_size": 300}, ["kv_segment_size=300", "or 0 = off"]),
-        (
-            {"kv_segment_size": 512, "block_size": 1024},
-            ["kv_segment_size=512", "multiple of block_size=1024", "for example"],
-        ),
         ({"scheduler_policy": "fifo"}, ["scheduler_policy='fifo'", "'mixed' or 'separated'"]),
         ({"max_num_seqs": 0}, ["max_num_seqs=0", "positive integer", "for example"]),
         ({"max_num_batched_tokens": -5}, ["max_num_batched_tokens=-5", "positive integer"]),
         ({"max_model_len": 0}, ["max_model_len=0", "positive integer"]),
-        ({"block_size": 24}, ["block_size=24", "power of two"]),
         ({"long_prefill_token_threshold": -1}, ["long_prefill_token_threshold=-1", ">= 0"]),
-        ({"enable_prefix_caching": "yes"}, ["enable_prefix_caching='yes'", "True or False"]),
     ],
 )
 def test_bad_configs_are_refused_naming_value_rule_and_example(changes, pieces):
@@ -80,14 +79,51 @@ def test_bad_configs_are_refused_naming_value_rule_and_example(changes, pieces):
             assert piece in str(info.value), (piece, str(info.value))
 
 
+@pytest.mark.parametrize(
+    ("changes", "pieces"),
+    [
+        ({"kv_segment_size": 768}, ["kv_segment_size=768", "512, 1024, 2048, 4096", "for example"]),
+        ({"kv_segment_size": 300}, ["kv_segment_size=300", "or 0 = off"]),
+        (
+            {"kv_segment_size": 512, "block_size": 1024},
+            ["kv_segment_size=512", "multiple of block_size=1024", "for example"],
+        ),
+        ({"block_size": 24}, ["block_size=24", "power of two"]),
+        ({"enable_prefix_caching": "yes"}, ["enable_prefix_caching='yes'", "True or False"]),
+    ],
+)
+def test_bad_cache_configs_are_refused_naming_value_rule_and_example(changes, pieces):
+    """The KV cache's fields (block size, prefix caching, the attention's segment size)
+    are validated by their one owner, CacheConfig."""
+    with pytest.raises(ValueError) as info:
+        dataclasses.replace(CacheConfig(), **changes).validate()
+    for piece in pieces:
+        assert piece in str(info.value), (piece, str(info.value))
+
+
+def test_each_field_has_one_owner():
+    """No field name is in two of the engine's config classes (each is read from its one
+    owner). SpeculativeConfig is left out: its ``model``/``quantization`` are the draft
+    model's own, not the target's."""
+    owners: dict[str, list[str]] = {}
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, AdmissionConfig, KVTransferConfig):
+        for f in dataclasses.fields(cls):
+            owners.setdefault(f.name, []).append(cls.__name__)
+    assert {name: o for name, o in owners.items() if len(o) > 1} == {}
+
+
 def test_prefill_bucket_need_not_equal_the_kv_segment_size():
     # The seed hardware's temporary rule is deliberately not copied.
-    SchedulerConfig(
-        max_num_batched_tokens=2048,
-        num_batched_tokens_buckets=(128, 2048),
-        kv_segment_size=1024,
-    ).validate()
-    SchedulerConfig(kv_segment_size=0).validate()
+    SchedulerConfig(max_num_batched_tokens=2048, num_batched_tokens_buckets=(128, 2048)).validate()
+    CacheConfig(kv_segment_size=1024).validate()
+    CacheConfig(kv_segment_size=0).validate()
+
+
+def test_unset_max_model_len_resolves_to_the_default_without_a_model():
+    resolved = SchedulerConfig().resolved()
+    assert SchedulerConfig().max_model_len is None
+    assert resolved.max_model_len == DEFAULT_MAX_MODEL_LEN == 8192
+    assert resolved.num_batched_tokens_buckets[-1] == 2048
 
 
 def test_make_scheduler_picks_the_policy_and_refuses_mismatches():
@@ -96,8 +132,7 @@ def test_make_scheduler_picks_the_policy_and_refuses_mismatches():
     separated = make_scheduler(SchedulerConfig(scheduler_policy="separated"), kv)
     assert isinstance(separated, SeparatedScheduler)
     assert separated.num_seqs_buckets == (1, 2, 4, 8, 16, 32, 64)
-    with pytest.raises(ValueError, match="block_size=32.*manager uses 16"):
-        make_scheduler(SchedulerConfig(block_size=32), kv)
+    assert separated.kv_cache_manager.block_size == 16  # the manager's, not a copy
     with pytest.raises(ValueError, match="max_model_len=16384.*at most 8192"):
         make_scheduler(SchedulerConfig(max_model_len=16384), kv)
     with pytest.raises(ValueError, match="num_seqs_buckets"):

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvserve.config import SchedulerConfig
+from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_cache import KVCacheManager, cdiv
 from kvserve.request import Request, RequestStatus, SamplingParams
 from kvserve.sched import make_scheduler
@@ -58,14 +58,12 @@ def scenarios(draw, policy):
             sorted(set(draw(st.lists(st.integers(1, max_num_seqs), max_size=3))) - {max_num_seqs})
             + [max_num_seqs]
         )
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=draw(st.booleans()))
     config = SchedulerConfig(
         scheduler_policy=policy,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
-        block_size=block_size,
-        kv_segment_size=0,
-        enable_prefix_caching=draw(st.booleans()),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 17])),
         num_batched_tokens_buckets=prefill_buckets,
         num_seqs_buckets=seqs_buckets,
@@ -84,18 +82,23 @@ def scenarios(draw, policy):
     # Room for the largest request alone, plus a random amount (small caches preempt).
     worst = max(min(len(s.prompt) + s.max_tokens - 1, max_model_len) for s in specs)
     num_blocks = cdiv(worst, block_size) + 1 + draw(st.integers(0, 3 * cdiv(worst, block_size)))
-    return config, num_blocks, specs
+    return config, cache, num_blocks, specs
 
 
 def check_run(
-    config: SchedulerConfig, num_blocks: int, specs: list[Spec], spec_k: int = 0, seed: int = 0
+    config: SchedulerConfig,
+    cache: CacheConfig,
+    num_blocks: int,
+    specs: list[Spec],
+    spec_k: int = 0,
+    seed: int = 0,
 ) -> None:
     rng = random.Random(seed)
     kv = KVCacheManager(
         num_blocks,
-        config.block_size,
-        config.max_model_len,
-        enable_caching=config.enable_prefix_caching,
+        cache.block_size,
+        config.model_len,
+        enable_caching=cache.enable_prefix_caching,
     )
     sched = make_scheduler(config, kv)
     resolved = config.resolved()
@@ -136,7 +139,7 @@ def check_run(
                 assert drafts == request.spec_token_ids[: len(drafts)]
                 assert request.num_output_tokens + len(drafts) < request.max_tokens
                 assert start + n <= config.max_model_len
-            assert len(kv.get_block_ids(req_id)) >= cdiv(start + n, config.block_size)
+            assert len(kv.get_block_ids(req_id)) >= cdiv(start + n, cache.block_size)
             assert request.status == RequestStatus.RUNNING
             if req_id in {r.req_id for r in out.scheduled_new_reqs}:
                 assert start >= 0
@@ -173,7 +176,7 @@ def check_run(
         sched.update_from_output(
             out, ModelRunnerOutput(sampled_token_ids=sampled, spec_token_ids=proposals)
         )
-        bs = config.block_size
+        bs = cache.block_size
         for request in sched.running:
             blocks = kv.req_to_blocks.get(request.req_id, [])
             if request.req_id in out.scheduled_spec_decode_tokens:
@@ -203,14 +206,16 @@ def check_run(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_workloads_keep_every_invariant(policy, data):
-    config, num_blocks, specs = data.draw(scenarios(policy))
-    check_run(config, num_blocks, specs)
+    config, cache, num_blocks, specs = data.draw(scenarios(policy))
+    check_run(config, cache, num_blocks, specs)
 
 
 @pytest.mark.parametrize("policy", ["mixed", "separated"])
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_workloads_with_speculation_keep_every_invariant(policy, data):
-    config, num_blocks, specs = data.draw(scenarios(policy))
+    config, cache, num_blocks, specs = data.draw(scenarios(policy))
     spec_k = data.draw(st.integers(1, 5))
-    check_run(config, num_blocks, specs, spec_k=spec_k, seed=data.draw(st.integers(0, 1 << 16)))
+    check_run(
+        config, cache, num_blocks, specs, spec_k=spec_k, seed=data.draw(st.integers(0, 1 << 16))
+    )

@@ -34,9 +34,9 @@ def chunks(result, req_id):
     ]
 
 
-def make(num_blocks=1000, block_size=16, max_model_len=2048, **config):
-    kv = KVCacheManager(num_blocks, block_size, max_model_len)
-    cfg = SchedulerConfig(block_size=block_size, max_model_len=max_model_len, **config)
+def make(num_blocks=1000, block_size=16, max_model_len=2048, enable_prefix_caching=True, **config):
+    kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching=enable_prefix_caching)
+    cfg = SchedulerConfig(max_model_len=max_model_len, **config)
     return make_scheduler(cfg, kv), kv
 
 
@@ -162,7 +162,8 @@ def test_scheduled_token_ids_and_request_data_follow_the_contract():
     assert new.block_ids == kv.get_block_ids("a") and len(new.block_ids) == 1
     assert out.scheduled_token_ids["a"] == a.prompt_token_ids[:10]
     assert out.cached_seq_len == {"a": 0}
-    assert out.kv_segment_size == 512 and out.decode_batch_size_padded is None
+    assert out.decode_batch_size_padded is None
+    assert not hasattr(out, "kv_segment_size")  # the runner's attention setting, not sent
     assert sched.update_from_output(out, ModelRunnerOutput({})) == []  # mid-prefill
     out = sched.schedule()
     assert out.scheduled_new_reqs == []

@@ -18,9 +18,7 @@ BS = 16
 
 def make(policy: str, num_blocks: int = 200, **config: object) -> tuple[Scheduler, KVCacheManager]:
     kv = KVCacheManager(num_blocks, BS, 512)
-    cfg = SchedulerConfig(
-        block_size=BS, max_model_len=512, scheduler_policy=policy, max_num_seqs=8, **config
-    )
+    cfg = SchedulerConfig(max_model_len=512, scheduler_policy=policy, max_num_seqs=8, **config)
     return make_scheduler(cfg, kv), kv
 
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kvserve.request import RequestError, SamplingParams
+from kvserve.structured.bitmask import unpack_bitmask
 from kvserve.structured.compiler import GrammarCompiler
-from kvserve.structured.matcher import StructuredBatch, unpack_bitmask
+from kvserve.structured.matcher import StructuredBatch
 from kvserve.structured.params import StructuredOutputsParams
 
 

@@ -35,7 +35,6 @@ def step(
     *,
     finished: set[str] | None = None,
     decode_batch_size_padded: int | None = None,
-    kv_segment_size: int = 32,
 ) -> SchedulerOutput:
     """One SchedulerOutput scheduling ``(req, num_tokens, padded)`` for each item."""
     new, cached = [], CachedRequestData()
@@ -54,7 +53,6 @@ def step(
         num_scheduled_tokens_padded={r.req_id: p for r, _, p in items},
         scheduled_token_ids={r.req_id: r.tokens[r.computed : r.computed + n] for r, n, _ in items},
         cached_seq_len={r.req_id: r.computed for r, _, _ in items},
-        kv_segment_size=kv_segment_size,
         finished_req_ids=finished or set(),
         decode_batch_size_padded=decode_batch_size_padded,
     )
@@ -75,7 +73,10 @@ def apply(so: SchedulerOutput, out, reqs: list[Sched]) -> None:
 @pytest.fixture
 def runner(loaded_model) -> ModelRunner:
     return ModelRunner(
-        loaded_model, CacheConfig(block_size=BLOCK, num_kv_blocks=64), SchedulerConfig()
+        # segments of 32 tokens (below what a config allows) so short prompts cross them
+        loaded_model,
+        CacheConfig(block_size=BLOCK, num_kv_blocks=64, kv_segment_size=32),
+        SchedulerConfig(),
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine_core import EngineCore
 from kvserve.request import SamplingParams
 from kvserve.sim.runner import SimulatedModel, StandInRunner
@@ -15,7 +15,6 @@ def _sim_engine(max_step_ms: float) -> tuple[EngineCore, StandInRunner]:
     runner = StandInRunner(200)
     engine = EngineCore(
         EngineConfig(
-            model=ModelConfig(max_model_len=512),
             cache=CacheConfig(num_kv_blocks=200),
             scheduler=SchedulerConfig(max_model_len=512, max_step_ms=max_step_ms),
         ),
@@ -87,6 +86,5 @@ def test_calibrate_on_the_default_model(loaded_model):
         num_scheduled_tokens_padded={"r": 4},
         scheduled_token_ids={"r": [5, 6, 7, 8]},
         cached_seq_len={"r": 0},
-        kv_segment_size=512,
     )
     assert len(runner.execute_model(so).sampled_token_ids["r"]) == 1

@@ -32,7 +32,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvserve.model.kernels.build import load_library
 from kvserve.model.kernels.fused_ops import FusedOps
@@ -41,6 +40,7 @@ from kvserve.model.kernels.paged_attention import PagedAttention
 from kvserve.model.kernels.prefill_amx import PrefillAmx
 from kvserve.model.kernels.prefill_vec import PrefillVec
 from kvserve.model.kernels.sampling import Sampling
+from kvserve.model.quant.kernel import QuantKernel, load_quant_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class KernelBackend:
     prefill_vec: PrefillVec | None = None
     norms: FusedOps | None = None
     linear: LinearPanels | None = None
-    quant_linear: Any = None
+    quant_linear: QuantKernel | None = None
     sampling: Sampling | None = None
     library: Path | None = None
 
@@ -101,11 +101,7 @@ class KernelBackend:
         except (RuntimeError, OSError) as e:
             _warn_once(str(e))
             return cls.portable()
-        quant = None
-        if on["quant_linear"]:
-            from kvserve.model.quant.kernel import load_quant_kernel
-
-            quant = load_quant_kernel(path)
+        quant = load_quant_kernel(path) if on["quant_linear"] else None
         return cls(
             attention=PagedAttention(lib) if on["attention"] else None,
             prefill_amx=PrefillAmx(lib) if on["attention"] else None,

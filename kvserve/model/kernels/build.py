@@ -35,7 +35,9 @@ SOURCES = [
         "linear_panels.cpp",
         "prefill_vec.cpp",
         "linear_quant.cpp",
+        "linear_kquant.cpp",  # GGUF K-quants (bindings: kvserve.model.quant.kernel)
         "attention_kv8.cpp",  # 8-bit KV cache (bindings: kvserve.model.kernels.kv8)
+        "decode_step.cpp",  # all layers of a decode step (bindings: kvserve.model.llama_native)
     )
 ]
 HEADERS = [CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources

@@ -58,6 +58,8 @@ class QuantWeight:
 
     ``source`` says where it came from (e.g. ``"gguf:Q4_1"``, ``"int4"``). Rules:
     ``k % 32 == 0``; ``data`` has ``ceil(n / 16) * (k / 32) * fmt.block_bytes`` bytes.
+    ``in_perm`` (act-order GPTQ, quant/hf_int4.py): stored column j is input
+    ``in_perm[j]``, so the linear runs on ``x[:, in_perm]``; None for the natural order.
     """
 
     data: torch.Tensor
@@ -65,6 +67,7 @@ class QuantWeight:
     n: int
     k: int
     source: str = ""
+    in_perm: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -148,27 +151,59 @@ class QuantWeight:
             w = df * uf + m.float().unsqueeze(-1)
         else:
             w = df * (uf - self.fmt.zero)
-        return w.reshape(self.n, self.k).to(dtype)
+        return natural_columns(w.reshape(self.n, self.k), self.in_perm).to(dtype)
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
         """Row-concatenate weights of one format and k (a fused qkv or gate_up)."""
+        cat_k = getattr(type(parts[0]), "cat_k", None)  # K-quants (quant/kquant.py)
+        if cat_k is not None:
+            return cat_k(parts)  # type: ignore[no-any-return]
         fmt, k = parts[0].fmt, parts[0].k
         if any(p.fmt != fmt or p.k != k for p in parts):
             raise ValueError("QuantWeight.cat needs parts of one format and input size")
+        perm = same_in_perm(parts)
         if all(p.n % PANEL == 0 for p in parts):  # panels line up: concatenate bytes
             data = torch.cat([p.data for p in parts])
-            return QuantWeight(data, fmt, sum(p.n for p in parts), k, parts[0].source)
+            return QuantWeight(data, fmt, sum(p.n for p in parts), k, parts[0].source, perm)
         us, ds, ms = zip(*(p.unpack() for p in parts), strict=True)
         m = None if not fmt.has_min else torch.cat(ms)  # type: ignore[arg-type]
-        return QuantWeight.pack(torch.cat(us), torch.cat(ds), m, fmt, parts[0].source)
+        out = QuantWeight.pack(torch.cat(us), torch.cat(ds), m, fmt, parts[0].source)
+        out.in_perm = perm
+        return out
 
     def select_rows(self, index: torch.Tensor) -> QuantWeight:
         """Rows ``index`` of W (a permutation, e.g. llama.cpp's q/k row order undone)."""
         u, d, m = self.unpack()
-        return QuantWeight.pack(
+        out = QuantWeight.pack(
             u[index], d[index], None if m is None else m[index], self.fmt, self.source
         )
+        out.in_perm = self.in_perm
+        return out
+
+
+def same_in_perm(parts: list[QuantWeight]) -> torch.Tensor | None:
+    """The input permutation fused parts share; ValueError when they differ (fused
+    act-order layers need one input column order)."""
+    perm = parts[0].in_perm
+    for p in parts[1:]:
+        if (p.in_perm is None) != (perm is None) or (
+            perm is not None and p.in_perm is not None and not torch.equal(p.in_perm, perm)
+        ):
+            raise ValueError(
+                "fused quantized layers (q/k/v or gate/up) have different act-order input "
+                "permutations (g_idx); kvserve needs one order per fused layer"
+            )
+    return perm
+
+
+def natural_columns(w: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """Stored-order columns (column j = input ``perm[j]``) back in input order."""
+    if perm is None:
+        return w
+    out = torch.empty_like(w)
+    out[:, perm] = w
+    return out
 
 
 # --------------------------------------------------------------------------- quantizers
@@ -223,6 +258,12 @@ def reference_linear(
     """The kernel's arithmetic in PyTorch (fp64 sums, so it differs from the kernel only
     by fp32 rounding): ``sum_b float(isum_b - zero * sum q) * d * d_x (+ m * d_x * sum q)``.
     Returns fp32 [M, n]."""
+    from kvserve.model.quant.kquant import KQuantWeight, reference_linear_k
+
+    if isinstance(w, KQuantWeight):
+        return reference_linear_k(x, w, bias)
+    if w.in_perm is not None:
+        x = x[:, w.in_perm]
     q, dx, sq = quantize_activations(x)
     u, d, m = w.unpack()
     nb = w.k // BLOCK

@@ -22,9 +22,7 @@ from kvserve.model.quant.formats import (
     Q4_0,
     Q4_1,
     Q8_0,
-    U8_MIN,
     QuantWeight,
-    quantize_symmetric8,
 )
 
 _LAYER_NAMES = {
@@ -47,7 +45,6 @@ _TOP_NAMES = {
 }
 _SKIPPED = ("rope_freqs",)  # RoPE frequencies come from the config, as in transformers
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-_QK_K = 256  # values per K-quant super-block
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -83,45 +80,11 @@ def _from_blocks(raw: np.ndarray, type_name: str, n: int, k: int) -> QuantWeight
 
 
 def _from_kquant(raw: np.ndarray, type_name: str, n: int, k: int) -> QuantWeight:
-    """Raw Q4_K / Q5_K / Q6_K rows -> panels.
+    """Raw Q4_K / Q5_K / Q6_K rows -> K-quant panels holding the file's integers and
+    scales unchanged (:mod:`kvserve.model.quant.kquant`; exact, about the file's size)."""
+    from kvserve.model.quant.kquant import from_gguf
 
-    Q4_K and Q5_K (super-blocks of 256: eight 32-value sub-blocks with 6-bit scale and
-    min, ``w = d * sc * q - dmin * m``) keep their integer values: each sub-block's
-    ``d * sc`` and ``-dmin * m`` become its fp16 d and m (q4_1 / u8_min; rounding those
-    products to fp16 changes a weight by at most 2**-12 of its block's scale). Q6_K
-    (16-value groups with int8 scales) is dequantized and requantized to q8_0.
-    """
-    from gguf import GGMLQuantizationType
-    from gguf.quants import Q4_K, dequantize
-
-    if k % _QK_K:
-        raise ValueError(f"{type_name} rows need a multiple of {_QK_K} values, got {k}")
-    if type_name == "Q6_K":
-        arr = dequantize(np.array(raw), GGMLQuantizationType.Q6_K).astype(np.float32)
-        q = quantize_symmetric8(torch.from_numpy(arr).reshape(n, k))
-        q.source = "gguf:Q6_K"
-        return q
-    blocks = np.array(raw).reshape(-1, raw.shape[-1] // (k // _QK_K))  # [n * k/256, bytes]
-    nsb = blocks.shape[0]
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nsb, 1]
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [nsb, 8] each
-    if type_name == "Q4_K":
-        qs = blocks[:, 16:144].reshape(nsb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(
-            1, 1, 2, 1
-        )
-        u = (qs & np.uint8(15)).reshape(nsb, 8, 32)
-        fmt = Q4_1
-    else:  # Q5_K: 4 high bits of 32 values per byte of qh, then the low nibbles
-        qh, qs = blocks[:, 16:48], blocks[:, 48:176]
-        ql = qs.reshape(nsb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-        hi = qh.reshape(nsb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-        u = (ql & np.uint8(15)).reshape(nsb, 8, 32) | ((hi & np.uint8(1)) << np.uint8(4))
-        fmt = U8_MIN
-    d_eff = torch.from_numpy((d * sc.astype(np.float32)).astype(np.float16)).reshape(n, k // 32)
-    m_eff = torch.from_numpy((-(dmin * mn.astype(np.float32))).astype(np.float16))
-    ut = torch.from_numpy(np.ascontiguousarray(u)).reshape(n, k)
-    return QuantWeight.pack(ut, d_eff, m_eff.reshape(n, k // 32), fmt, f"gguf:{type_name}")
+    return from_gguf(raw, type_name, n, k)
 
 
 def _unpermute_index(n: int, heads: int) -> torch.Tensor:
@@ -139,8 +102,9 @@ def read_tensors(
 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """(HF name, tensor) for every tensor of the GGUF file at ``path``.
 
-    ``keep_quantized``: Q4_0/Q4_1/Q8_0 tensors come as QuantWeight; otherwise (and for
-    every other quantized type) as float32 dequantized by the gguf package.
+    ``keep_quantized``: Q4_0/Q4_1/Q8_0 tensors come as QuantWeight, Q4_K/Q5_K/Q6_K as
+    :class:`~kvserve.model.quant.kquant.KQuantWeight` (exact); otherwise (and for every
+    other quantized type) as float32 dequantized by the gguf package.
     """
     from gguf import GGUFReader
     from gguf.quants import dequantize

@@ -8,12 +8,14 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvserve.model.quant.formats import QuantWeight
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 PATHS = {"best": 0, "scalar": 1, "avx2": 2, "vnni": 3}
+K_CODES = 16  # format codes from here on run csrc/linear_kquant.cpp (quant/kquant.py)
 
 
 class QuantKernel:
@@ -31,6 +33,16 @@ class QuantKernel:
         self._embed = lib.kvs_quant_embed
         self._embed.argtypes = [vp, i32, i64, i64, vp, i64, vp, i32, i32]
         self._embed.restype = i32
+        # GGUF K-quant formats (codes >= 16, csrc/linear_kquant.cpp): same arguments
+        self._klinear = lib.kvs_linear_kquant
+        self._klinear.argtypes = self._linear.argtypes
+        self._klinear.restype = i32
+        self._kembed = lib.kvs_kquant_embed
+        self._kembed.argtypes = self._embed.argtypes
+        self._kembed.restype = i32
+        self._kpack = lib.kvs_kquant_pack_gguf
+        self._kpack.argtypes = [vp, i32, i64, i64, vp, i32]
+        self._kpack.restype = i32
         lib.kvs_linear_quant_paths.restype = i32
         bits = int(lib.kvs_linear_quant_paths())
         self.paths = {name for name, b in (("scalar", 1), ("avx2", 2), ("vnni", 4)) if bits & b}
@@ -46,7 +58,8 @@ class QuantKernel:
         """``x @ W^T + bias``: x [M, k] float32/bfloat16 (last dim contiguous), bias fp32
         [n] contiguous or None; into ``out`` ([M, n] view with contiguous last dim, x's
         dtype) or a new tensor. ``path`` one of PATHS (tests pin each)."""
-        return self._call(self._linear, x, w, w.n, bias, out, path)
+        fn = self._klinear if w.fmt.code >= K_CODES else self._linear
+        return self._call(fn, x, w, w.n, bias, out, path)
 
     def linear_silu_mul(
         self,
@@ -61,6 +74,8 @@ class QuantKernel:
         values ``kvs_silu_mul(linear(x))`` gives, in one pass over W."""
         if w.n % 32 != 0:
             raise ValueError(f"fused silu needs a multiple of 32 columns, got {w.n}")
+        if w.fmt.code >= K_CODES:
+            raise ValueError(f"fused silu has no {w.fmt.name} kernel: run the linear, then SiLU")
         return self._call(self._silu, x, w, w.n // 2, bias, out, path)
 
     def _call(
@@ -110,7 +125,12 @@ class QuantKernel:
         tensor in x's dtype."""
         if silu and w.n % 32 != 0:
             raise ValueError(f"fused silu needs a multiple of 32 columns, got {w.n}")
-        fn = self._silu if silu else self._linear
+        if silu and w.fmt.code >= K_CODES:
+            raise ValueError(f"fused silu has no {w.fmt.name} kernel: run the linear, then SiLU")
+        if w.fmt.code >= K_CODES:
+            fn = self._klinear
+        else:
+            fn = self._silu if silu else self._linear
         k, n, code = w.k, w.n, w.fmt.code
         n_out = n // 2 if silu else n
         wptr = w.data.data_ptr()
@@ -135,11 +155,27 @@ class QuantKernel:
 
         return run
 
+    def pack_gguf_kquant(
+        self, raw: np.ndarray, code: int, n: int, k: int, out_bytes: int
+    ) -> torch.Tensor:
+        """Raw GGUF Q4_K/Q5_K/Q6_K rows (C-contiguous uint8 array, read-only is fine:
+        n * k/256 blocks) -> the K-quant tile layout (format ``code`` 16/17/18,
+        ``out_bytes`` long), in C."""
+        if raw.dtype != np.uint8 or not raw.flags.c_contiguous:
+            raise ValueError("raw GGUF blocks must be a C-contiguous uint8 array")
+        out = torch.empty(out_bytes, dtype=torch.uint8)
+        ptr = raw.ctypes.data
+        rc = self._kpack(ptr, code, n, k, out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"kvs_kquant_pack_gguf returned {rc}")
+        return out
+
     def embed(self, w: QuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` [T] int64 (each in [0, n)) of W, dequantized -> [T, k] ``dtype``."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], w.k, dtype=dtype)
-        rc = self._embed(
+        fn = self._kembed if w.fmt.code >= K_CODES else self._embed
+        rc = fn(
             w.data.data_ptr(),
             w.fmt.code,
             w.n,
@@ -163,11 +199,3 @@ def _load(path: str) -> QuantKernel:
 def load_quant_kernel(path: Path) -> QuantKernel:
     """The bindings of the library at ``path`` (loaded once per path)."""
     return _load(str(path))
-
-
-def get_quant_kernel() -> QuantKernel | None:
-    """The default backend's ``quant_linear`` family, or None where it is off (then
-    :class:`~kvserve.model.quant.linear.QuantLinear` runs the PyTorch reference)."""
-    from kvserve.model.kernels.backend import default_backend
-
-    return default_backend().quant_linear

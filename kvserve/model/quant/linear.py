@@ -5,12 +5,13 @@ one opaque ``kvserve::fast_linear`` operator)."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
 from kvserve.model import linear as _linear
 from kvserve.model.quant.formats import QuantWeight, reference_linear
-from kvserve.model.quant.kernel import QuantKernel
+from kvserve.model.quant.kernel import K_CODES, QuantKernel
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -67,10 +68,14 @@ class QuantLinear:
         # one native call with the arguments bound (the decode path's per-call cost)
         one = kernel is not None and len(parts) == 1
         self._fast = kernel.bind(parts[0], self.bias) if one and kernel is not None else None
-        silu = one and kernel is not None and n % 32 == 0
+        silu = one and kernel is not None and n % 32 == 0 and parts[0].fmt.code < K_CODES
         self._fast_silu = (
             kernel.bind(parts[0], self.bias, silu=True) if silu and kernel is not None else None
         )
+        perm = parts[0].in_perm if one else None
+        if perm is not None:  # act-order weights (quant/hf_int4.py): gather the inputs
+            self._fast = _gathered(self._fast, perm)
+            self._fast_silu = _gathered(self._fast_silu, perm)
         self.handle = next(_linear._handles)
         _linear._LINEARS[self.handle] = self
 
@@ -97,12 +102,18 @@ class QuantLinear:
                 out = out + self.bias
             return out.to(x.dtype)
         if len(self.parts) == 1:
-            return self.kernel.linear(x, self.parts[0], self.bias)
+            return self.kernel.linear(_inputs(x, self.parts[0]), self.parts[0], self.bias)
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
         for p, off in zip(self.parts, self.offsets, strict=True):
             b = None if self.bias is None else self.bias[off : off + p.n]
-            self.kernel.linear(x, p, b, out=out[:, off : off + p.n])
+            self.kernel.linear(_inputs(x, p), p, b, out=out[:, off : off + p.n])
         return out
+
+    @property
+    def native_one_part(self) -> bool:
+        """Whether float32/bfloat16 inputs run one native call on one part (the weight
+        ``parts[0]``, bias ``bias``): what the fused decode step calls directly."""
+        return self._fast is not None
 
     @property
     def fused_silu_capable(self) -> bool:
@@ -118,6 +129,19 @@ class QuantLinear:
             return self._fast_silu(x)
         gate, up = self.eager(x).chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
+
+
+def _inputs(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x's columns in w's stored input order."""
+    return x if w.in_perm is None else x.index_select(1, w.in_perm)
+
+
+def _gathered(
+    fn: Callable[[torch.Tensor], torch.Tensor] | None, perm: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    if fn is None:
+        return None
+    return lambda x: fn(x.index_select(1, perm))
 
 
 class QuantEmbedding:
@@ -143,6 +167,7 @@ class QuantEmbedding:
     def eager(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] int64 in [0, vocab) -> [T, hidden] in ``dtype``."""
         native = self.kernel is not None and self.dtype in (torch.float32, torch.bfloat16)
+        native = native and self.parts[0].in_perm is None
         if native and len(self.parts) == 1:
             assert self.kernel is not None
             return self.kernel.embed(self.parts[0], ids, self.dtype)

@@ -1,0 +1,130 @@
+// The decoder layers of a decode-only step in one call (kvs_decode_layers): the same
+// kernels, in the same order and with the same arguments, as the model's native layer
+// loop in Python (kvserve/model/llama_native.py), so its results are bitwise those of
+// that loop; what it removes is the Python work between the ~8 kernel calls of each
+// layer (argument marshalling, tensor allocation, ctypes dispatch: about 1.5 ms of a
+// 30-layer step at one row).
+//
+// Per layer (quantized weights, float KV cache, every row a decode row):
+//   y = add_rms_norm(residual, pending, ln1)      (pending: the last layer's down output)
+//   qkv = linear_quant(y, Wqkv) ; rope_and_cache(qkv) ; attn = paged_attention(q)
+//   o = linear_quant(attn, Wo) ; y = add_rms_norm(residual, o, ln2)
+//   act = linear_quant_silu_mul(y, Wgate_up) ; pending = linear_quant(act, Wdown)
+// and after the last layer residual += pending (fp32, one rounding: what torch's += gives).
+#include <cstdint>
+
+extern "C" {
+int kvs_add_rms_norm(float* residual, const void* x, int64_t x_stride, const void* w, void* out,
+                     int64_t rows, int64_t hidden, float eps, int dtype, int nthreads);
+int kvs_rope_and_cache(void* qkv, int64_t row_stride, int64_t rows, int num_heads,
+                       int num_kv_heads, int head_dim, const int64_t* positions, const float* cos,
+                       const float* sin, void* kv, int64_t num_slots, const int64_t* slots,
+                       int dtype, int nthreads);
+int kvs_paged_attention(const void* q, int64_t q_row_stride, int64_t q_head_stride, void* out,
+                        const void* kv, int64_t num_blocks, int block_size, int num_heads,
+                        int num_kv_heads, int head_dim, const int64_t* seqs, int64_t num_seqs,
+                        const int64_t* block_tables, int64_t max_blocks, int seg, float scale,
+                        int dtype, int row_tile, int num_threads, float* lse,
+                        const int64_t* row_map, int merge);
+int kvs_linear_quant(const void* x, int64_t xs, int64_t rows, int64_t K, int x_dtype,
+                     const uint8_t* w, int fmt, int64_t n, const float* bias, void* out,
+                     int64_t os, int out_dtype, int path, int threads);
+int kvs_linear_quant_silu_mul(const void* x, int64_t xs, int64_t rows, int64_t K, int x_dtype,
+                              const uint8_t* w, int fmt, int64_t n, const float* bias,
+                              void* out, int64_t os, int out_dtype, int path, int threads);
+}
+
+namespace {
+
+// One layer's arguments, as int64 words (pointers, format codes, sizes); the order is
+// kvserve/model/llama_native.py's LAYER_FIELDS.
+struct Layer {
+  int64_t ln1, qkv_w, qkv_fmt, qkv_b, o_w, o_fmt, o_b, ln2, gu_w, gu_fmt, gu_b, dn_w, dn_fmt,
+      dn_b, kv;
+};
+static_assert(sizeof(Layer) == 15 * sizeof(int64_t), "Layer must be 15 words");
+
+template <typename P>
+inline P* as_ptr(int64_t v) {
+  return reinterpret_cast<P*>(static_cast<intptr_t>(v));
+}
+
+}  // namespace
+
+extern "C" {
+
+// Rules: layers [num_layers] of Layer (weights in linear_quant.cpp's panel layout,
+// gate_up fused [gate; up] with inter % 16 == 0, biases fp32 or 0, kv each layer's
+// [2, Hk, num_blocks, block_size, D] cache in dtype); residual [rows, hidden] fp32 (the
+// embedding on entry, the stream before the final norm on return); positions, slots
+// [rows] int64 (slot -1: not written); cos/sin fp32 [max_pos, D/2] covering positions;
+// seqs [num_seqs, 5] and block_tables [num_seqs, max_blocks] as kvs_paged_attention's,
+// every seq one decode row (no prefill, no cascade); scratch buffers in dtype: y
+// [rows, hidden], qkv [rows, (H + 2 Hk) D], attn [rows, H D], o [rows, hidden], act
+// [rows, inter], down [rows, hidden]. Returns 0, or the first failing kernel's code
+// plus 100 * (its position in the layer, 1-8).
+int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual, int64_t rows,
+                      int64_t hidden, int num_heads, int num_kv_heads, int head_dim,
+                      int64_t inter, float eps, const int64_t* positions, const float* cos,
+                      const float* sin, int64_t num_blocks, int block_size, const int64_t* slots,
+                      const int64_t* seqs, int64_t num_seqs, const int64_t* block_tables,
+                      int64_t max_blocks, int seg, float scale, int dtype, void* y, void* qkv,
+                      void* attn, void* o, void* act, void* down, int nthreads) {
+  if (rows <= 0) return 0;
+  const int64_t qkv_n = static_cast<int64_t>(num_heads + 2 * num_kv_heads) * head_dim;
+  const int64_t q_n = static_cast<int64_t>(num_heads) * head_dim;
+  const int64_t num_slots = num_blocks * block_size;
+  const Layer* ls = reinterpret_cast<const Layer*>(layers);
+  int rc = 0;
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const Layer& l = ls[i];
+    rc = kvs_add_rms_norm(residual, i == 0 ? nullptr : down, hidden, as_ptr<const void>(l.ln1),
+                          y, rows, hidden, eps, dtype, nthreads);
+    if (rc != 0) return rc + 100;
+    rc = kvs_linear_quant(y, hidden, rows, hidden, dtype, as_ptr<const uint8_t>(l.qkv_w),
+                          static_cast<int>(l.qkv_fmt), qkv_n, as_ptr<const float>(l.qkv_b), qkv,
+                          qkv_n, dtype, 0, nthreads);
+    if (rc != 0) return rc + 200;
+    rc = kvs_rope_and_cache(qkv, qkv_n, rows, num_heads, num_kv_heads, head_dim, positions, cos,
+                            sin, as_ptr<void>(l.kv), num_slots, slots, dtype, nthreads);
+    if (rc != 0) return rc + 300;
+    rc = kvs_paged_attention(qkv, qkv_n, head_dim, attn, as_ptr<const void>(l.kv), num_blocks,
+                             block_size, num_heads, num_kv_heads, head_dim, seqs, num_seqs,
+                             block_tables, max_blocks, seg, scale, dtype, 16, nthreads, nullptr,
+                             nullptr, 0);
+    if (rc != 0) return rc + 400;
+    rc = kvs_linear_quant(attn, q_n, rows, q_n, dtype, as_ptr<const uint8_t>(l.o_w),
+                          static_cast<int>(l.o_fmt), hidden, as_ptr<const float>(l.o_b), o, hidden,
+                          dtype, 0, nthreads);
+    if (rc != 0) return rc + 500;
+    rc = kvs_add_rms_norm(residual, o, hidden, as_ptr<const void>(l.ln2), y, rows, hidden, eps,
+                          dtype, nthreads);
+    if (rc != 0) return rc + 600;
+    rc = kvs_linear_quant_silu_mul(y, hidden, rows, hidden, dtype, as_ptr<const uint8_t>(l.gu_w),
+                                   static_cast<int>(l.gu_fmt), 2 * inter,
+                                   as_ptr<const float>(l.gu_b), act, inter, dtype, 0, nthreads);
+    if (rc != 0) return rc + 700;
+    rc = kvs_linear_quant(act, inter, rows, inter, dtype, as_ptr<const uint8_t>(l.dn_w),
+                          static_cast<int>(l.dn_fmt), hidden, as_ptr<const float>(l.dn_b), down,
+                          hidden, dtype, 0, nthreads);
+    if (rc != 0) return rc + 800;
+  }
+  if (num_layers > 0) {  // residual += pending, in fp32 (one rounding per value)
+    const int64_t count = rows * hidden;
+    if (dtype == 0) {
+      const float* d = static_cast<const float*>(down);
+      for (int64_t j = 0; j < count; ++j) residual[j] += d[j];
+    } else {
+      const uint16_t* d = static_cast<const uint16_t*>(down);
+      for (int64_t j = 0; j < count; ++j) {
+        const uint32_t u = static_cast<uint32_t>(d[j]) << 16;
+        float f;
+        __builtin_memcpy(&f, &u, 4);
+        residual[j] += f;
+      }
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

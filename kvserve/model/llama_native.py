@@ -1,0 +1,292 @@
+"""The Llama layers on kvserve's fused native kernels (the CPU path of
+:meth:`~kvserve.model.llama.LlamaForCausalLM.forward`).
+
+Two forms of one computation:
+
+- :func:`forward_native`: the layer loop in Python, one native call per op (add+RMSNorm,
+  qkv linear, RoPE + KV write, paged attention, o linear, add+RMSNorm, gate_up linear
+  with SiLU*mul, down linear). Every step shape, KV format and weight format.
+- :class:`FusedDecode`: the same loop as one call of ``kvs_decode_layers``
+  (``csrc/decode_step.cpp``) for the steps it supports (:meth:`FusedDecode.supports`:
+  decode rows only, a float KV cache, every linear a one-part quantized weight with the
+  fused SiLU). It runs the same kernels in the same order on the same arguments, so its
+  output is bitwise that of :func:`forward_native` (tested); it saves the Python work
+  between the calls (~270 ctypes calls a step for a 30-layer model).
+  ``KVSERVE_FUSED_DECODE=0`` turns it off (read when the model is prepared).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve.model.attention import AttentionMetadata, native_attention
+from kvserve.model.kernels._ctypes import DTYPE_CODES, F32, I32, I64, PTR, CFunction
+from kvserve.model.kernels.backend import KernelBackend
+from kvserve.model.kernels.kv8 import is_kv8, kv8_paged_attention
+from kvserve.model.quant.kernel import K_CODES
+from kvserve.model.quant.linear import QuantLinear
+
+if TYPE_CHECKING:
+    from kvserve.model.llama import LlamaForCausalLM, _LayerOps
+
+FUSED_DECODE_ENV_VAR = "KVSERVE_FUSED_DECODE"
+
+# one layer's words for kvs_decode_layers (csrc/decode_step.cpp's struct Layer)
+LAYER_FIELDS = (
+    "ln1", "qkv_w", "qkv_fmt", "qkv_b", "o_w", "o_fmt", "o_b",
+    "ln2", "gu_w", "gu_fmt", "gu_b", "dn_w", "dn_fmt", "dn_b", "kv",
+)  # fmt: skip
+
+_PARAMS = [
+    ("layers", PTR),
+    ("num_layers", I64),
+    ("residual", PTR),
+    ("rows", I64),
+    ("hidden", I64),
+    ("num_heads", I32),
+    ("num_kv_heads", I32),
+    ("head_dim", I32),
+    ("inter", I64),
+    ("eps", F32),
+    ("positions", PTR),
+    ("cos", PTR),
+    ("sin", PTR),
+    ("num_blocks", I64),
+    ("block_size", I32),
+    ("slots", PTR),
+    ("seqs", PTR),
+    ("num_seqs", I64),
+    ("block_tables", PTR),
+    ("max_blocks", I64),
+    ("seg", I32),
+    ("scale", F32),
+    ("dtype", I32),
+    ("y", PTR),
+    ("qkv", PTR),
+    ("attn", PTR),
+    ("o", PTR),
+    ("act", PTR),
+    ("down", PTR),
+    ("nthreads", I32),
+]
+
+
+def forward_native(
+    model: LlamaForCausalLM,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    meta: AttentionMetadata,
+    kernels: KernelBackend,
+) -> torch.Tensor:
+    """The layers with fused native ops and an fp32 residual stream.
+
+    Rules: ``meta.native`` is set (the native attention backend), ``kernels.norms`` and
+    ``kernels.attention`` are bound. Returns the fp32 residual stream [T, hidden]
+    (before the final norm).
+    """
+    assert meta.native is not None
+    fused = model._fused_decode
+    if fused is not None and fused.supports(meta, kv_caches):
+        return fused(model.embed(input_ids).float(), positions, kv_caches, meta)
+    nk, attention = kernels.norms, kernels.attention
+    assert nk is not None and attention is not None
+    c = model.config
+    h, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
+    num_tokens = input_ids.shape[0]
+    eps = c.rms_norm_eps
+    cos, sin = model._rope_tables(positions)
+    seqs, tables, seg = meta.native.seqs, meta.native.block_tables, meta.kv_segment_size
+    residual = model.embed(input_ids).float()  # [T, hidden] fp32
+    pending: torch.Tensor | None = None  # the last sublayer's output, not yet added
+    no_write: torch.Tensor | None = None  # all -1 slots (8-bit caches are written apart)
+    for ops, kv_cache in zip(model._ops, kv_caches, strict=True):
+        y = nk.add_rms_norm(residual, pending, ops.input_layernorm, eps)
+        qkv = ops.qkv(y)  # [T, (H + 2Hk) * D]
+        if is_kv8(kv_cache):  # RoPE only, then the quantized write and 8-bit attention
+            if no_write is None:
+                no_write = torch.full((num_tokens,), -1, dtype=torch.int64)
+            nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv_cache, no_write)
+            qkv3 = qkv.view(num_tokens, h + 2 * hk, d)
+            attn = kv8_paged_attention(
+                qkv3[:, :h], qkv3[:, h : h + hk], qkv3[:, h + hk :], kv_cache, meta, model.scale
+            )
+        else:
+            nk.rope_and_cache(qkv, h, hk, d, positions, cos, sin, kv_cache, meta.slot_mapping)
+            q = qkv[:, : h * d].view(num_tokens, h, d)
+            if meta.native.prefills or meta.native.cascade is not None:
+                k = qkv[:, h * d : (h + hk) * d].view(num_tokens, hk, d)
+                v = qkv[:, (h + hk) * d :].view(num_tokens, hk, d)
+                attn = native_attention(q, k, v, kv_cache, meta, model.scale)
+            else:
+                attn = attention(q, kv_cache, seqs, tables, seg, model.scale)  # [T, H, D]
+        o = ops.o(attn.view(num_tokens, h * d))
+        y = nk.add_rms_norm(residual, o, ops.post_attention_layernorm, eps)
+        gu = ops.gate_up
+        if isinstance(gu, QuantLinear) and gu.fused_silu_capable:
+            act = gu.silu_mul(y)  # the same values in one native pass
+        else:
+            act = nk.silu_mul(gu(y))
+        pending = ops.down(act)
+    if pending is not None:
+        residual += pending
+    return residual
+
+
+@functools.cache
+def _decode_fn(library: str) -> CFunction:
+    return CFunction(ctypes.CDLL(library), "kvs_decode_layers", _PARAMS)
+
+
+def fused_decode_enabled() -> bool:
+    """``KVSERVE_FUSED_DECODE``: ``1`` (default) or ``0``; anything else a ValueError."""
+    value = os.environ.get(FUSED_DECODE_ENV_VAR, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"invalid {FUSED_DECODE_ENV_VAR}={value!r}: use 1 (default) or 0")
+    return value == "1"
+
+
+class FusedDecode:
+    """All decoder layers of a decode-only step in one native call; see the module
+    docstring. Made by :meth:`build` (None where the model's weights or kernels do not
+    fit it). Rules: the model's weights and layer ops stay as they were when it was
+    built (``prepare`` builds a new one)."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, library: Path, layers: list[list[int]], dtype: torch.dtype
+    ) -> None:
+        c = model.config
+        self._fn = _decode_fn(str(library))
+        self._model = model
+        self._layers = layers  # words without the kv pointer (set per cache list)
+        self._table: torch.Tensor | None = None
+        self._table_key: tuple[int, ...] = ()
+        self.dtype = dtype
+        self._dt = DTYPE_CODES[dtype]
+        self._h, self._hk, self._d = c.num_heads, c.num_kv_heads, c.head_dim
+        self._hidden, self._eps = c.hidden_size, c.rms_norm_eps
+        self._inter = c.intermediate_size
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, kernels: KernelBackend) -> FusedDecode | None:
+        """The fused step for ``model``'s layer ops, or None: the switch is off, the
+        library lacks a family it needs, the model has per-head q/k norms, or a layer
+        has a linear that is not a one-part quantized weight (gate_up with fused SiLU)."""
+        if not fused_decode_enabled() or kernels.library is None or model.config.qk_norm:
+            return None
+        if kernels.norms is None or kernels.attention is None or kernels.quant_linear is None:
+            return None
+        dtype = model.embed_tokens.dtype
+        if dtype not in DTYPE_CODES or not model._ops:
+            return None
+        layers = []
+        for ops in model._ops:
+            words = _layer_words(ops, dtype)
+            if words is None:
+                return None
+            layers.append(words)
+        try:
+            return cls(model, kernels.library, layers, dtype)
+        except (OSError, AttributeError):  # an older library without the symbol
+            return None
+
+    def supports(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
+        """Decode rows only (no prefill, no cascade split), float KV caches in the model
+        dtype, one per layer."""
+        nb = meta.native
+        if nb is None or nb.prefills or nb.cascade is not None:
+            return False
+        if len(kv_caches) != len(self._layers):
+            return False
+        kv = kv_caches[0]
+        return kv.dtype == self.dtype and not is_kv8(kv)
+
+    def _kv_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        key = tuple(kv.data_ptr() for kv in kv_caches)
+        if self._table is None or key != self._table_key:
+            for kv in kv_caches:
+                if not kv.is_contiguous() or kv.dtype != self.dtype:
+                    raise ValueError("fused decode needs contiguous KV caches in the model dtype")
+            rows = [[*w, p] for w, p in zip(self._layers, key, strict=True)]
+            self._table = torch.tensor(rows, dtype=torch.int64)
+            self._table_key = key
+        return self._table
+
+    def __call__(
+        self,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """residual [T, hidden] fp32 contiguous (the embedding; updated in place) ->
+        the residual stream after every layer. Rules: :meth:`supports` holds."""
+        nb = meta.native
+        assert nb is not None
+        table = self._kv_table(kv_caches)
+        rows = residual.shape[0]
+        cos, sin = self._model._rope_tables(positions)
+        h, hk, d, hid, dt = self._h, self._hk, self._d, self._hidden, self.dtype
+        empty = torch.empty
+        y, o, down = (
+            empty(rows, hid, dtype=dt),
+            empty(rows, hid, dtype=dt),
+            empty(rows, hid, dtype=dt),
+        )
+        qkv = empty(rows, (h + 2 * hk) * d, dtype=dt)
+        attn = empty(rows, h * d, dtype=dt)
+        act = empty(rows, self._inter, dtype=dt)
+        kv0 = kv_caches[0]
+        positions = positions.contiguous()
+        slots, seqs, tables = meta.slot_mapping, nb.seqs, nb.block_tables
+        rc = self._fn(
+            layers=table.data_ptr(), num_layers=table.shape[0], residual=residual.data_ptr(),
+            rows=rows, hidden=hid, num_heads=h, num_kv_heads=hk, head_dim=d,
+            inter=self._inter, eps=self._eps, positions=positions.data_ptr(),
+            cos=cos.data_ptr(), sin=sin.data_ptr(), num_blocks=kv0.shape[2],
+            block_size=kv0.shape[3], slots=slots.data_ptr(), seqs=seqs.data_ptr(),
+            num_seqs=seqs.shape[0], block_tables=tables.data_ptr(),
+            max_blocks=tables.shape[1], seg=meta.kv_segment_size, scale=self._model.scale,
+            dtype=self._dt, y=y.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
+            o=o.data_ptr(), act=act.data_ptr(), down=down.data_ptr(),
+            nthreads=torch.get_num_threads(),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"kvs_decode_layers returned {rc}")
+        return residual
+
+
+def _layer_words(ops: _LayerOps, dtype: torch.dtype) -> list[int] | None:
+    """One layer's words (LAYER_FIELDS without ``kv``), or None where a linear is not a
+    one-part native quantized weight or gate_up lacks the fused SiLU."""
+    lins = (ops.qkv, ops.o, ops.gate_up, ops.down)
+    if not all(isinstance(x, QuantLinear) and x.native_one_part for x in lins):
+        return None
+    for x in lins:  # csrc/linear_quant.cpp formats only: no K-quant, no act-order gather
+        assert isinstance(x, QuantLinear)
+        if x.parts[0].fmt.code >= K_CODES or x.parts[0].in_perm is not None:
+            return None
+    qkv, o, gu, dn = (x for x in lins if isinstance(x, QuantLinear))
+    if not gu.fused_silu_capable:
+        return None
+    for norm in (ops.input_layernorm, ops.post_attention_layernorm):
+        if norm.dtype != dtype or not norm.is_contiguous():
+            return None
+
+    def bias(lin: QuantLinear) -> int:
+        return 0 if lin.bias is None else lin.bias.data_ptr()
+
+    def w(lin: QuantLinear) -> list[int]:
+        p = lin.parts[0]
+        return [p.data.data_ptr(), p.fmt.code, bias(lin)]
+
+    return [
+        ops.input_layernorm.data_ptr(), *w(qkv), *w(o),
+        ops.post_attention_layernorm.data_ptr(), *w(gu), *w(dn),
+    ]  # fmt: skip

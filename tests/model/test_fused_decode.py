@@ -1,0 +1,127 @@
+"""The fused decode step (``kvs_decode_layers``, kvserve/model/llama_native.py) against
+the Python layer loop it replaces: the same hidden states and the same KV writes,
+bitwise, on the default Q4_1 model in both dtypes, at 1 and several rows; prefill
+steps and 8-bit caches keep the loop; the switch turns it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.model.attention import SeqSpec, build_attention_metadata
+from kvserve.model.llama_native import FusedDecode
+from kvserve.worker.model_runner import allocate_kv_cache
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+BS = 16
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def quant(request):  # type: ignore[no-untyped-def]
+    from kvserve.model.loader import DEFAULT_MODEL_NAME, load_model
+
+    loaded = load_model(DEFAULT_MODEL_NAME, dtype=request.param, quantization="auto")
+    if loaded.model._fused_decode is None:
+        pytest.skip("the native kernels are not built here")
+    return loaded
+
+
+def _prefilled(model, dtype: torch.dtype, lens: list[int]):  # type: ignore[no-untyped-def]
+    kv = allocate_kv_cache(model, 1 + 4 * len(lens), BS, dtype)
+    caches = list(kv.unbind(0))
+    tables = [list(range(1 + 4 * s, 5 + 4 * s)) for s in range(len(lens))]
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for s, n in enumerate(lens):
+            ids = torch.randint(100, 40000, (n,), generator=gen)
+            meta = build_attention_metadata(
+                [SeqSpec(0, n, n, 0, tables[s])],
+                num_tokens=n,
+                block_size=BS,
+                kv_segment_size=64,
+                kv_dtype=dtype,
+            )
+            model(ids, torch.arange(n), caches, meta)
+    return kv, caches, tables
+
+
+def _decode_meta(lens: list[int], tables: list[list[int]], dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    specs = [SeqSpec(j, 1, 1, n, tables[j]) for j, n in enumerate(lens)]
+    return build_attention_metadata(
+        specs, num_tokens=len(lens), block_size=BS, kv_segment_size=64, kv_dtype=dtype
+    )
+
+
+@pytest.mark.parametrize("lens", [[23], [17, 40, 9]])
+def test_fused_step_is_the_python_loop(quant, lens: list[int]) -> None:  # type: ignore[no-untyped-def]
+    model, dtype = quant.model, quant.dtype
+    kv, caches, tables = _prefilled(model, dtype, lens)
+    meta = _decode_meta(lens, tables, dtype)
+    fused = model._fused_decode
+    assert fused is not None and fused.supports(meta, caches)
+    ids = torch.tensor([101 + 7 * j for j in range(len(lens))])
+    pos = torch.tensor(lens)
+    kv_before = kv.clone()
+    with torch.inference_mode():
+        out_fused = model(ids, pos, caches, meta)
+        kv_fused = kv.clone()
+        kv.copy_(kv_before)
+        model._fused_decode = None
+        try:
+            out_loop = model(ids, pos, caches, meta)
+        finally:
+            model._fused_decode = fused
+    assert out_fused.dtype == torch.float32 and out_fused.shape == out_loop.shape
+    assert torch.equal(out_fused, out_loop)
+    assert torch.equal(kv_fused, kv)  # the same K/V rows written to the same slots
+    assert not torch.equal(kv_fused, kv_before)
+
+
+def test_fused_row_independent_of_batch(quant) -> None:  # type: ignore[no-untyped-def]
+    model, dtype = quant.model, quant.dtype
+    lens = [20, 31, 12, 45]
+    kv, caches, tables = _prefilled(model, dtype, lens)
+    ids = torch.tensor([300, 301, 302, 303])
+    snapshot = kv.clone()
+    with torch.inference_mode():
+        batched = model(ids, torch.tensor(lens), caches, _decode_meta(lens, tables, dtype))
+        kv.copy_(snapshot)
+        alone = model(
+            ids[2:3], torch.tensor(lens[2:3]), caches, _decode_meta(lens[2:3], tables[2:3], dtype)
+        )
+    assert torch.equal(alone[0], batched[2])
+
+
+def test_prefill_and_8bit_cache_keep_the_loop(quant) -> None:  # type: ignore[no-untyped-def]
+    model, dtype = quant.model, quant.dtype
+    fused = model._fused_decode
+    assert fused is not None
+    _, caches, tables = _prefilled(model, dtype, [20])
+    prefill = build_attention_metadata(
+        [SeqSpec(0, 4, 4, 20, tables[0])], num_tokens=4, block_size=BS, kv_segment_size=64,
+        kv_dtype=dtype,
+    )  # fmt: skip
+    assert not fused.supports(prefill, caches)
+    decode = _decode_meta([20], tables, dtype)
+    assert fused.supports(decode, caches)
+    assert not fused.supports(decode, caches[:-1])  # one cache per layer
+    int8 = [torch.zeros(c.shape[:-1] + (c.shape[-1] + 4,), dtype=torch.int8) for c in caches]
+    assert not fused.supports(decode, int8)
+
+
+def test_switch_turns_it_off(quant, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    model = quant.model
+    monkeypatch.setenv("KVSERVE_FUSED_DECODE", "0")
+    assert FusedDecode.build(model, model.kernels) is None
+    monkeypatch.setenv("KVSERVE_FUSED_DECODE", "yes")
+    with pytest.raises(ValueError, match="KVSERVE_FUSED_DECODE"):
+        FusedDecode.build(model, model.kernels)
+    monkeypatch.setenv("KVSERVE_FUSED_DECODE", "1")
+    assert FusedDecode.build(model, model.kernels) is not None
+
+
+def test_float_weights_keep_the_loop(loaded_model) -> None:  # type: ignore[no-untyped-def]
+    """Dequantized (float) linears are not what the step calls: no fused step."""
+    model = loaded_model.model
+    assert FusedDecode.build(model, model.kernels) is None

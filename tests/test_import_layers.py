@@ -1,0 +1,328 @@
+"""The package's import graph: no cycles, and no module importing up the layers.
+
+The graph is read from the source with :mod:`ast` (nothing is imported), over every
+module of ``kvserve``. An edge ``a -> b`` is an import in ``a`` of module ``b`` (a
+``from b import name`` where ``b.name`` is itself a module is an edge to ``b.name``;
+the implicit import of a parent package is not an edge). Each edge has a kind:
+
+- ``module``: executed when ``a`` is imported;
+- ``function``: inside a function or method body, executed when it runs. Such an
+  import used to dodge a cycle still couples the two modules both ways, so it counts
+  for both rules below;
+- ``type``: under ``if TYPE_CHECKING:``, never executed; reported, not ruled on.
+
+Rules (the tests):
+
+1. no cycle through ``module`` and ``function`` edges (strongly connected components
+   of more than one module);
+2. a module imports only modules of its own layer or a lower one (:data:`LAYERS`).
+
+Run ``python tests/test_import_layers.py [checkout]`` for the report: edges of each kind, the
+cycles, and the imports that go up the layers.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "kvserve"
+RUNTIME = ("module", "function")
+
+# Layers, lowest first. A module belongs to the layer of the longest prefix below that
+# names it (a prefix names a module and everything under it).
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("base", ("kvserve.errors", "kvserve.checks", "kvserve.seeding", "kvserve.buckets")),
+    ("config", ("kvserve.config", "kvserve.spec_decode.config", "kvserve.kv_transfer.config")),
+    ("request", ("kvserve.request", "kvserve.structured.params", "kvserve.kv_cache.hashing")),
+    # the pieces the scheduler and the runner both stand on
+    (
+        "core",
+        (
+            "kvserve.kv_cache",
+            "kvserve.kv_transfer",
+            "kvserve.model",
+            "kvserve.structured",
+            "kvserve.spec_decode.metrics",
+        ),
+    ),
+    ("sched", ("kvserve.sched", "kvserve.spec_decode.scheduling")),
+    ("worker", ("kvserve.worker", "kvserve.spec_decode")),
+    ("engine", ("kvserve.engine", "kvserve.metrics")),
+    # fronts on an engine: the HTTP server, the offline LLM (vLLM keeps it in
+    # vllm/entrypoints/llm.py), the simulator, the benchmarks, the public API
+    (
+        "front",
+        (
+            "kvserve.entrypoints",
+            "kvserve.engine.llm",
+            "kvserve.sim",
+            "kvserve.bench",
+            "kvserve",
+        ),
+    ),
+    ("cluster", ("kvserve.cluster",)),
+    # the command lines, which start any of the above
+    (
+        "cli",
+        (
+            "kvserve.entrypoints.cli",
+            "kvserve.entrypoints.serve_cmd",
+            "kvserve.entrypoints.generate_cmd",
+            "kvserve.bench.cli",
+            "kvserve.sim.cli",
+        ),
+    ),
+)
+
+
+@dataclass
+class ImportGraph:
+    modules: dict[str, Path]
+    # src -> dst -> kind (the most binding kind when a module imports another twice)
+    edges: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def runtime_edges(self) -> dict[str, list[str]]:
+        return {
+            m: sorted(d for d, k in self.edges.get(m, {}).items() if k in RUNTIME)
+            for m in self.modules
+        }
+
+
+_ORDER = {"module": 0, "function": 1, "type": 2}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def build_graph(root: Path = ROOT) -> ImportGraph:
+    """The import graph of ``root/kvserve`` (see the module docstring)."""
+    modules = {_module_name(p, root): p for p in sorted((root / PACKAGE).rglob("*.py"))}
+    graph = ImportGraph(modules)
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out: dict[str, str] = {}
+
+        def add(target: str | None, kind: str, src: str = name, out: dict[str, str] = out) -> None:
+            if target is None or target == src:
+                return
+            if target != PACKAGE and not target.startswith(PACKAGE + "."):
+                return
+            if target not in out or _ORDER[kind] < _ORDER[out[target]]:
+                out[target] = kind
+
+        def visit(
+            node: ast.AST,
+            kind: str,
+            package: str = package,
+            add=add,  # type: ignore[no-untyped-def]
+        ) -> None:
+            for child in ast.iter_child_nodes(node):
+                k = kind
+                if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                    k = "type" if kind == "type" else "function"
+                if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                    for stmt in child.body:
+                        visit(ast.Module(body=[stmt], type_ignores=[]), "type")
+                    for stmt in child.orelse:
+                        visit(ast.Module(body=[stmt], type_ignores=[]), k)
+                    continue
+                if isinstance(child, ast.Import):
+                    for alias in child.names:
+                        add(owner(alias.name), k)
+                elif isinstance(child, ast.ImportFrom):
+                    base = child.module or ""
+                    if child.level:
+                        parts = package.split(".")
+                        if child.level > 1:
+                            parts = parts[: -(child.level - 1)]
+                        base = ".".join([*parts, base] if base else parts)
+                    for alias in child.names:
+                        full = f"{base}.{alias.name}"
+                        add(full if full in modules else owner(base), k)
+                visit(child, k)
+
+        visit(tree, "module")
+        graph.edges[name] = out
+    return graph
+
+
+def cycles(graph: ImportGraph) -> list[list[str]]:
+    """Strongly connected components (more than one module) over runtime edges."""
+    adj = graph.runtime_edges()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+
+    def connect(v: str) -> None:  # Tarjan, recursive: the graph is a few hundred nodes
+        nonlocal counter
+        index[v] = low[v] = counter
+        counter += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in adj[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in adj:
+        if v not in index:
+            connect(v)
+    return sorted(found)
+
+
+def layer_of(module: str) -> int:
+    best, rank = -1, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, rank = len(prefix), i
+    if rank < 0:
+        raise AssertionError(f"{module} is in no layer; add it to LAYERS")
+    return rank
+
+
+def upward_imports(graph: ImportGraph) -> list[tuple[str, str, str]]:
+    """``(importer, imported, kind)`` for every runtime edge to a higher layer."""
+    return [
+        (a, b, kind)
+        for a, targets in sorted(graph.edges.items())
+        for b, kind in sorted(targets.items())
+        if kind in RUNTIME and layer_of(b) > layer_of(a)
+    ]
+
+
+def _describe(graph: ImportGraph, components: Iterable[list[str]]) -> str:
+    lines = []
+    for comp in components:
+        members = set(comp)
+        lines.append("cycle: " + ", ".join(comp))
+        for a in comp:
+            for b, kind in sorted(graph.edges[a].items()):
+                if b in members and kind in RUNTIME:
+                    lines.append(f"    {a} -> {b} ({kind}-level import)")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def graph() -> ImportGraph:
+    return build_graph()
+
+
+def test_graph_reads_the_imports(graph: ImportGraph) -> None:
+    """The reader finds the imports it must (else the rules below prove nothing)."""
+    edges = graph.edges
+    assert edges["kvserve.config"]["kvserve.buckets"] == "module"
+    assert edges["kvserve.worker.model_runner"]["kvserve.sched.output"] == "module"
+    assert edges["kvserve.request"]["kvserve.structured.params"] == "function"
+    assert edges["kvserve.request"]["kvserve.kv_cache.hashing"] == "type"
+    assert len(graph.modules) > 150
+
+
+def test_reader_finds_a_cycle_through_a_function_level_import(tmp_path: Path) -> None:
+    pkg = tmp_path / PACKAGE
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from kvserve.b import x\n")
+    (pkg / "b.py").write_text("x = 1\n\ndef f():\n    from kvserve import a\n    return a\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kvserve.a\n"
+    )
+    g = build_graph(tmp_path)
+    assert g.edges["kvserve.b"] == {"kvserve.a": "function"}
+    assert g.edges["kvserve.c"] == {"kvserve.a": "type"}
+    assert cycles(g) == [["kvserve.a", "kvserve.b"]]
+
+
+def test_reader_finds_an_import_up_the_layers(tmp_path: Path) -> None:
+    for sub in ("sched", "engine"):
+        (tmp_path / PACKAGE / sub).mkdir(parents=True)
+        (tmp_path / PACKAGE / sub / "__init__.py").write_text("")
+    (tmp_path / PACKAGE / "__init__.py").write_text("")
+    (tmp_path / PACKAGE / "engine" / "core.py").write_text("from kvserve.sched import policy\n")
+    (tmp_path / PACKAGE / "sched" / "policy.py").write_text(
+        "def f():\n    from kvserve.engine.core import x\n"
+    )
+    g = build_graph(tmp_path)
+    assert upward_imports(g) == [("kvserve.sched.policy", "kvserve.engine.core", "function")]
+
+
+def test_no_import_cycles(graph: ImportGraph) -> None:
+    found = cycles(graph)
+    assert not found, "import cycles (move the shared piece down a layer):\n" + _describe(
+        graph, found
+    )
+
+
+def test_every_module_has_a_layer(graph: ImportGraph) -> None:
+    for module in graph.modules:
+        layer_of(module)
+
+
+def test_no_import_goes_up_the_layers(graph: ImportGraph) -> None:
+    up = upward_imports(graph)
+    names = [name for name, _ in LAYERS]
+    assert not up, (
+        "imports up the layers (lowest first: "
+        + " < ".join(names)
+        + "):\n"
+        + "\n".join(
+            f"    {a} ({names[layer_of(a)]}) -> {b} ({names[layer_of(b)]}), {k}-level"
+            for a, b, k in up
+        )
+    )
+
+
+def main(argv: list[str]) -> int:
+    """The report for the checkout at ``argv[0]`` (default: this one)."""
+    g = build_graph(Path(argv[0]) if argv else ROOT)
+    counts = {k: sum(1 for t in g.edges.values() for v in t.values() if v == k) for k in _ORDER}
+    print(
+        f"{len(g.modules)} modules; internal imports: "
+        + ", ".join(f"{n} {k}-level" for k, n in counts.items())
+    )
+    found = cycles(g)
+    print(f"cycles: {len(found)}")
+    if found:
+        print(_describe(g, found))
+    up = upward_imports(g)
+    print(f"imports up the layers: {len(up)}")
+    for a, b, k in up:
+        print(f"    {a} -> {b} ({k}-level)")
+    return 1 if found or up else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
