@@ -48,7 +48,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     hash_algo: HashAlgo = "sha256"
     # how K/V are stored: "auto" (the model dtype), "bfloat16", "float32", or 8-bit
-    # "int8" / "fp8_e4m3" (kvserve.model.kernels_kv8; docs/quantization.md)
+    # "int8" / "fp8_e4m3" (kvserve.model.kernels.kv8; docs/quantization.md)
     kv_cache_dtype: str = "auto"
     # prior KV is read in segments of this many tokens (0: one pass), an attention
     # kernel setting read by the model runner only (kvserve.model.attention)

@@ -32,7 +32,7 @@ CACHE_SPAN_BYTES = 512 << 20  # per format: layers cycle through at most this mu
 def _caches(fmt: Any, shape: tuple[int, ...], model_dtype: Any, count: int, gen: Any) -> list[Any]:
     import torch
 
-    from kvserve.model.kernels_kv8 import quantize_cache
+    from kvserve.model.kernels.kv8 import quantize_cache
 
     out = []
     for _ in range(count):
@@ -57,7 +57,7 @@ def attention_rows(
     import torch
 
     from kvserve.model.attention import SeqSpec, build_attention_metadata, paged_attention
-    from kvserve.model.kernels_kv8 import resolve_kv_cache_dtype
+    from kvserve.model.kernels.kv8 import resolve_kv_cache_dtype
 
     fmts = [resolve_kv_cache_dtype(n, model_dtype) for n in kv_names]
     hk, h, d, layers = arch.num_kv_heads, arch.num_heads, arch.head_dim, arch.num_layers
@@ -142,7 +142,7 @@ def decode_rows(
     fraction of the (weights + KV) bandwidth limit. ``driver_factory(loaded, name)``
     builds a runner driver with ``kv_cache_dtype=name``."""
     from kvserve.bench.weight_formats import streamed_weight_bytes
-    from kvserve.model.kernels_kv8 import resolve_kv_cache_dtype
+    from kvserve.model.kernels.kv8 import resolve_kv_cache_dtype
 
     weights = streamed_weight_bytes(loaded.model)
     c = loaded.model.config

@@ -14,7 +14,7 @@ from kvserve.sched.cost_model import CostModel
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from kvserve.model.kernels_kv8 import KVCacheFormat
+    from kvserve.model.kernels.kv8 import KVCacheFormat
 
 
 class ModelInfo(Protocol):

@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
                 device=config.model.device,
                 quantization=config.model.quantization,
             )
-            from kvserve.model.kernels_kv8 import resolve_kv_cache_dtype
+            from kvserve.model.kernels.kv8 import resolve_kv_cache_dtype
 
             connector = build_connector(
                 kv_config,

@@ -61,7 +61,7 @@ TORCH_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
-    "int8": torch.int8,  # 8-bit KV formats (kvserve.model.kernels_kv8)
+    "int8": torch.int8,  # 8-bit KV formats (kvserve.model.kernels.kv8)
     "fp8_e4m3": torch.uint8,
 }
 

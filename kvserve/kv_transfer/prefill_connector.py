@@ -38,7 +38,7 @@ DTYPE_NAMES = {
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
-    torch.int8: "int8",  # 8-bit caches: the tensor dtype names the format (kernels_kv8)
+    torch.int8: "int8",  # 8-bit caches: the tensor dtype names the format (kernels.kv8)
     torch.uint8: "fp8_e4m3",
 }
 

@@ -28,7 +28,7 @@ from typing import Any
 WIRE_VERSION = 1
 MAX_HEADER_BYTES = 1 << 22  # a 32k-token prompt as JSON fits comfortably
 # KV cache formats a chunk may carry (int8 / fp8_e4m3: 8-bit codes and per-row fp32
-# scales, one byte per element of a [.., D + 4] row; kvserve.model.kernels_kv8)
+# scales, one byte per element of a [.., D + 4] row; kvserve.model.kernels.kv8)
 DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 _ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8_e4m3": 1}
 

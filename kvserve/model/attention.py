@@ -76,8 +76,8 @@ from kvserve.model.attention_metadata import (  # noqa: F401  (re-exported)
     resolve_attention_backend,
 )
 from kvserve.model.invariance import attend_invariant
+from kvserve.model.kernels.kv8 import is_kv8, kv8_paged_attention
 from kvserve.model.kernels.ops import paged_attention_op, write_kv_and_attend_op
-from kvserve.model.kernels_kv8 import is_kv8, kv8_paged_attention
 
 _NEG_INF = float("-inf")
 

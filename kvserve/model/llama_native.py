@@ -28,7 +28,7 @@ import torch
 from kvserve.model.attention import AttentionMetadata, native_attention
 from kvserve.model.kernels._ctypes import DTYPE_CODES, F32, I32, I64, PTR, CFunction
 from kvserve.model.kernels.backend import KernelBackend
-from kvserve.model.kernels_kv8 import is_kv8, kv8_paged_attention
+from kvserve.model.kernels.kv8 import is_kv8, kv8_paged_attention
 from kvserve.model.quant.kernel import K_CODES
 from kvserve.model.quant.linear import QuantLinear
 

@@ -23,7 +23,7 @@ from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.attention_metadata import AUTO_INVARIANT_MAX_CONTEXT
 from kvserve.model.invariance import auto_invariant_reach
-from kvserve.model.kernels_kv8 import resolve_kv_cache_dtype
+from kvserve.model.kernels.kv8 import resolve_kv_cache_dtype
 from kvserve.model.kv_cache_tensor import allocate_kv_cache as allocate_kv_cache  # re-exported
 from kvserve.model.kv_cache_tensor import kv_cache_bytes_per_block as kv_cache_bytes_per_block
 from kvserve.model.llama import LlamaForCausalLM

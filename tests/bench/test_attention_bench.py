@@ -37,3 +37,33 @@ def test_layers_cycle_through_caches_past_the_span(monkeypatch) -> None:
     assert _step()["num_caches"] == 1
     monkeypatch.setattr(ab, "CACHE_SPAN_BYTES", 2 * per_cache)
     assert _step()["num_caches"] == 2
+
+
+def test_native_reads_touch_every_byte_they_claim() -> None:
+    """read_slices / read_pages (the bandwidth limit's reads) OR every byte they read:
+    a single set bit anywhere in the buffer, or in any page of the step, shows up."""
+    from kvserve.model.kernels.backend import default_backend
+
+    kernel = default_backend().attention
+    if kernel is None:
+        import pytest
+
+        pytest.skip("no native kernels here")
+    buf = torch.zeros(3 * 1000 + 7, dtype=torch.float32)  # odd size: the tail is read too
+    for threads in (1, 2):
+        assert kernel.read_slices(buf, threads) == 0
+        for i in (0, 1500, buf.numel() - 1):
+            buf.view(torch.int32)[i] = 1 << 9
+            # the OR of little-endian 64-bit words: an odd 32-bit element is the high half
+            assert kernel.read_slices(buf, threads) == 1 << (9 + 32 * (i % 2))
+            buf.zero_()
+    # 2 seqs over 5 blocks of 4 tokens, 2 KV heads, D 16, fp32
+    kv = torch.zeros(2, 2, 5, 4, 16)
+    seqs = torch.tensor([[0, 1, 1, 5, 0], [1, 1, 1, 2, 0]])  # 6 and 3 keys
+    tables = torch.tensor([[3, 1], [4, 0]])
+    assert kernel.read_pages(kv, seqs, tables, 2) == 0
+    kv[1, 1, 1, 1, 15] = torch.tensor(1 << 20, dtype=torch.int32).view(torch.float32)
+    assert kernel.read_pages(kv, seqs, tables, 2) == 1 << 52  # V, head 1, key 5 of seq 0
+    kv.zero_()
+    kv[0, 0, 1, 2, 0] = 1.0  # block 1, slot 2: seq 0's key 6 does not exist
+    assert kernel.read_pages(kv, seqs, tables, 1) == 0

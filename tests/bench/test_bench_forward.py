@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvserve.bench import forward
+from kvserve.bench.forward_drivers import KvserveDriver
 
 
 def test_cached_list_parses_and_refuses_bad_input() -> None:
@@ -67,7 +68,7 @@ def test_prefill_cached_matches_a_whole_prefill() -> None:
     from kvserve.model.loader import load_model
 
     loaded = load_model("smollm2-135m-instruct", dtype="float32")
-    kv = forward._KvserveDriver(loaded, 16, 512, 40)
+    kv = KvserveDriver(loaded, 16, 512, 40)
     prompt = torch.randint(100, 10000, (90,), generator=torch.Generator().manual_seed(1)).tolist()
     whole = next(iter(kv.prefill([prompt]).values()))
     kv.prefill([prompt[:50]], reserve=40)

@@ -17,7 +17,7 @@ from kvserve.kv_transfer.prefill_connector import PrefillConnector
 from kvserve.kv_transfer.prefill_service import PrefillService
 from kvserve.kv_transfer.transport import in_process_pair
 from kvserve.kv_transfer.wire import Chunk, PrefillRequest, decode_message, encode_message
-from kvserve.model.kernels_kv8 import kv_cache_fingerprint, resolve_kv_cache_dtype
+from kvserve.model.kernels.kv8 import kv_cache_fingerprint, resolve_kv_cache_dtype
 from kvserve.request import Request, RequestStatus, SamplingParams
 
 B = 4

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata
-from kvserve.model.kernels_kv8 import resolve_kv_cache_dtype
+from kvserve.model.kernels.kv8 import resolve_kv_cache_dtype
 from kvserve.worker.model_runner import allocate_kv_cache
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")

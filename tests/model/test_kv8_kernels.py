@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvserve.model.kernels_kv8 import (
+from kvserve.model.kernels.kv8 import (
     dequantize_cache,
     dequantize_rows,
     get_kv8_kernel,

@@ -1,8 +1,8 @@
 // Paged attention over an 8-bit KV cache (int8 or fp8 e4m3), read where it lies.
 //
-// Plain C ABI, loaded with ctypes by kvserve/model/kernels_kv8.py.
+// Plain C ABI, loaded with ctypes by kvserve/model/kernels/kv8.py.
 //
-// Layout (see kvserve/model/kernels_kv8.py):
+// Layout (see kvserve/model/kernels/kv8.py):
 //   kv:   [2, Hk, num_blocks, block_size, D + 4] bytes ([0] = K, [1] = V); the bytes
 //         of one (K|V, head, block) are a page of block_size * (D + 4) bytes.
 //   fmt 1 = fp8 e4m3fn (x = e4m3(code) * scale, scale = amax / 448), row layout: token

@@ -29,10 +29,16 @@
 // so a query row at position p gets bitwise the same result as a decode row at p,
 // in any chunk, tile or batch (BATCH INVARIANCE, docs/determinism.md): keys past a
 // row's limit give it probability 0, which leaves its max, sums and output
-// unchanged. Parts are merged with the exact online-softmax rule (running max m,
-// running sum l, output rescaled by exp(m_old - m_new)). A new decode specialisation
-// must keep exactly this arithmetic per row (same parts, same 16-key groups from the
-// block start, same sum order) or the invariance tests fail.
+// unchanged. Each part's softmax is taken against the part's own max (its state:
+// max, sum, P.V), and the parts are merged in order into the running state with the
+// exact log-sum-exp rule (merge_part: both sides rescaled to the new max), so a part's
+// state does not depend on the parts before it: where a few long rows leave threads
+// idle, one row's parts run on several threads and are merged afterwards in the same
+// order with the same arithmetic (run_all), bitwise the same as one thread's walk.
+// A new decode specialisation must keep exactly this arithmetic per row (same parts,
+// same 16-key groups from the block start, same sum order) or the invariance tests
+// fail. (The portable run_task, the fallback without AVX-512, walks block by block
+// with a running max: its own arithmetic, never mixed with the AVX-512 path's.)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -121,6 +127,14 @@ inline int64_t part_end(int seg, int64_t p0) {
   int64_t e = (p0 / kPartMax + 1) * kPartMax;
   if (seg > 0) e = std::min<int64_t>(e, (p0 / seg + 1) * seg);
   return e;
+}
+
+// The key parts of a task: part k is [part_start(k), part_start(k + 1)) clipped at
+// lmax, split points from part_end (absolute positions).
+inline int64_t count_parts(int seg, int64_t lmax) {
+  int64_t n = 0;
+  for (int64_t p0 = 0; p0 < lmax; p0 = part_end(seg, p0)) ++n;
+  return n;
 }
 
 // How a finished row is written: out = old * w_old + acc * w_acc, where acc is the
@@ -524,12 +538,64 @@ inline __m512 scores16_keylanes(const float* q, const float* kt) {
 #endif
 constexpr int64_t kPrefetchBlocks = KVS_PREFETCH_BLOCKS;
 
+// Writes a finished task's rows (state mx, l, acc as run_task_avx512 keeps it).
+template <typename T, int DV, bool kSplit>
+void finish_task(const Args& a, const Task& task, const TaskView<T>& v, const float* mx,
+                 const float* l, const float* acc) {
+  constexpr int D = 16 * DV;
+  const int g = v.g;
+  for (int64_t r = task.r0; r < v.r_end; ++r)
+    for (int j = 0; j < g; ++j) {
+      const int m = static_cast<int>(r - task.r0) * g + j;
+      const int64_t head = task.kvh * g + j, row = batch_row(a, v.row_start + r);
+      float w_old, w_acc;
+      finish_row(a, row, head, mx[m], l[m], w_old, w_acc);
+      T* o = v.out + row * a.num_heads * D + head * D;
+      if constexpr (kSplit) {
+        for (int dv = 0; dv < DV; ++dv)
+          for (int ln = 0; ln < 16; ++ln) {
+            T* od = o + split_dim(dv, ln);
+            from_f32((w_old != 0.f ? to_f32(*od) * w_old : 0.f) + acc[m * D + dv * 16 + ln] * w_acc, od);
+          }
+      } else {
+        for (int d = 0; d < D; ++d)
+          from_f32((w_old != 0.f ? to_f32(o[d]) * w_old : 0.f) + acc[m * D + d] * w_acc, o + d);
+      }
+    }
+}
+
+// The state (max m, sum l, output acc) after one more key part: merge the part's own
+// state (mp, lp, accp: its softmax taken against its own max) into the running one.
+// Every merge of the kernel goes through here (in the task's walk and in the merge of a
+// task whose parts ran on several threads), in part order, from the state (-inf, 0, 0):
+// so a row's bits do not depend on which thread computed which part. The first merge
+// gives exactly the first part's state (cs = 0, cp = 1). A part without a visible key
+// (mp = -inf) leaves the state as it is.
+template <int DV>
+inline void merge_part(float& mx, float& l, float* acc, float mp, float lp, const float* accp) {
+  if (mp == kNegInf) return;
+  const float m_new = std::max(mx, mp);
+  const float cs = mx == kNegInf ? 0.f : std::exp(mx - m_new);
+  const float cp = std::exp(mp - m_new);
+  l = std::fma(l, cs, lp * cp);
+  mx = m_new;
+  const __m512 vs = _mm512_set1_ps(cs), vp = _mm512_set1_ps(cp);
+  for (int dv = 0; dv < DV; ++dv)
+    _mm512_storeu_ps(acc + dv * 16, _mm512_fmadd_ps(_mm512_loadu_ps(acc + dv * 16), vs,
+                                                    _mm512_mul_ps(_mm512_loadu_ps(accp + dv * 16), vp)));
+}
+
 // One task: `g` query heads of one KV head for rows [r0, r1) of one request. Keys are
 // walked part by part (segments of the prior context, then the new tokens); a part's
-// scores for all queries go to a buffer, then one exact softmax pass per query merges
-// it into the running state, then P.V reads the part's V rows once per 4 queries.
+// scores for all queries go to a buffer, one exact softmax pass per query against the
+// part's own max, P.V of the part (its V rows read once per 4 queries), then the part
+// is merged into the running state (merge_part). With `parts` set, only the parts
+// [part_lo, part_hi) are walked and each part's state is stored there instead, at
+// parts + k * M * (D + 2): [M] max, [M] sum, [M, D] acc (split order for bf16), for
+// merge_task to merge (the task's parts then run on several threads).
 template <typename T, int DV, bool kDp = false>
-void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
+void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf, int64_t part_lo = 0,
+                     int64_t part_hi = INT64_MAX, float* parts = nullptr) {
   constexpr int D = 16 * DV;
   // bf16 rows widened in split order (kDp: bf16 rows used as they lie, vdpbf16ps)
   constexpr bool kSplit = std::is_same_v<T, bf16_t> && !kDp;
@@ -540,19 +606,21 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   const int64_t row_start = v.row_start, ctx = v.ctx, prior_only = v.prior_only, r_end = v.r_end;
   const int64_t* bt = v.bt;
   const T *q = v.q, *kbase = v.kbase, *vbase = v.vbase;
-  T* out = v.out;
   if (M == 0) return;
 
   constexpr int64_t PS = kMaxPart + 32;  // row stride of the score buffers
   const size_t need =
-      static_cast<size_t>(M) * (2 * D + PS + 4) + 32 * D + 16 + (kDp ? M * PS / 2 + 16 : 0);
+      static_cast<size_t>(M) * (3 * D + PS + 6) + 32 * D + 16 + (kDp ? M * PS / 2 + 16 : 0);
   if (buf.size() < need) buf.resize(need);
   float* qf = buf.data();   // [M, D] queries, fp32 (split order for bf16)
   float* acc = qf + M * D;  // [M, D] (split order for bf16)
-  float* sc = acc + M * D;  // [M, PS] scores, then probabilities
+  float* accp = acc + M * D;  // [M, D] the part's P.V
+  float* sc = accp + M * D;  // [M, PS] scores, then probabilities
   float* mx = sc + M * PS;  // [M]
   float* l = mx + M;        // [M]
-  int64_t* lim = reinterpret_cast<int64_t*>(l + M);  // [M] keys each query sees
+  float* mpart = l + M;     // [M] the part's max
+  float* lpart = mpart + M;  // [M] the part's sum
+  int64_t* lim = reinterpret_cast<int64_t*>(lpart + M);  // [M] keys each query sees
   float* kw = reinterpret_cast<float*>(lim + M);     // [16, D] widened K rows (bf16)
   float* kt = kw + 16 * D;                            // [D, 16] a key group transposed
   bf16_t* pb = reinterpret_cast<bf16_t*>(kt + 16 * D);  // [M, PS] bf16 probabilities (kDp)
@@ -585,6 +653,9 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
   // the first blocks' K: the stream below prefetches kPrefetchBlocks ahead of the block
   // it reads, so start it
   int64_t kpf = 0;  // the next block whose K is prefetched
+  int64_t p0 = 0, part = 0;
+  for (; part < part_lo && p0 < lmax; ++part) p0 = part_end(a.seg, p0);  // this call's first part
+  kpf = p0 / bs;
   const auto prefetch_k_to = [&](int64_t end_block) {
     for (; kpf < end_block && kpf * bs < lmax; ++kpf) {
       const int64_t n1 = std::min<int64_t>(lmax - kpf * bs, bs) * D * static_cast<int64_t>(sizeof(T));
@@ -592,10 +663,9 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
       for (int64_t o = 0; o < n1; o += 64) _mm_prefetch(k0 + o, _MM_HINT_T1);
     }
   };
-  prefetch_k_to(kPrefetchBlocks);
+  prefetch_k_to(kpf + kPrefetchBlocks);
 
-  int64_t p0 = 0;
-  while (p0 < lmax) {
+  for (; p0 < lmax && part < part_hi; ++part) {
     // the part [p0, p1): absolute split points (see the top), bounded at lmax
     const int64_t p1 = std::min<int64_t>(part_end(a.seg, p0), lmax);
     const int n = static_cast<int>(p1 - p0);
@@ -669,8 +739,8 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
         const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
         vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, k, row + j));
       }
-      const float m_new = std::max(mx[m], _mm512_reduce_max_ps(vmax));
-      const float corr = mx[m] == kNegInf ? 0.f : std::exp(mx[m] - m_new);
+      const float m_new = _mm512_reduce_max_ps(vmax);  // the part's own max
+      mpart[m] = m_new;
       const __m512 mn = _mm512_set1_ps(m_new);
       __m512 vsum = _mm512_setzero_ps();
       for (int j = 0; j < n; j += 16) {
@@ -681,8 +751,8 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
         _mm512_storeu_ps(row + j, e);  // lanes past n are scratch (zero)
         vsum = _mm512_add_ps(vsum, e);
       }
-      l[m] = l[m] * corr + _mm512_reduce_add_ps(vsum);
-      mx[m] = m_new;
+      lpart[m] = _mm512_reduce_add_ps(vsum);
+      std::fill(accp + m * D, accp + (m + 1) * D, 0.f);
 #if defined(__AVX512BF16__)
       if constexpr (kDp) {  // bf16 probabilities, zero past n (one more zero vector)
         bf16_t* prow = pb + m * PS;
@@ -692,14 +762,8 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + (n + 15) / 16 * 16), _mm256_setzero_si256());
       }
 #endif
-      if (corr != 1.f) {
-        const __m512 cv = _mm512_set1_ps(corr);
-        for (int dv = 0; dv < DV; ++dv)
-          _mm512_storeu_ps(acc + m * D + dv * 16,
-                           _mm512_mul_ps(_mm512_loadu_ps(acc + m * D + dv * 16), cv));
-      }
     }
-    // 3. acc += P . V, V rows read once per MB queries
+    // 3. accp = P . V, V rows read once per MB queries
     for (int64_t c0 = p0; c0 < p1;) {
       const int64_t c1 = std::min<int64_t>(p1, (c0 / bs + 1) * bs);
       const int64_t off = (bt[c0 / bs] * bs + c0 % bs) * D;
@@ -707,65 +771,105 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
       for (int m0 = 0; m0 < m_hi; m0 += MB) {
 #if defined(__AVX512BF16__)
         if constexpr (kDp) {
-          accumulate_pv_dp_n<DV>(acc + m0 * D, pb + m0 * PS + j0, PS, std::min(MB, m_hi - m0),
+          accumulate_pv_dp_n<DV>(accp + m0 * D, pb + m0 * PS + j0, PS, std::min(MB, m_hi - m0),
                                  reinterpret_cast<const bf16_t*>(vbase + off), static_cast<int>(c1 - c0));
           continue;
         }
 #endif
-        accumulate_pv_n<T, DV>(acc + m0 * D, sc + m0 * PS + j0, PS, std::min(MB, m_hi - m0),
+        accumulate_pv_n<T, DV>(accp + m0 * D, sc + m0 * PS + j0, PS, std::min(MB, m_hi - m0),
                                vbase + off, static_cast<int>(c1 - c0));
       }
       c0 = c1;
     }
+    // 4. merge the part into the running state, or store it (see the top)
+    if (parts != nullptr) {
+      float* st = parts + part * M * (D + 2);
+      for (int m = 0; m < M; ++m) {
+        st[m] = m < m_hi ? mpart[m] : kNegInf;
+        st[M + m] = m < m_hi ? lpart[m] : 0.f;
+      }
+      std::memcpy(st + 2 * M, accp, sizeof(float) * m_hi * D);
+    } else {
+      for (int m = 0; m < m_hi; ++m)
+        merge_part<DV>(mx[m], l[m], acc + m * D, mpart[m], lpart[m], accp + m * D);
+    }
     p0 = p1;
   }
-
-  for (int64_t r = task.r0; r < r_end; ++r)
-    for (int j = 0; j < g; ++j) {
-      const int m = static_cast<int>(r - task.r0) * g + j;
-      const int64_t head = task.kvh * g + j, row = batch_row(a, row_start + r);
-      float w_old, w_acc;
-      finish_row(a, row, head, mx[m], l[m], w_old, w_acc);
-      T* o = out + row * a.num_heads * D + head * D;
-      if constexpr (kSplit) {
-        for (int dv = 0; dv < DV; ++dv)
-          for (int ln = 0; ln < 16; ++ln) {
-            T* od = o + split_dim(dv, ln);
-            from_f32((w_old != 0.f ? to_f32(*od) * w_old : 0.f) + acc[m * D + dv * 16 + ln] * w_acc, od);
-          }
-      } else {
-        for (int d = 0; d < D; ++d)
-          from_f32((w_old != 0.f ? to_f32(o[d]) * w_old : 0.f) + acc[m * D + d] * w_acc, o + d);
-      }
-    }
+  if (parts == nullptr) finish_task<T, DV, kSplit>(a, task, v, mx, l, acc);
 }
+
+// A task whose parts ran as separate calls (run_task_avx512 with `parts`): merge its
+// parts' states in part order, from (-inf, 0, 0), exactly as the walk does, and write
+// the rows.
+template <typename T, int DV, bool kDp = false>
+void merge_task(const Args& a, const Task& task, int64_t nparts, const float* parts,
+                std::vector<float>& buf) {
+  constexpr int D = 16 * DV;
+  constexpr bool kSplit = std::is_same_v<T, bf16_t> && !kDp;
+  const TaskView<T> v(a, task);
+  const int M = v.M;
+  if (M == 0) return;
+  if (buf.size() < static_cast<size_t>(M) * (D + 2)) buf.resize(static_cast<size_t>(M) * (D + 2));
+  float* acc = buf.data();
+  float* mx = acc + M * D;
+  float* l = mx + M;
+  std::fill(acc, acc + M * D, 0.f);
+  for (int m = 0; m < M; ++m) mx[m] = kNegInf, l[m] = 0.f;
+  for (int64_t k = 0; k < nparts; ++k) {
+    const float* st = parts + k * M * (D + 2);
+    for (int m = 0; m < M; ++m)
+      if (st[m] != kNegInf) merge_part<DV>(mx[m], l[m], acc + m * D, st[m], st[M + m], st + 2 * M + m * D);
+  }
+  finish_task<T, DV, kSplit>(a, task, v, mx, l, acc);
+}
+
 #endif  // __AVX512F__
 
+// The AVX-512 task functions for T and head_dim (null where only the portable run_task
+// applies: then a task never splits across threads).
 template <typename T>
-void dispatch_task(const Args& a, const Task& t, std::vector<float>& buf) {
+struct TaskFns {
+  void (*run)(const Args&, const Task&, std::vector<float>&, int64_t, int64_t, float*) = nullptr;
+  void (*merge)(const Args&, const Task&, int64_t, const float*, std::vector<float>&) = nullptr;
+};
+
+template <typename T>
+TaskFns<T> task_fns(const Args& a) {
+  TaskFns<T> f;
+#if defined(__AVX512F__)
+#define KVS_FNS(DV, DP) \
+  f.run = run_task_avx512<T, DV, DP>; \
+  f.merge = merge_task<T, DV, DP>; \
+  return f
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16_t>) {
     if (use_bf16_dot()) {
       switch (a.head_dim) {
-        case 32: return run_task_avx512<T, 2, true>(a, t, buf);
-        case 64: return run_task_avx512<T, 4, true>(a, t, buf);
-        case 128: return run_task_avx512<T, 8, true>(a, t, buf);
+        case 32: KVS_FNS(2, true);
+        case 64: KVS_FNS(4, true);
+        case 128: KVS_FNS(8, true);
         default: break;
       }
     }
   }
 #endif
-#if defined(__AVX512F__)
   switch (a.head_dim) {
-    case 32: return run_task_avx512<T, 2>(a, t, buf);
-    case 64: return run_task_avx512<T, 4>(a, t, buf);
-    case 128: return run_task_avx512<T, 8>(a, t, buf);
+    case 32: KVS_FNS(2, false);
+    case 64: KVS_FNS(4, false);
+    case 128: KVS_FNS(8, false);
     default: break;
   }
+#undef KVS_FNS
 #endif
-  run_task<T>(a, t, buf);
+  (void)a;
+  return f;
 }
 
+// Threads: one task per (request, row tile, KV head), dynamic schedule. Where there are
+// fewer than two tasks per thread (a few long decodes: 1 request x 3 KV heads on 2
+// cores leaves one core idle a third of the time), each task's key parts run as
+// separate work items and merge_task merges them afterwards, in part order: the same
+// arithmetic as one walk (merge_part), so a row's bits never depend on the split.
 template <typename T>
 void run_all(const Args& a, int64_t num_seqs, int row_tile, int num_threads) {
   std::vector<Task> tasks;
@@ -776,18 +880,134 @@ void run_all(const Args& a, int64_t num_seqs, int row_tile, int num_threads) {
         tasks.push_back(Task{s, r0, std::min<int64_t>(r0 + row_tile, rows), h});
   }
   const int64_t n = static_cast<int64_t>(tasks.size());
+  const TaskFns<T> fns = task_fns<T>(a);
   // Scratch per thread, kept across calls (OpenMP pool threads persist): a fresh
   // buffer per call would be page-faulted in every time.
   static thread_local std::vector<float> buf;
-  if (num_threads <= 1 || n <= 1) {
-    for (const Task& t : tasks) dispatch_task<T>(a, t, buf);
+  const auto run = [&](const Task& t) {
+    if (fns.run != nullptr) {
+      fns.run(a, t, buf, 0, INT64_MAX, nullptr);
+    } else {
+      run_task<T>(a, t, buf);
+    }
+  };
+  if (num_threads <= 1 || n < 1) {
+    for (const Task& t : tasks) run(t);
     return;
   }
+  // parts of each task, where its key parts are split across threads
+  std::vector<int64_t> nparts, offset;
+  std::vector<std::pair<int64_t, int64_t>> items;  // (task, part)
+  int64_t total = 0;
+  if (fns.run != nullptr && n < 2 * num_threads) {
+    const int g = a.num_heads / a.num_kv_heads;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t* s = a.seqs + 5 * tasks[i].seq;
+      const int64_t r_end = std::min<int64_t>(tasks[i].r1, s[2]);
+      const int64_t rows = std::max<int64_t>(0, r_end - tasks[i].r0);
+      const int64_t lmax = rows == 0 ? 0 : (s[4] ? s[3] : s[3] + r_end);  // as run_task_avx512
+      nparts.push_back(count_parts(a.seg, lmax));
+      offset.push_back(total);
+      total += nparts.back() * rows * g * (a.head_dim + 2);
+      for (int64_t k = 0; k < nparts.back(); ++k) items.emplace_back(i, k);
+    }
+  }
+  if (static_cast<int64_t>(items.size()) <= n) {  // no task has two parts: one item per task
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t i = 0; i < n; ++i) run(tasks[i]);
+    return;
+  }
+  std::vector<float> states(static_cast<size_t>(total));
+  const int64_t ni = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(num_threads)
   {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) dispatch_task<T>(a, tasks[i], buf);
+    for (int64_t j = 0; j < ni; ++j) {
+      const auto [i, k] = items[j];
+      fns.run(a, tasks[i], buf, k, k + 1, states.data() + offset[i]);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) fns.merge(a, tasks[i], nparts[i], states.data() + offset[i], buf);
   }
+}
+
+
+// ------------------------------------------------ the bandwidth limit, measured fairly
+// What the decode kernel is held against (kvserve/bench/attention_bench.py): the same
+// OpenMP threads reading memory with 512-bit loads and no arithmetic beyond an OR.
+// read_slices: a contiguous buffer, one slice per thread (the machine's stream-read
+// bandwidth). read_pages: the K and V bytes a kernel call over (seqs, block_tables)
+// reads, task by task in the kernel's order and schedule (one task per request and KV
+// head, scattered blocks, K prefetched kPrefetchBlocks ahead): the access pattern's
+// own limit, no scores or softmax. Both return the OR of the 64-bit little-endian
+// words read (counted from 64-byte aligned offsets of the slice / page).
+inline uint64_t or_bytes(const char* p, int64_t n) {
+#if defined(__AVX512F__)
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 256 <= n; i += 256) {
+    a0 = _mm512_or_si512(a0, _mm512_loadu_si512(p + i));
+    a1 = _mm512_or_si512(a1, _mm512_loadu_si512(p + i + 64));
+    a2 = _mm512_or_si512(a2, _mm512_loadu_si512(p + i + 128));
+    a3 = _mm512_or_si512(a3, _mm512_loadu_si512(p + i + 192));
+  }
+  for (; i + 64 <= n; i += 64) a0 = _mm512_or_si512(a0, _mm512_loadu_si512(p + i));
+  const __m512i r = _mm512_or_si512(_mm512_or_si512(a0, a1), _mm512_or_si512(a2, a3));
+  uint64_t s = static_cast<uint64_t>(_mm512_reduce_or_epi64(r));
+#else
+  uint64_t s = 0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t x;
+    std::memcpy(&x, p + i, 8);
+    s |= x;
+  }
+#endif
+  for (; i < n; ++i) s |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * (i & 7));
+  return s;
+}
+
+uint64_t read_slices(const char* buf, int64_t bytes, int num_threads) {
+  uint64_t s = 0;
+#pragma omp parallel num_threads(std::max(1, num_threads)) reduction(| : s)
+  {
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t per = (bytes / nt) & ~int64_t{63};
+    const int64_t b0 = per * t, b1 = t == nt - 1 ? bytes : b0 + per;
+    s |= or_bytes(buf + b0, b1 - b0);
+  }
+  return s;
+}
+
+uint64_t read_pages(const Args& a, int64_t num_seqs, int elem, int num_threads) {
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int h = 0; h < a.num_kv_heads; ++h) tasks.push_back(Task{s, 0, a.seqs[5 * s + 1], h});
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  const int64_t row = static_cast<int64_t>(a.head_dim) * elem, bs = a.block_size;
+  const int64_t head_stride = a.num_blocks * bs * row;
+  uint64_t sum = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, num_threads)) reduction(| : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const Task& task = tasks[i];
+    const int64_t* s = a.seqs + 5 * task.seq;
+    const int64_t keys = s[4] ? s[3] : s[3] + s[2];
+    const int64_t* bt = a.block_tables + a.max_blocks * task.seq;
+    const char* kb = static_cast<const char*>(a.kv) + task.kvh * head_stride;
+    const char* vb = static_cast<const char*>(a.kv) + (a.num_kv_heads + task.kvh) * head_stride;
+    const int64_t nblk = (keys + bs - 1) / bs;
+    constexpr int64_t ahead = 4;  // the AVX-512 kernel's kPrefetchBlocks
+    for (int64_t b = 0; b < std::min(nblk, ahead); ++b)
+      for (int64_t o = 0; o < bs * row; o += 64) __builtin_prefetch(kb + bt[b] * bs * row + o, 0, 2);
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int64_t nbytes = std::min(bs, keys - b * bs) * row;
+      if (b + ahead < nblk)
+        for (int64_t o = 0; o < bs * row; o += 64)
+          __builtin_prefetch(kb + bt[b + ahead] * bs * row + o, 0, 2);
+      sum |= or_bytes(kb + bt[b] * bs * row, nbytes) | or_bytes(vb + bt[b] * bs * row, nbytes);
+    }
+  }
+  return sum;
 }
 
 }  // namespace
@@ -814,6 +1034,27 @@ int kvs_paged_attention(const void* q, int64_t q_row_stride, int64_t q_head_stri
     return 1;
   }
   return 0;
+}
+
+// The reads the decode kernel is held against (see read_slices / read_pages); the
+// results are an OR of the bytes read (returned so that no read is optimised away).
+uint64_t kvs_read_slices(const void* buf, int64_t bytes, int num_threads) {
+  return read_slices(static_cast<const char*>(buf), bytes, num_threads);
+}
+
+uint64_t kvs_read_pages(const void* kv, int64_t num_blocks, int block_size, int num_kv_heads,
+                        int head_dim, int elem_size, const int64_t* seqs, int64_t num_seqs,
+                        const int64_t* block_tables, int64_t max_blocks, int num_threads) {
+  Args a{};
+  a.kv = kv;
+  a.num_blocks = num_blocks;
+  a.block_size = block_size;
+  a.num_kv_heads = num_kv_heads;
+  a.head_dim = head_dim;
+  a.seqs = seqs;
+  a.block_tables = block_tables;
+  a.max_blocks = max_blocks;
+  return read_pages(a, num_seqs, elem_size, num_threads);
 }
 
 int kvs_abi_version() { return 1; }

@@ -36,7 +36,7 @@ SOURCES = [
         "prefill_vec.cpp",
         "linear_quant.cpp",
         "linear_kquant.cpp",  # GGUF K-quants (bindings: kvserve.model.quant.kernel)
-        "attention_kv8.cpp",  # 8-bit KV cache (bindings: kvserve.model.kernels_kv8)
+        "attention_kv8.cpp",  # 8-bit KV cache (bindings: kvserve.model.kernels.kv8)
         "decode_step.cpp",  # all layers of a decode step (bindings: kvserve.model.llama_native)
     )
 ]

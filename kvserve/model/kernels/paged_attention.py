@@ -39,11 +39,71 @@ _PARAMS = [
 ]
 
 
+_U64 = ctypes.c_uint64
+_READ_SLICES = [("buf", PTR), ("bytes", I64), ("num_threads", I32)]
+_READ_PAGES = [
+    ("kv", PTR),
+    ("num_blocks", I64),
+    ("block_size", I32),
+    ("num_kv_heads", I32),
+    ("head_dim", I32),
+    ("elem_size", I32),
+    ("seqs", PTR),
+    ("num_seqs", I64),
+    ("block_tables", PTR),
+    ("max_blocks", I64),
+    ("num_threads", I32),
+]
+
+
 class PagedAttention:
-    """``kvs_paged_attention``; call the object (see :meth:`__call__`)."""
+    """``kvs_paged_attention``; call the object (see :meth:`__call__`). Also the
+    reads the decode kernel's speed is measured against (:meth:`read_slices`,
+    :meth:`read_pages`)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = CFunction(lib, "kvs_paged_attention", _PARAMS)
+        self._read_slices = CFunction(lib, "kvs_read_slices", _READ_SLICES, restype=_U64)
+        self._read_pages = CFunction(lib, "kvs_read_pages", _READ_PAGES, restype=_U64)
+
+    def read_slices(self, buf: torch.Tensor, num_threads: int) -> int:
+        """Read every byte of the contiguous CPU tensor ``buf`` with 512-bit loads,
+        one contiguous slice per thread: the machine's stream-read speed on
+        ``num_threads`` threads. Returns the OR of its 64-bit words."""
+        if not buf.is_contiguous():
+            raise ValueError("read_slices needs a contiguous tensor")
+        return int(
+            self._read_slices(
+                buf=buf.data_ptr(), bytes=buf.numel() * buf.element_size(), num_threads=num_threads
+            )
+        )
+
+    def read_pages(
+        self,
+        kv_cache: torch.Tensor,
+        seqs: torch.Tensor,
+        block_tables: torch.Tensor,
+        num_threads: int,
+    ) -> int:
+        """Read the K and V bytes a kernel call with these arguments reads (same rules
+        as :meth:`__call__`), in its task order and schedule, with no arithmetic: the
+        access pattern's own limit. Returns an OR of the bytes read."""
+        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        return int(
+            self._read_pages(
+                kv=kv_cache.data_ptr(),
+                num_blocks=num_blocks,
+                block_size=block_size,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                elem_size=kv_cache.element_size(),
+                seqs=seqs.data_ptr(),
+                num_seqs=seqs.shape[0],
+                block_tables=block_tables.data_ptr(),
+                max_blocks=block_tables.shape[1],
+                num_threads=num_threads,
+            )
+        )
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
