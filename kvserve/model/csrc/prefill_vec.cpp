@@ -258,10 +258,11 @@ void pack_v_pairs(const Args& a, const int64_t* bt, int h, int64_t keys, uint32_
 //     pairs 16j + l for the dot variant), the 16 lane sums reduced with hsum16's tree
 //     ((G0 + G1) + (G2 + G3)), G_q = (P[4q] + P[4q + 2]) + (P[4q + 1] + P[4q + 3]),
 //     then times scale (natural-log units);
-//   - per part: the max, exp512(x - m_new) (0 where masked), the sum of the part's
-//     exponentials in 16 key-offset lanes reduced with GCC's _mm512_reduce_add_ps
-//     tree, l = l * corr + sum with corr = std::exp(m_old - m_new) (0 for the first),
-//     acc *= corr, then P.V in key order (fp32 FMAs; P rounded to bf16 and V in key
+//   - per part: the part's own max mp, exp512(x - mp) (0 where masked), the part's sum
+//     lp of the exponentials in 16 key-offset lanes reduced with GCC's
+//     _mm512_reduce_add_ps tree, the part's P.V from zero, then the part merged as the
+//     paged kernel's merge_part does (m = max(m, mp), cs = exp(m_old - m) (0 for the
+//     first), cp = exp(mp - m), l = fma(l, cs, lp * cp), acc = fma(acc, cs, accp * cp)); P.V in key order (fp32 FMAs; P rounded to bf16 and V in key
 //     pairs for the dot variant, pairs at even positions: block_size must be even);
 //   - the row finished as finish_row does (1 / l, the lse merge).
 // The dot variant is chosen as the paged kernel chooses it (use_bf16_dot there:
@@ -311,7 +312,8 @@ void run_task_inv(const Args& a, int seg, const Task& t, const uint32_t* vp) {
   alignas(64) float sbuf[kPartMax][L];
   alignas(64) uint32_t pp[kDp ? kPartMax / 2 + 1 : 1][L];
   alignas(64) int32_t lim_arr[L];
-  alignas(64) float mxa[L], la[L], mna[L], corra[L];
+  alignas(64) float pbuf[D][L];  // the part's own P.V
+  alignas(64) float mxa[L], la[L], mna[L], csa[L], cpa[L];
   const T* kptr[kPartMax];
   const T* vptr[kPartMax];
   int64_t max_lim = 0;
@@ -392,37 +394,28 @@ void run_task_inv(const Args& a, int seg, const Task& t, const uint32_t* vp) {
       for (int kk = 0; kk < nk; ++kk)
         V::store(sbuf[k0 + kk], V::visible(lim, static_cast<int32_t>(p0 + k0 + kk), V::mul(sc[kk], scale)));
     }
-    // 2. the part's exact softmax per row, merged into the running (max, sum, acc);
-    // rows that see no key of the part are left as they are (the paged kernel skips them)
+    // 2. the part's own softmax per row (against the part's max) and its sum; rows
+    // that see no key of the part are left as they are (the paged kernel skips them)
     vec vmax = neg_inf;
     for (int k = 0; k < n; ++k) vmax = V::max(vmax, V::load(sbuf[k]));
     const __mmask16 active = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(static_cast<int32_t>(p0)));
-    const vec mold = V::load(mxa);
-    const vec mnew = _mm512_mask_max_ps(mold, active, mold, vmax);
-    V::store(mna, mnew);
-    for (int m = 0; m < L; ++m)
-      corra[m] = !((active >> m) & 1) ? 1.f : (mxa[m] == kNegInf ? 0.f : std::exp(mxa[m] - mna[m]));
+    V::store(mna, vmax);
     vec vs[16];
     for (int r = 0; r < 16; ++r) vs[r] = V::zero();
     for (int k = 0; k < n; ++k) {
       const vec x = V::load(sbuf[k]);
-      const vec e = V::finite_or_zero(x, kvs::exp512(_mm512_sub_ps(x, mnew)));
+      const vec e = V::finite_or_zero(x, kvs::exp512(_mm512_sub_ps(x, vmax)));
       vs[k % 16] = V::add(vs[k % 16], e);
       V::store(sbuf[k], e);
     }
+    vec lpart;
     {  // GCC's _mm512_reduce_add_ps tree over the 16 key-offset lanes
       vec t3[8], t6[4];
       for (int i = 0; i < 8; ++i) t3[i] = V::add(vs[8 + i], vs[i]);
       for (int i = 0; i < 4; ++i) t6[i] = V::add(t3[4 + i], t3[i]);
-      const vec sum = V::add(V::add(t6[0], t6[2]), V::add(t6[1], t6[3]));
-      const vec corr = V::load(corra);
-      // (GCC contracts the paged kernel's scalar `l * corr + sum` into an FMA: C++
-      // builds default to -ffp-contract=fast)
-      V::store(la, _mm512_mask_mov_ps(V::load(la), active, _mm512_fmadd_ps(V::load(la), corr, sum)));
-      V::store(mxa, mnew);
-      for (int d = 0; d < D; ++d) V::store(obuf[d], V::mul(V::load(obuf[d]), corr));
+      lpart = V::add(V::add(t6[0], t6[2]), V::add(t6[1], t6[3]));
     }
-    // 3. acc += P . V in key order
+    // 3. the part's P . V in key order, from zero
     if constexpr (kDp) {
 #if defined(KVS_PF_HAVE_DP)
       const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -437,26 +430,47 @@ void run_task_inv(const Args& a, int seg, const Task& t, const uint32_t* vp) {
       const uint32_t* vc = vp + (p0 / 2) * D;
       for (int d0 = 0; d0 < D; d0 += DB) {
         vec acc[DB];
-        for (int j = 0; j < DB; ++j) acc[j] = V::load(obuf[d0 + j]);
+        for (int j = 0; j < DB; ++j) acc[j] = V::zero();
         for (int kk = 0; kk < npairs; ++kk) {
           const __m512bh pv = (__m512bh)_mm512_load_si512(pp[kk]);
           const u32a* vr = reinterpret_cast<const u32a*>(vc + kk * D + d0);
           for (int j = 0; j < DB; ++j) acc[j] = dp_bcast(acc[j], pv, vr + j);
         }
-        for (int j = 0; j < DB; ++j) V::store(obuf[d0 + j], acc[j]);
+        for (int j = 0; j < DB; ++j) V::store(pbuf[d0 + j], acc[j]);
       }
 #endif
     } else {
       for (int d0 = 0; d0 < D; d0 += DB) {
         vec acc[DB];
-        for (int j = 0; j < DB; ++j) acc[j] = V::load(obuf[d0 + j]);
+        for (int j = 0; j < DB; ++j) acc[j] = V::zero();
         for (int k = 0; k < n; ++k) {
           const vec pk = V::load(sbuf[k]);
           const T* vr = vptr[k] + d0;
           for (int j = 0; j < DB; ++j) acc[j] = V::fma(V::bcast(vr + j), pk, acc[j]);
         }
-        for (int j = 0; j < DB; ++j) V::store(obuf[d0 + j], acc[j]);
+        for (int j = 0; j < DB; ++j) V::store(pbuf[d0 + j], acc[j]);
       }
+    }
+    // 4. merge the part into the running state exactly as paged_attention.cpp's
+    // merge_part: m = max(m, mp), l = fma(l, cs, lp * cp), acc = fma(acc, cs, accp * cp)
+    for (int m = 0; m < L; ++m) {
+      if (!((active >> m) & 1)) {
+        csa[m] = 1.f;
+        cpa[m] = 0.f;
+        continue;
+      }
+      const float m_new = std::max(mxa[m], mna[m]);
+      csa[m] = mxa[m] == kNegInf ? 0.f : std::exp(mxa[m] - m_new);
+      cpa[m] = std::exp(mna[m] - m_new);
+      mxa[m] = m_new;
+    }
+    {
+      const vec cs = V::load(csa), cp = V::load(cpa);
+      V::store(la, _mm512_mask_mov_ps(V::load(la), active,
+                                      _mm512_fmadd_ps(V::load(la), cs, V::mul(lpart, cp))));
+      for (int d = 0; d < D; ++d)
+        V::store(obuf[d], _mm512_mask_mov_ps(V::load(obuf[d]), active,
+                                             _mm512_fmadd_ps(V::load(obuf[d]), cs, V::mul(V::load(pbuf[d]), cp))));
     }
     p0 = p1;
   }
