@@ -188,6 +188,7 @@ def build_app(
             app.openapi_schema = openapi_document(
                 vocab_size=async_engine.vocab_size,
                 max_model_len=max_len,
+                max_num_seqs=async_engine.max_num_seqs,
                 api_key_required=bool(api_key),
                 trust_request_chat_template=trust_request_chat_template,
             )

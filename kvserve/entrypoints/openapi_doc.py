@@ -224,6 +224,7 @@ def openapi_document(
     *,
     vocab_size: int,
     max_model_len: int,
+    max_num_seqs: int | None = None,
     api_key_required: bool = False,
     trust_request_chat_template: bool = False,
     title: str = "kvserve",
@@ -232,7 +233,8 @@ def openapi_document(
     """The OpenAPI 3.1 document of the server (see the module docstring): token ids
     below ``vocab_size``; ``max_tokens``/``max_completion_tokens``/``max_output_tokens`` at most
     ``max_model_len - 1`` (a prompt has at least one token); ``n``/``best_of`` at
-    most ``MAX_SAMPLES``, the limit ``SamplingParams`` enforces; the bearer security
+    most ``MAX_SAMPLES``, the limit ``SamplingParams`` enforces, and at most
+    ``max_num_seqs`` when given (a request's samples run together); the bearer security
     scheme, applied to the ``/v1``, ``/tokenize`` and ``/detokenize`` operations,
     only when ``api_key_required``; a request ``chat_template`` (top level or in
     ``chat_template_kwargs``) only when ``trust_request_chat_template``."""
@@ -251,7 +253,8 @@ def openapi_document(
         ("CompletionRequest", "best_of"),
         ("ChatCompletionRequest", "n"),
     ):
-        schemas[name]["properties"][field]["maximum"] = MAX_SAMPLES
+        samples = MAX_SAMPLES if max_num_seqs is None else min(MAX_SAMPLES, max_num_seqs)
+        schemas[name]["properties"][field]["maximum"] = samples
     for name, field in (
         ("CompletionRequest", "max_tokens"),
         ("ChatCompletionRequest", "max_tokens"),

@@ -53,6 +53,11 @@ def test_openapi_documents_bodies_and_statuses(live_url: str) -> None:
         assert field in completion
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert "response_format" in chat and "structured_outputs" in chat
+    # a request's samples run together: the document allows no more than the engine runs
+    seqs = 8  # fake_engine's max_num_seqs
+    for props in (completion, chat):
+        assert props["n"]["maximum"] == seqs
+    assert completion["best_of"]["maximum"] == seqs
     assert (
         "text/event-stream"
         in doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
