@@ -13,7 +13,13 @@ Each call, for every request that wants ``k`` drafts::
 
 Drafts are tokens (a one-hot draft distribution), so the verifier's sample-and-match
 rule is exact (kvserve.spec_decode.verify). A request for which no block is free
-gets no proposal this time. Rules for callers: as :class:`~kvserve.spec_decode.protocol.Proposer`.
+gets no proposal this time.
+
+The draft's prompt prefill never delays a first token: a request seen for the first
+time gets no proposal and no draft work in that call (the call ends the step that
+emits its first token); later calls catch its draft KV up ``CATCH_UP_CHUNK`` tokens
+at a time, in the same forward as the other requests' proposals, and it is
+proposed for once its remaining gap fits in one chunk. Rules for callers: as :class:`~kvserve.spec_decode.protocol.Proposer`.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ class _DraftState:
 # 2-core AMD dev machine (docs/speculative-decoding.md): the 4-bit draft's step is about
 # 0.5 of the bfloat16 target's (bytes ratio 0.36).
 DRAFT_OVERHEAD = 1.4
+# Most draft-KV catch-up tokens per request and call (the deferred prompt prefill).
+CATCH_UP_CHUNK = 64
 
 
 class DraftModelProposer:
@@ -167,26 +175,40 @@ class DraftModelProposer:
         out: list[list[int]] = [[] for _ in req_ids]
         active: list[tuple[int, _DraftState, int]] = []  # index, state, k
         chunks: list[tuple[_DraftState, list[int], int]] = []
+        catch_up: list[tuple[_DraftState, list[int], int]] = []  # no proposal this call
         for i, (req_id, history, k) in enumerate(zip(req_ids, token_ids, num_tokens, strict=True)):
             n = len(history)
             k = min(k, self.max_model_len - n)
             if k <= 0:
                 continue
-            state = self._reqs.setdefault(req_id, _DraftState())
+            if req_id not in self._reqs:  # its first token's step: defer the prefill
+                self._reqs[req_id] = _DraftState()
+                continue
+            state = self._reqs[req_id]
             c = 0
             seen = state.seen
             limit = min(len(seen), n - 1)
             while c < limit and seen[c] == history[c]:
                 c += 1
+            if n - c > CATCH_UP_CHUNK:  # a chunk of the gap now, the proposal later
+                end = c + CATCH_UP_CHUNK
+                if not self._ensure_blocks(state, end):
+                    continue
+                tail = list(history[c:end])
+                state.seen = seen[:c] + tail
+                catch_up.append((state, tail, c))
+                continue
             if not self._ensure_blocks(state, n + k - 1):
                 continue
             tail = list(history[c:n])
             state.seen = seen[:c] + tail
             chunks.append((state, tail, c))
             active.append((i, state, k))
+        if not chunks and not catch_up:
+            return out
+        firsts = self._forward(chunks + catch_up)[: len(chunks)]  # one forward for both
         if not chunks:
             return out
-        firsts = self._forward(chunks)
         for (i, _state, _), tok in zip(active, firsts, strict=True):
             out[i].append(tok)
         for _ in range(1, max(k for _, _, k in active)):

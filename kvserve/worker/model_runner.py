@@ -239,6 +239,8 @@ class ModelRunner:
         ``prompt_logprobs`` the scored rows of requests with ``prompt_logprobs``.
         """
         so = scheduler_output
+        if self.spec_decoder is not None:
+            self.spec_decoder.begin_step(so)  # times the step (spec_decode/gain.py)
         batch = self.input_batch
         self._copy_blocks(so.block_copies)
         if self.structured is not None:
