@@ -16,11 +16,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
+import torch
+
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.controller import SpecController
 from kvserve.spec_decode.gain import GainMonitor
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.protocol import Proposer
+from kvserve.worker.sampler import SamplingRequestState
 
 
 class History(Sequence[int]):
@@ -122,9 +125,13 @@ class SpecDecoder:
         self._step_start = None
 
     def propose(
-        self, req_ids: Sequence[str], histories: Sequence[Sequence[int]]
+        self,
+        req_ids: Sequence[str],
+        histories: Sequence[Sequence[int]],
+        states: Sequence[SamplingRequestState | None] | None = None,
     ) -> dict[str, list[int]]:
-        """Proposals for the next step of ``req_ids`` (empty ones left out)."""
+        """Proposals for the next step of ``req_ids`` (empty ones left out);
+        ``states``: their sampling states (a draft model samples for sampled ones)."""
         self._record_step()
         self._last_propose_time, self._last_forwards = 0.0, 0
         if not req_ids:
@@ -142,10 +149,14 @@ class SpecDecoder:
         if not any(plan):
             return {}
         t0 = self.clock()
-        drafts = self.proposer.propose(req_ids, histories, plan)
+        drafts = self.proposer.propose(req_ids, histories, plan, states)
         self._last_propose_time = self.clock() - t0
         self._last_forwards = max(plan) if self.proposer.step_cost > 0 else 1
         return {r: d for r, d in zip(req_ids, drafts, strict=True) if d}
+
+    def draft_probs(self, req_id: str, drafts: Sequence[int]) -> torch.Tensor | None:
+        """The draft distributions of ``drafts`` (sampled drafts), else None."""
+        return self.proposer.draft_probs(req_id, drafts)
 
     def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
         self._step_accepted += max(0, num_accepted)

@@ -11,9 +11,18 @@ Each call, for every request that wants ``k`` drafts::
     step 1:  one chunk history[c:] -> greedy d1     (all requests in one forward)
     step i:  one row d(i-1)        -> greedy di     (i = 2..k, batched)
 
-Drafts are tokens (a one-hot draft distribution), so the verifier's sample-and-match
-rule is exact (kvserve.spec_decode.verify). A request for which no block is free
-gets no proposal this time.
+Greedy requests get the draft's greedy tokens (fixed tokens: the verifier's
+sample-and-match rule is exact and greedy output is the target's token for token). A
+sampled request (temperature > 0, no logprobs asked) gets drafts *sampled* from the
+draft's distribution under the request's own rules (penalties, temperature, top-k,
+top-p, min-p: :meth:`Sampler.distributions`), and the proposer keeps those
+distributions ``q`` for the verifier's rejection sampling (:meth:`draft_probs`):
+proposing the draft's argmax to a sampled target accepts only ``p(argmax)`` per draft
+(21 % at temperature 1 measured), sampling from ``q`` accepts
+``sum(min(p, q))``, near 1 for the same weights at lower precision. The draft's
+uniform numbers come from its own stream (seeded requests: a mix of seed and
+position distinct from the verifier's), so drafts are independent of the
+verifier's draws. A request for which no block is free gets no proposal this time.
 
 The draft's prompt prefill never delays a first token: a request seen for the first
 time gets no proposal and no draft work in that call (the call ends the step that
@@ -32,7 +41,18 @@ import torch
 
 from kvserve.kv_cache.manager import cdiv
 from kvserve.model.attention import SeqSpec, build_attention_metadata, resolve_attention_backend
+from kvserve.seeding import splitmix64
 from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.worker.sampler import (
+    Sampler,
+    SamplingRequestState,
+    _inverse_cdf_sample,
+    is_sampled,
+)
+
+# the draft's own uniform stream for a seeded request (distinct from the sampler's and
+# the verifier's derivations)
+_DRAFT_STREAM = 0xA24BAED4963EE407
 
 
 @dataclass
@@ -69,6 +89,9 @@ class DraftModelProposer:
         self.backend = resolve_attention_backend(loaded.dtype, self.device, self.kernels)
         self._free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
         self._reqs: dict[str, _DraftState] = {}
+        self.sampler = Sampler(kernels=self.kernels)
+        # req id -> (sampled drafts, the distributions they were drawn from [k, V])
+        self._q: dict[str, tuple[list[int], torch.Tensor]] = {}
         # one draft forward over one target step, as bytes read (decode is bound by
         # reading the weights); load() sets it from the target, 1.0 until then
         self.step_cost = 1.0
@@ -121,15 +144,25 @@ class DraftModelProposer:
             state.block_ids.append(self._free.pop())
         return True
 
+    def draft_probs(self, req_id: str, drafts: Sequence[int]) -> torch.Tensor | None:
+        """``q`` rows of ``drafts`` if they are a prefix of the last sampled proposal
+        for ``req_id`` (then forgotten: one verification per proposal), else None."""
+        entry = self._q.pop(req_id, None)
+        if entry is None or not drafts or list(drafts) != entry[0][: len(drafts)]:
+            return None
+        return entry[1][: len(drafts)]
+
     def drop(self, req_id: str) -> None:
+        self._q.pop(req_id, None)
         state = self._reqs.pop(req_id, None)
         if state is not None:
             self._free.extend(reversed(state.block_ids))
 
     # -- proposing ----------------------------------------------------------------
-    def _forward(self, chunks: list[tuple[_DraftState, list[int], int]]) -> list[int]:
+    def _forward(self, chunks: list[tuple[_DraftState, list[int], int]]) -> torch.Tensor:
         """One forward over ``(state, tokens, start position)`` chunks; returns each
-        chunk's greedy next token. Multi-row chunks go first (the metadata rule)."""
+        chunk's next-token logits (``[len(chunks), V]``, in chunk order). Multi-row
+        chunks go first (the metadata rule)."""
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][1]) == 1)
         ids: list[int] = []
         pos: list[int] = []
@@ -159,11 +192,52 @@ class DraftModelProposer:
             meta,
         )
         rows = torch.tensor(last_rows, dtype=torch.long, device=dev)
-        tokens_out = self.model.compute_logits(hidden.index_select(0, rows)).argmax(-1).tolist()
-        result = [0] * len(chunks)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        inverse = [0] * len(chunks)
         for j, i in enumerate(order):
-            result[i] = int(tokens_out[j])
-        return result
+            inverse[i] = j
+        return logits.index_select(0, torch.tensor(inverse, dtype=torch.long, device=dev))
+
+    def _pick(
+        self,
+        logits: torch.Tensor,
+        picks: list[tuple[int, SamplingRequestState | None, list[int]]],
+        qs: dict[int, list[torch.Tensor]],
+    ) -> list[int]:
+        """Next draft per logits row: ``picks[r] = (index, state, drafts so far)``;
+        greedy (state None) or sampled from the request's distribution, whose row is
+        appended to ``qs[index]``."""
+        tokens = logits.float().argmax(-1).tolist()
+        sampled = [r for r, (_, st, _) in enumerate(picks) if st is not None]
+        if not sampled:
+            return [int(t) for t in tokens]
+        states: list[SamplingRequestState] = []
+        uniforms: list[float] = []
+        for r in sampled:
+            _, st, drafts = picks[r]
+            assert st is not None
+            states.append(
+                SamplingRequestState(
+                    params=st.params,
+                    prompt_token_ids=st.prompt_token_ids,
+                    output_token_ids=st.output_token_ids + drafts,
+                    eos_token_id=st.eos_token_id,
+                )
+            )
+            seed = st.params.seed
+            step = len(st.output_token_ids) + len(drafts)
+            uniforms.append(
+                (splitmix64(seed, step + 1, _DRAFT_STREAM) >> 10) / float(1 << 53)
+                if seed is not None
+                else float(torch.rand((), dtype=torch.float64))
+            )
+        rows = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        q = self.sampler.distributions(logits.index_select(0, rows), states)
+        drawn = _inverse_cdf_sample(q, torch.tensor(uniforms, dtype=q.dtype)).tolist()
+        for j, r in enumerate(sampled):
+            tokens[r] = drawn[j]
+            qs.setdefault(picks[r][0], []).append(q[j])
+        return [int(t) for t in tokens]
 
     @torch.inference_mode()
     def propose(
@@ -171,8 +245,14 @@ class DraftModelProposer:
         req_ids: Sequence[str],
         token_ids: Sequence[Sequence[int]],
         num_tokens: Sequence[int],
+        states: Sequence[SamplingRequestState | None] | None = None,
     ) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in req_ids]
+        sampling = [
+            st if st is not None and is_sampled(st.params) else None
+            for st in (states if states is not None else [None] * len(req_ids))
+        ]
+        qs: dict[int, list[torch.Tensor]] = {}
         active: list[tuple[int, _DraftState, int]] = []  # index, state, k
         chunks: list[tuple[_DraftState, list[int], int]] = []
         catch_up: list[tuple[_DraftState, list[int], int]] = []  # no proposal this call
@@ -206,17 +286,23 @@ class DraftModelProposer:
             active.append((i, state, k))
         if not chunks and not catch_up:
             return out
-        firsts = self._forward(chunks + catch_up)[: len(chunks)]  # one forward for both
+        logits = self._forward(chunks + catch_up)[: len(chunks)]  # one forward for both
         if not chunks:
             return out
+        firsts = self._pick(logits, [(i, sampling[i], []) for i, _, _ in active], qs)
         for (i, _state, _), tok in zip(active, firsts, strict=True):
             out[i].append(tok)
         for _ in range(1, max(k for _, _, k in active)):
             step = [(i, s) for i, s, k in active if len(out[i]) < k]
             if not step:
                 break
-            nexts = self._forward([(s, [out[i][-1]], len(s.seen)) for i, s in step])
+            logits = self._forward([(s, [out[i][-1]], len(s.seen)) for i, s in step])
+            nexts = self._pick(logits, [(i, sampling[i], out[i]) for i, _ in step], qs)
             for (i, s), tok in zip(step, nexts, strict=True):
                 s.seen.append(out[i][-1])
                 out[i].append(tok)
+        for i, req_id in enumerate(req_ids):
+            self._q.pop(req_id, None)
+            if i in qs:
+                self._q[req_id] = (list(out[i]), torch.stack(qs[i]))
         return out

@@ -102,6 +102,11 @@ class SamplerOutput:
     logprobs: list[Logprobs | None]
 
 
+def is_sampled(params: SamplingParams) -> bool:
+    """Whether a request's rows are sampled (temperature above the greedy threshold)."""
+    return params.temperature >= _SAMPLING_EPS
+
+
 def seed_uniform(seed: int, step: int) -> float:
     """The U[0, 1) number a request with ``seed`` uses for output token number ``step``."""
     return (seed_for_step(seed, step) >> 10) / float(1 << 53)

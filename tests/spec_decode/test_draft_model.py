@@ -93,3 +93,33 @@ def test_long_prompt_catches_up_in_chunks_without_delaying_the_first_token():
     drafts = p.propose(["r"], [history], [3])[0]
     assert len(drafts) == 3 and calls[2] == 5  # the rest, then the proposal
     assert drafts == greedy_from_scratch(loaded, history, 3)
+
+
+def test_sampled_requests_get_sampled_drafts_with_their_distributions():
+    from kvserve.request import SamplingParams
+    from kvserve.worker.sampler import SamplingRequestState
+
+    loaded = tiny_loaded()
+    p = DraftModelProposer(loaded, num_blocks=64, block_size=4, max_model_len=128)
+    history = [3, 7, 9, 11, 2]
+    hot = SamplingRequestState(SamplingParams(temperature=1.0, seed=3, max_tokens=50), [3], [])
+    hot.output_token_ids = history[1:]
+    greedy = SamplingRequestState(SamplingParams(temperature=0.0, max_tokens=50), [3], [])
+    ids, hists, ks = ["s", "g"], [history, history], [3, 3]
+    p.propose(ids, hists, ks, [hot, greedy])  # first sight: deferred
+    s_drafts, g_drafts = p.propose(ids, hists, ks, [hot, greedy])
+    assert g_drafts == greedy_from_scratch(loaded, history, 3)
+    assert p.draft_probs("g", g_drafts) is None  # greedy drafts are fixed tokens
+    assert p.draft_probs("s", [(s_drafts[0] + 1) % 50]) is None  # not its proposal
+    s_drafts, _ = p.propose(ids, hists, ks, [hot, greedy])
+    q = p.draft_probs("s", s_drafts[:2])  # a prefix (the budget may cut drafts)
+    assert q is not None and q.shape == (2, 50)
+    assert torch.allclose(q.sum(-1), torch.ones(2))
+    assert all(float(q[j, s_drafts[j]]) > 0 for j in range(2))
+    assert p.draft_probs("s", s_drafts[:2]) is None  # one verification per proposal
+    # seeded: the same history and seed propose the same sampled drafts
+    again = DraftModelProposer(loaded, num_blocks=64, block_size=4, max_model_len=128)
+    again.propose(["s"], [history], [3], [hot])
+    assert again.propose(["s"], [history], [3], [hot])[0] == s_drafts
+    p.drop("s")
+    assert "s" not in p._q

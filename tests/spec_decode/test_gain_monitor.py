@@ -29,10 +29,13 @@ class FakeProposer:
         self.clock, self.cost, self.step_cost = clock, cost, step_cost
         self.calls = 0
 
-    def propose(self, req_ids, token_ids, num_tokens):
+    def propose(self, req_ids, token_ids, num_tokens, states=None):
         self.calls += 1
         self.clock.now += self.cost * max(num_tokens)
         return [[1] * k for k in num_tokens]
+
+    def draft_probs(self, req_id, drafts):
+        return None
 
     def drop(self, req_id):
         pass
