@@ -150,9 +150,14 @@ class SpecDecoder:
             return {}
         t0 = self.clock()
         drafts = self.proposer.propose(req_ids, histories, plan, states)
-        self._last_propose_time = self.clock() - t0
-        self._last_forwards = max(plan) if self.proposer.step_cost > 0 else 1
-        return {r: d for r, d in zip(req_ids, drafts, strict=True) if d}
+        out = {r: d for r, d in zip(req_ids, drafts, strict=True) if d}
+        if out:  # a call that only caught draft KV up (one-off, per request) is not charged
+            spent = self.clock() - t0 - float(getattr(self.proposer, "last_catch_up_time", 0.0))
+            self._last_propose_time = max(spent, 1e-9)
+            self._last_forwards = (
+                max(len(d) for d in out.values()) if self.proposer.step_cost > 0 else 1
+            )
+        return out
 
     def draft_probs(self, req_id: str, drafts: Sequence[int]) -> torch.Tensor | None:
         """The draft distributions of ``drafts`` (sampled drafts), else None."""

@@ -27,12 +27,13 @@ verifier's draws. A request for which no block is free gets no proposal this tim
 The draft's prompt prefill never delays a first token: a request seen for the first
 time gets no proposal and no draft work in that call (the call ends the step that
 emits its first token); later calls catch its draft KV up ``CATCH_UP_CHUNK`` tokens
-at a time, in the same forward as the other requests' proposals, and it is
+at a time (a forward of their own, timed in ``last_catch_up_time``), and it is
 proposed for once its remaining gap fits in one chunk. Rules for callers: as :class:`~kvserve.spec_decode.protocol.Proposer`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,6 +91,9 @@ class DraftModelProposer:
         self._free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
         self._reqs: dict[str, _DraftState] = {}
         self.sampler = Sampler(kernels=self.kernels)
+        # seconds the last propose call spent catching draft KV up (deferred prefill);
+        # the gain monitor charges proposals only, not this one-off cost per request
+        self.last_catch_up_time = 0.0
         # req id -> (sampled drafts, the distributions they were drawn from [k, V])
         self._q: dict[str, tuple[list[int], torch.Tensor]] = {}
         # one draft forward over one target step, as bytes read (decode is bound by
@@ -284,11 +288,14 @@ class DraftModelProposer:
             state.seen = seen[:c] + tail
             chunks.append((state, tail, c))
             active.append((i, state, k))
-        if not chunks and not catch_up:
-            return out
-        logits = self._forward(chunks + catch_up)[: len(chunks)]  # one forward for both
+        self.last_catch_up_time = 0.0
+        if catch_up:  # its own forward, timed: a one-off cost, not a proposal's
+            t0 = time.perf_counter()
+            self._forward(catch_up)
+            self.last_catch_up_time = time.perf_counter() - t0
         if not chunks:
             return out
+        logits = self._forward(chunks)
         firsts = self._pick(logits, [(i, sampling[i], []) for i, _, _ in active], qs)
         for (i, _state, _), tok in zip(active, firsts, strict=True):
             out[i].append(tok)
