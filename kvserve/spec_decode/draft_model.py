@@ -28,7 +28,8 @@ The draft's prompt prefill never delays a first token: a request seen for the fi
 time gets no proposal and no draft work in that call (the call ends the step that
 emits its first token); later calls catch its draft KV up ``CATCH_UP_CHUNK`` tokens
 at a time (a forward of their own, timed in ``last_catch_up_time``), and it is
-proposed for once its remaining gap fits in one chunk. Rules for callers: as :class:`~kvserve.spec_decode.protocol.Proposer`.
+proposed for once it lags by at most ``STEADY_GAP`` tokens (so the proposing
+forwards, which the gain monitor charges, never carry a prefill chunk). Rules for callers: as :class:`~kvserve.spec_decode.protocol.Proposer`.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class _DraftState:
 DRAFT_OVERHEAD = 1.4
 # Most draft-KV catch-up tokens per request and call (the deferred prompt prefill).
 CATCH_UP_CHUNK = 64
+# A request proposes only while its draft KV lags by at most this many tokens (the
+# steady state: accepted drafts + 1); a longer gap is caught up in its own forward
+# first, so a proposing forward never carries a prefill chunk (nor its cost).
+STEADY_GAP = 8
 
 
 class DraftModelProposer:
@@ -274,8 +279,8 @@ class DraftModelProposer:
             limit = min(len(seen), n - 1)
             while c < limit and seen[c] == history[c]:
                 c += 1
-            if n - c > CATCH_UP_CHUNK:  # a chunk of the gap now, the proposal later
-                end = c + CATCH_UP_CHUNK
+            if n - c > max(STEADY_GAP, k + 2):  # catch up now, propose next call
+                end = min(n, c + CATCH_UP_CHUNK)
                 if not self._ensure_blocks(state, end):
                     continue
                 tail = list(history[c:end])

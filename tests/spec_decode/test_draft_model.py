@@ -43,7 +43,7 @@ def tiny_loaded() -> SimpleNamespace:
 def greedy_from_scratch(loaded, history: list[int], k: int) -> list[int]:
     fresh = DraftModelProposer(loaded, num_blocks=80, block_size=4, max_model_len=256)
     assert fresh.propose(["x"], [history], [k]) == [[]]  # first sight: prefill deferred
-    for _ in range(cdiv(len(history), CATCH_UP_CHUNK)):  # catch-up chunks, then drafts
+    for _ in range(cdiv(len(history), CATCH_UP_CHUNK) + 1):  # catch-up chunks, then drafts
         got = fresh.propose(["x"], [history], [k])[0]
         if got:
             return got
