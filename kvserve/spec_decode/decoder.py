@@ -151,8 +151,10 @@ class SpecDecoder:
         t0 = self.clock()
         drafts = self.proposer.propose(req_ids, histories, plan, states)
         out = {r: d for r, d in zip(req_ids, drafts, strict=True) if d}
+        catch_up = float(getattr(self.proposer, "last_catch_up_time", 0.0))
+        self.gain.charge(batch, catch_up)  # one-off: on the spec side, no tokens
         if out:  # a call that only caught draft KV up (one-off, per request) is not charged
-            spent = self.clock() - t0 - float(getattr(self.proposer, "last_catch_up_time", 0.0))
+            spent = self.clock() - t0 - catch_up
             self._last_propose_time = max(spent, 1e-9)
             self._last_forwards = (
                 max(len(d) for d in out.values()) if self.proposer.step_cost > 0 else 1

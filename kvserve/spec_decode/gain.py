@@ -20,7 +20,10 @@ below 1, speculation is off for that bucket; after ``retry`` more steps it gets 
 trial of ``MIN_SPEC`` spec steps again (measured afresh), and each failed trial doubles
 ``retry`` (up to ``MAX_RETRY``). The monitor also reports a measured draft-forward
 cost (time per proposing forward over a plain step of the bucket) that the
-controller plans with instead of its weight-bytes estimate.
+controller plans with instead of its weight-bytes estimate. One-off costs of
+speculation (a draft model's catch-up prefill of a new request) are charged to the
+spec side with no tokens (:meth:`charge`), so a batch size where they are not earned
+back turns speculation off too.
 
 Rules for callers: :meth:`record` once per step with that step's numbers (an
 injected clock makes it deterministic in tests); ask :meth:`allow` before proposing
@@ -126,6 +129,12 @@ class GainMonitor:
             bk.since_probe = 0
             return False  # a probe: the next step runs without drafts
         return True
+
+    def charge(self, batch: int, seconds: float) -> None:
+        """Add a one-off cost of speculation (a draft model's catch-up prefill) to the
+        spec side of ``batch``'s bucket, with no tokens: it decays like a step's."""
+        if seconds > 0:
+            self._get(batch).spec.cost += seconds
 
     def record(
         self,

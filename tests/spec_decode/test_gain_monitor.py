@@ -147,3 +147,19 @@ def test_steps_with_prompt_work_are_not_measured():
         clock.now += 1.0
         dec.propose(["a"], [[0, 1]])
     assert dec.gain.gain(1) is None and not dec.gain.is_off(1)
+
+
+def test_one_off_catch_up_costs_count_against_speculation():
+    clock = Clock()
+
+    class CatchingUp(FakeProposer):
+        def propose(self, req_ids, token_ids, num_tokens, states=None):
+            self.last_catch_up_time = 4.0  # a new request's draft prefill every call
+            self.clock.now += 4.0
+            return super().propose(req_ids, token_ids, num_tokens, states)
+
+    dec = decoder(clock, CatchingUp(clock, cost=0.03))
+    simulate(dec, clock, 12, batch=2, accept=3)
+    assert dec.gain.is_off(2)  # it pays per step, not with the catch-up on top
+    # the proposal forwards alone are what the controller's depth plan is charged
+    assert abs(dec.gain.draft_forward_cost(2) - 3 * 0.03) < 1e-9  # one call of 3 forwards
