@@ -11,13 +11,30 @@ Each call, for every request that wants ``k`` drafts::
     step 1:  one chunk history[c:] -> greedy d1     (all requests in one forward)
     step i:  one row d(i-1)        -> greedy di     (i = 2..k, batched)
 
-Drafts are tokens (a one-hot draft distribution), so the verifier's sample-and-match
-rule is exact (kvserve.spec_decode.verify). A request for which no block is free
-gets no proposal this time. Rules for callers: as :class:`~kvserve.spec_decode.protocol.Proposer`.
+Greedy requests get the draft's greedy tokens (fixed tokens: the verifier's
+sample-and-match rule is exact and greedy output is the target's token for token). A
+sampled request (temperature > 0, no logprobs asked) gets drafts *sampled* from the
+draft's distribution under the request's own rules (penalties, temperature, top-k,
+top-p, min-p: :meth:`Sampler.distributions`), and the proposer keeps those
+distributions ``q`` for the verifier's rejection sampling (:meth:`draft_probs`):
+proposing the draft's argmax to a sampled target accepts only ``p(argmax)`` per draft
+(21 % at temperature 1 measured), sampling from ``q`` accepts
+``sum(min(p, q))``, near 1 for the same weights at lower precision. The draft's
+uniform numbers come from its own stream (seeded requests: a mix of seed and
+position distinct from the verifier's), so drafts are independent of the
+verifier's draws. A request for which no block is free gets no proposal this time.
+
+The draft's prompt prefill never delays a first token: a request seen for the first
+time gets no proposal and no draft work in that call (the call ends the step that
+emits its first token); later calls catch its draft KV up ``CATCH_UP_CHUNK`` tokens
+at a time (a forward of their own, timed in ``last_catch_up_time``), and it is
+proposed for once it lags by at most ``STEADY_GAP`` tokens (so the proposing
+forwards, which the gain monitor charges, never carry a prefill chunk). Rules for callers: as :class:`~kvserve.spec_decode.protocol.Proposer`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +44,18 @@ import torch
 from kvserve.kv_cache.manager import cdiv
 from kvserve.model.attention import SeqSpec, build_attention_metadata, resolve_attention_backend
 from kvserve.model.kv_cache_tensor import allocate_kv_cache, kv_cache_bytes_per_block
+from kvserve.seeding import splitmix64
 from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.worker.sampler import (
+    Sampler,
+    SamplingRequestState,
+    _inverse_cdf_sample,
+    is_sampled,
+)
+
+# the draft's own uniform stream for a seeded request (distinct from the sampler's and
+# the verifier's derivations)
+_DRAFT_STREAM = 0xA24BAED4963EE407
 
 
 @dataclass
@@ -41,6 +69,12 @@ class _DraftState:
 # 2-core AMD dev machine (docs/speculative-decoding.md): the 4-bit draft's step is about
 # 0.5 of the bfloat16 target's (bytes ratio 0.36).
 DRAFT_OVERHEAD = 1.4
+# Most draft-KV catch-up tokens per request and call (the deferred prompt prefill).
+CATCH_UP_CHUNK = 64
+# A request proposes only while its draft KV lags by at most this many tokens (the
+# steady state: accepted drafts + 1); a longer gap is caught up in its own forward
+# first, so a proposing forward never carries a prefill chunk (nor its cost).
+STEADY_GAP = 8
 
 
 class DraftModelProposer:
@@ -60,6 +94,12 @@ class DraftModelProposer:
         self.backend = resolve_attention_backend(loaded.dtype, self.device, self.kernels)
         self._free = list(range(num_blocks - 1, 0, -1))  # block 0 is the null block
         self._reqs: dict[str, _DraftState] = {}
+        self.sampler = Sampler(kernels=self.kernels)
+        # seconds the last propose call spent catching draft KV up (deferred prefill);
+        # the gain monitor charges proposals only, not this one-off cost per request
+        self.last_catch_up_time = 0.0
+        # req id -> (sampled drafts, the distributions they were drawn from [k, V])
+        self._q: dict[str, tuple[list[int], torch.Tensor]] = {}
         # one draft forward over one target step, as bytes read (decode is bound by
         # reading the weights); load() sets it from the target, 1.0 until then
         self.step_cost = 1.0
@@ -111,15 +151,25 @@ class DraftModelProposer:
             state.block_ids.append(self._free.pop())
         return True
 
+    def draft_probs(self, req_id: str, drafts: Sequence[int]) -> torch.Tensor | None:
+        """``q`` rows of ``drafts`` if they are a prefix of the last sampled proposal
+        for ``req_id`` (then forgotten: one verification per proposal), else None."""
+        entry = self._q.pop(req_id, None)
+        if entry is None or not drafts or list(drafts) != entry[0][: len(drafts)]:
+            return None
+        return entry[1][: len(drafts)]
+
     def drop(self, req_id: str) -> None:
+        self._q.pop(req_id, None)
         state = self._reqs.pop(req_id, None)
         if state is not None:
             self._free.extend(reversed(state.block_ids))
 
     # -- proposing ----------------------------------------------------------------
-    def _forward(self, chunks: list[tuple[_DraftState, list[int], int]]) -> list[int]:
+    def _forward(self, chunks: list[tuple[_DraftState, list[int], int]]) -> torch.Tensor:
         """One forward over ``(state, tokens, start position)`` chunks; returns each
-        chunk's greedy next token. Multi-row chunks go first (the metadata rule)."""
+        chunk's next-token logits (``[len(chunks), V]``, in chunk order). Multi-row
+        chunks go first (the metadata rule)."""
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i][1]) == 1)
         ids: list[int] = []
         pos: list[int] = []
@@ -149,11 +199,52 @@ class DraftModelProposer:
             meta,
         )
         rows = torch.tensor(last_rows, dtype=torch.long, device=dev)
-        tokens_out = self.model.compute_logits(hidden.index_select(0, rows)).argmax(-1).tolist()
-        result = [0] * len(chunks)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        inverse = [0] * len(chunks)
         for j, i in enumerate(order):
-            result[i] = int(tokens_out[j])
-        return result
+            inverse[i] = j
+        return logits.index_select(0, torch.tensor(inverse, dtype=torch.long, device=dev))
+
+    def _pick(
+        self,
+        logits: torch.Tensor,
+        picks: list[tuple[int, SamplingRequestState | None, list[int]]],
+        qs: dict[int, list[torch.Tensor]],
+    ) -> list[int]:
+        """Next draft per logits row: ``picks[r] = (index, state, drafts so far)``;
+        greedy (state None) or sampled from the request's distribution, whose row is
+        appended to ``qs[index]``."""
+        tokens = logits.float().argmax(-1).tolist()
+        sampled = [r for r, (_, st, _) in enumerate(picks) if st is not None]
+        if not sampled:
+            return [int(t) for t in tokens]
+        states: list[SamplingRequestState] = []
+        uniforms: list[float] = []
+        for r in sampled:
+            _, st, drafts = picks[r]
+            assert st is not None
+            states.append(
+                SamplingRequestState(
+                    params=st.params,
+                    prompt_token_ids=st.prompt_token_ids,
+                    output_token_ids=st.output_token_ids + drafts,
+                    eos_token_id=st.eos_token_id,
+                )
+            )
+            seed = st.params.seed
+            step = len(st.output_token_ids) + len(drafts)
+            uniforms.append(
+                (splitmix64(seed, step + 1, _DRAFT_STREAM) >> 10) / float(1 << 53)
+                if seed is not None
+                else float(torch.rand((), dtype=torch.float64))
+            )
+        rows = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        q = self.sampler.distributions(logits.index_select(0, rows), states)
+        drawn = _inverse_cdf_sample(q, torch.tensor(uniforms, dtype=q.dtype)).tolist()
+        for j, r in enumerate(sampled):
+            tokens[r] = drawn[j]
+            qs.setdefault(picks[r][0], []).append(q[j])
+        return [int(t) for t in tokens]
 
     @torch.inference_mode()
     def propose(
@@ -161,38 +252,67 @@ class DraftModelProposer:
         req_ids: Sequence[str],
         token_ids: Sequence[Sequence[int]],
         num_tokens: Sequence[int],
+        states: Sequence[SamplingRequestState | None] | None = None,
     ) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in req_ids]
+        sampling = [
+            st if st is not None and is_sampled(st.params) else None
+            for st in (states if states is not None else [None] * len(req_ids))
+        ]
+        qs: dict[int, list[torch.Tensor]] = {}
         active: list[tuple[int, _DraftState, int]] = []  # index, state, k
         chunks: list[tuple[_DraftState, list[int], int]] = []
+        catch_up: list[tuple[_DraftState, list[int], int]] = []  # no proposal this call
         for i, (req_id, history, k) in enumerate(zip(req_ids, token_ids, num_tokens, strict=True)):
             n = len(history)
             k = min(k, self.max_model_len - n)
             if k <= 0:
                 continue
-            state = self._reqs.setdefault(req_id, _DraftState())
+            if req_id not in self._reqs:  # its first token's step: defer the prefill
+                self._reqs[req_id] = _DraftState()
+                continue
+            state = self._reqs[req_id]
             c = 0
             seen = state.seen
             limit = min(len(seen), n - 1)
             while c < limit and seen[c] == history[c]:
                 c += 1
+            if n - c > max(STEADY_GAP, k + 2):  # catch up now, propose next call
+                end = min(n, c + CATCH_UP_CHUNK)
+                if not self._ensure_blocks(state, end):
+                    continue
+                tail = list(history[c:end])
+                state.seen = seen[:c] + tail
+                catch_up.append((state, tail, c))
+                continue
             if not self._ensure_blocks(state, n + k - 1):
                 continue
             tail = list(history[c:n])
             state.seen = seen[:c] + tail
             chunks.append((state, tail, c))
             active.append((i, state, k))
+        self.last_catch_up_time = 0.0
+        if catch_up:  # its own forward, timed: a one-off cost, not a proposal's
+            t0 = time.perf_counter()
+            self._forward(catch_up)
+            self.last_catch_up_time = time.perf_counter() - t0
         if not chunks:
             return out
-        firsts = self._forward(chunks)
+        logits = self._forward(chunks)
+        firsts = self._pick(logits, [(i, sampling[i], []) for i, _, _ in active], qs)
         for (i, _state, _), tok in zip(active, firsts, strict=True):
             out[i].append(tok)
         for _ in range(1, max(k for _, _, k in active)):
             step = [(i, s) for i, s, k in active if len(out[i]) < k]
             if not step:
                 break
-            nexts = self._forward([(s, [out[i][-1]], len(s.seen)) for i, s in step])
+            logits = self._forward([(s, [out[i][-1]], len(s.seen)) for i, s in step])
+            nexts = self._pick(logits, [(i, sampling[i], out[i]) for i, _ in step], qs)
             for (i, s), tok in zip(step, nexts, strict=True):
                 s.seen.append(out[i][-1])
                 out[i].append(tok)
+        for i, req_id in enumerate(req_ids):
+            self._q.pop(req_id, None)
+            if i in qs:
+                self._q[req_id] = (list(out[i]), torch.stack(qs[i]))
         return out

@@ -77,6 +77,7 @@ class NgramProposer:
         req_ids: Sequence[str],
         token_ids: Sequence[Sequence[int]],
         num_tokens: Sequence[int],
+        states: Sequence[object | None] | None = None,
     ) -> list[list[int]]:
         out: list[list[int]] = []
         for req_id, tokens, k in zip(req_ids, token_ids, num_tokens, strict=True):
@@ -85,6 +86,10 @@ class NgramProposer:
                 continue
             out.append(ngram_lookup(self._history(req_id, tokens), self.min_n, self.max_n, k))
         return out
+
+    def draft_probs(self, req_id: str, drafts: Sequence[int]) -> None:
+        """Lookups are fixed tokens: verified by sample-and-match."""
+        return None
 
     def drop(self, req_id: str) -> None:
         self._hist.pop(req_id, None)

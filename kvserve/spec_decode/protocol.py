@@ -13,7 +13,12 @@ most ``num_tokens[i]`` long (an empty list = no proposal, which costs nothing);
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvserve.worker.sampler import SamplingRequestState
 
 
 class Proposer(Protocol):
@@ -26,9 +31,17 @@ class Proposer(Protocol):
         req_ids: Sequence[str],
         token_ids: Sequence[Sequence[int]],
         num_tokens: Sequence[int],
+        states: Sequence[SamplingRequestState | None] | None = None,
     ) -> list[list[int]]:
         """Up to ``num_tokens[i]`` draft tokens that follow ``token_ids[i]`` (the
-        request's prompt + outputs) for each request ``req_ids[i]``."""
+        request's prompt + outputs) for each request ``req_ids[i]``; ``states[i]``
+        (optional) the request's sampling state, for a proposer that samples."""
+        ...
+
+    def draft_probs(self, req_id: str, drafts: Sequence[int]) -> torch.Tensor | None:
+        """The distributions ``[len(drafts), V]`` that ``drafts`` (a prefix of the last
+        proposal for ``req_id``) were sampled from, once; None: fixed tokens (greedy,
+        lookup), verified by sample-and-match."""
         ...
 
     def drop(self, req_id: str) -> None:

@@ -31,7 +31,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve.worker.sampler import SamplingRequestState
+from kvserve.seeding import splitmix64
+from kvserve.worker.sampler import Sampler, SamplingRequestState
+
+# the verifier's stream for a seeded request (distinct from the sampler's and the draft's)
+_VERIFY_STREAM = 0x8CB92BA72F3D8DD7
 
 
 def draft_states(state: SamplingRequestState, drafts: Sequence[int]) -> list[SamplingRequestState]:
@@ -96,3 +100,28 @@ def rejection_sample(
         return out
     out.append(int(torch.multinomial(target_probs[k], 1, generator=generator)))
     return out
+
+
+def verify_sampled(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    states: Sequence[SamplingRequestState],
+    drafts: Sequence[int],
+    draft_probs: torch.Tensor,
+    token_mask: torch.Tensor | None = None,
+) -> list[int]:
+    """Rejection sampling of drafts that a draft model sampled from ``draft_probs``
+    (``[k, V]``): the target's rows (``logits`` ``[k + 1, V]``, ``states`` from
+    :func:`draft_states`) become the distributions the sampler would draw from
+    (:meth:`Sampler.distributions`), then :func:`rejection_sample`. A seeded request
+    draws from a generator keyed by (seed, output position), so it is reproducible;
+    its tokens differ from those without speculation (equal in distribution only).
+    Returns the emitted tokens (accepted drafts, then one more)."""
+    target = sampler.distributions(logits, list(states), token_mask)
+    q = draft_probs.to(device=target.device, dtype=target.dtype)
+    generator = None
+    seed = states[0].params.seed
+    if seed is not None:
+        generator = torch.Generator()
+        generator.manual_seed(splitmix64(seed, len(states[0].output_token_ids) + 1, _VERIFY_STREAM))
+    return rejection_sample(target, drafts, q, generator)

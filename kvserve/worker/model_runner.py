@@ -32,7 +32,7 @@ from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.decoder import History, SpecDecoder
 from kvserve.spec_decode.factory import build_spec_decoder
-from kvserve.spec_decode.verify import draft_states, num_accepted
+from kvserve.spec_decode.verify import draft_states, num_accepted, verify_sampled
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.structured.matcher import StructuredBatch
 from kvserve.worker.compiled_step import CompiledDecode
@@ -213,6 +213,8 @@ class ModelRunner:
         ``prompt_logprobs`` the scored rows of requests with ``prompt_logprobs``.
         """
         so = scheduler_output
+        if self.spec_decoder is not None:
+            self.spec_decoder.begin_step(so)  # times the step (spec_decode/gain.py)
         batch = self.input_batch
         self._copy_blocks(so.block_copies)
         if self.structured is not None:
@@ -266,14 +268,9 @@ class ModelRunner:
         assert self.spec_decoder is not None
         batch = self.input_batch
         ids = [r for r in req_ids if batch.requests[r].sampling.params.structured_outputs is None]
-        histories = [
-            History(
-                batch.requests[r].sampling.prompt_token_ids,
-                batch.requests[r].sampling.output_token_ids,
-            )
-            for r in ids
-        ]
-        out.spec_token_ids = self.spec_decoder.propose(ids, histories)
+        states = [batch.requests[r].sampling for r in ids]
+        histories = [History(s.prompt_token_ids, s.output_token_ids) for s in states]
+        out.spec_token_ids = self.spec_decoder.propose(ids, histories, states)
 
     def _sample_verify(
         self,
@@ -332,6 +329,14 @@ class ModelRunner:
             drafts = drafts_of.get(req_id, [])
             m = num_accepted(samples, drafts) if drafts else 0
             tokens = samples[: m + 1]
+            q = self._draft_probs(req_id, drafts, states[first].params.logprobs)
+            if q is not None:  # sampled drafts: rejection sampling against their q
+                span_mask = mask[first : first + count] if mask is not None else None
+                tokens = verify_sampled(
+                    self.sampler, logits[first : first + count], states[first : first + count],
+                    drafts, q, span_mask,
+                )  # fmt: skip
+                m = len(tokens) - 1
             out.sampled_token_ids[req_id] = tokens
             lps = result.logprobs[first : first + m + 1]
             if lps[0] is not None:
@@ -351,6 +356,16 @@ class ModelRunner:
             lp = result.logprobs[k]
             if lp is not None:
                 out.logprobs[fork_id] = [lp]
+
+    def _draft_probs(
+        self, req_id: str, drafts: list[int], logprobs: int | None
+    ) -> torch.Tensor | None:
+        """The draft distributions of sampled drafts (spec_decode/verify.py); None:
+        sample-and-match (fixed drafts, or logprobs asked: they report the row's sample)."""
+        if not drafts or self.spec_decoder is None:
+            return None
+        q = self.spec_decoder.draft_probs(req_id, drafts)
+        return q if logprobs is None else None
 
     def _sample(
         self,

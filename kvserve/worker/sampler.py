@@ -55,11 +55,20 @@ from kvserve.model.kernels.sampling import Sampling
 from kvserve.request import SamplingParams
 from kvserve.sched.output import Logprobs
 from kvserve.seeding import splitmix64
+from kvserve.worker.logits_rules import (
+    _apply_frequency_presence_penalties,
+    _apply_logit_bias,
+    _apply_min_p,
+    _apply_min_tokens,
+    _apply_repetition_penalty,
+    _apply_token_bans,
+    _apply_top_k,
+    _apply_top_p,
+    _native_rows,
+)
 
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 _SAMPLING_EPS = 1e-5
-# Top-p looks at this many most likely tokens before sorting a whole row.
-_TOP_P_CANDIDATES = (256, 4096)
 
 
 @dataclass
@@ -91,6 +100,11 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[Logprobs | None]
+
+
+def is_sampled(params: SamplingParams) -> bool:
+    """Whether a request's rows are sampled (temperature above the greedy threshold)."""
+    return params.temperature >= _SAMPLING_EPS
 
 
 def seed_uniform(seed: int, step: int) -> float:
@@ -162,31 +176,8 @@ class Sampler:
                 token_ids=_argmax(logits, self._sampling).tolist(), logprobs=[None] * len(states)
             )
 
-        logits = logits.float()  # [B, V]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
-        masked: torch.Tensor | None = None
-        if token_mask is not None:
-            masked = logits.masked_fill(~token_mask, float("-inf"))  # a private copy
-            logits = masked
-        if (
-            need_min_tokens or need_rep or need_freq_pres or need_bias or need_bans
-        ) and masked is None:
-            logits = logits.clone()  # the rules below work in place on a private copy
-        if need_bias:
-            _apply_logit_bias(logits, states)
-        if need_bans:
-            _apply_token_bans(logits, states)
-        if need_min_tokens:
-            logits = logits.clone() if masked is logits else logits
-            _apply_min_tokens(logits, states)
-            if masked is not None:
-                dead = torch.isneginf(logits.amax(dim=-1))  # [B]: nothing left
-                if bool(dead.any()):
-                    logits[dead] = masked[dead]
-        if need_rep:
-            _apply_repetition_penalty(logits, states)
-        if need_freq_pres:
-            _apply_frequency_presence_penalties(logits, states)
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if need_logprobs else None
+        logits = _apply_rules(logits, states, token_mask)
 
         if all(is_greedy):
             sampled = _argmax(logits, self._sampling)  # [B]
@@ -198,6 +189,52 @@ class Sampler:
         if raw_logprobs is not None:
             logprobs = _gather_logprobs(raw_logprobs, sampled, params)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def distributions(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingRequestState],
+        token_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The distribution each row of :meth:`__call__` draws from (``[B, V]`` fp32,
+        rows sum to 1): the same rules, temperature and truncations; a greedy row is
+        one-hot at its argmax. Speculative rejection sampling compares these (target
+        and draft); they must be exactly what the rows would be sampled from."""
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(
+                f"logits of shape {tuple(logits.shape)} do not match {len(states)} states"
+            )
+        logits = _apply_rules(logits, states, token_mask)
+        params = [s.params for s in states]
+        is_greedy = [p.temperature < _SAMPLING_EPS for p in params]
+        vocab_size = logits.shape[1]
+        temps = torch.tensor(
+            [1.0 if g else p.temperature for g, p in zip(is_greedy, params, strict=True)],
+            dtype=logits.dtype,
+            device=logits.device,
+        )
+        logits = logits / temps.unsqueeze(1)
+        min_ps = [0.0 if g else p.min_p for g, p in zip(is_greedy, params, strict=True)]
+        if any(m > 0.0 for m in min_ps):
+            logits = _apply_min_p(logits, torch.tensor(min_ps, dtype=logits.dtype))
+        top_ks = [
+            p.top_k if (not g and 0 < p.top_k < vocab_size) else vocab_size
+            for g, p in zip(is_greedy, params, strict=True)
+        ]
+        if any(k < vocab_size for k in top_ks):
+            logits = _apply_top_k(logits, torch.tensor(top_ks, device=logits.device))
+        probs = torch.softmax(logits, dim=-1)
+        top_ps = [1.0 if g else p.top_p for g, p in zip(is_greedy, params, strict=True)]
+        if any(p < 1.0 for p in top_ps):
+            top_p = torch.tensor(top_ps, dtype=probs.dtype, device=probs.device)
+            probs = _apply_top_p(probs, top_p, self._sampling)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        if any(is_greedy):
+            rows = torch.tensor([i for i, g in enumerate(is_greedy) if g], dtype=torch.long)
+            hot = torch.zeros(len(rows), vocab_size, dtype=probs.dtype, device=probs.device)
+            hot.scatter_(1, _argmax(logits[rows], self._sampling).view(-1, 1).long(), 1.0)
+            probs[rows] = hot
+        return probs
 
     # -- sampling ---------------------------------------------------------------------
 
@@ -277,11 +314,44 @@ class Sampler:
         return u
 
 
-# -- logits processing (all in place on a private copy, or returning a new tensor) -----
+def _apply_rules(
+    logits: torch.Tensor, states: list[SamplingRequestState], token_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """The logits rules before temperature, in the module docstring's order, on a
+    private float copy (``logits`` is not modified): token mask, logit bias, bans,
+    ``min_tokens`` (falling back to the mask alone if nothing is left), penalties."""
+    params = [s.params for s in states]
+    need_min_tokens = any(len(s.output_token_ids) < s.params.min_tokens for s in states)
+    need_rep = any(p.repetition_penalty != 1.0 for p in params)
+    need_freq_pres = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+    need_bias = any(p.logit_bias for p in params)
+    need_bans = any(p.allowed_token_ids or p.bad_words_token_ids for p in params)
+    logits = logits.float()  # [B, V]
+    masked: torch.Tensor | None = None
+    if token_mask is not None:
+        masked = logits.masked_fill(~token_mask, float("-inf"))  # a private copy
+        logits = masked
+    if (need_min_tokens or need_rep or need_freq_pres or need_bias or need_bans) and masked is None:
+        logits = logits.clone()  # the rules below work in place on a private copy
+    if need_bias:
+        _apply_logit_bias(logits, states)
+    if need_bans:
+        _apply_token_bans(logits, states)
+    if need_min_tokens:
+        logits = logits.clone() if masked is logits else logits
+        _apply_min_tokens(logits, states)
+        if masked is not None:
+            dead = torch.isneginf(logits.amax(dim=-1))  # [B]: nothing left
+            if bool(dead.any()):
+                logits[dead] = masked[dead]
+    if need_rep:
+        _apply_repetition_penalty(logits, states)
+    if need_freq_pres:
+        _apply_frequency_presence_penalties(logits, states)
+    return logits
 
 
-def _native_rows(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.numel() > 0
+# -- drawing ---------------------------------------------------------------------------
 
 
 def _argmax(logits: torch.Tensor, sampling: Sampling | None) -> torch.Tensor:
@@ -290,197 +360,6 @@ def _argmax(logits: torch.Tensor, sampling: Sampling | None) -> torch.Tensor:
     if kernel is None:
         return logits.argmax(dim=-1)
     return kernel.argmax_rows(logits.contiguous())
-
-
-def _padded_ids(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """``[R, max_len]`` int64 ids, right-padded with ``pad`` (at least one column)."""
-    width = max(1, max((len(r) for r in rows), default=0))
-    out = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out.to(device)
-
-
-def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """``[R, V]`` count of each token id per row (ids outside ``[0, V)`` are ignored)."""
-    ids = _padded_ids(rows, vocab_size, device)  # [R, L]; pad = V, an extra column
-    ids = torch.where((ids >= 0) & (ids <= vocab_size), ids, vocab_size)
-    counts = torch.zeros(len(rows), vocab_size + 1, device=device, dtype=torch.float32)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab_size]
-
-
-def _apply_logit_bias(logits: torch.Tensor, states: list[SamplingRequestState]) -> None:
-    """Add each row's ``logit_bias`` (token id -> bias) in place; ids past the
-    vocabulary are ignored (the engine refuses them)."""
-    vocab_size = logits.shape[1]
-    rows: list[int] = []
-    cols: list[int] = []
-    values: list[float] = []
-    for i, s in enumerate(states):
-        for tok, bias in (s.params.logit_bias or {}).items():
-            if 0 <= tok < vocab_size:
-                rows.append(i)
-                cols.append(tok)
-                values.append(float(bias))
-    if rows:
-        device = logits.device
-        logits.index_put_(
-            (torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-            torch.tensor(values, device=device, dtype=logits.dtype),
-            accumulate=True,
-        )
-
-
-def _apply_token_bans(logits: torch.Tensor, states: list[SamplingRequestState]) -> None:
-    """``allowed_token_ids``: every other token gets -inf; ``bad_words_token_ids``:
-    a one-token word is never sampled, a longer one's last token is banned right
-    after the output ends with the rest of it (vLLM's rule)."""
-    vocab_size = logits.shape[1]
-    for i, s in enumerate(states):
-        allowed = s.params.allowed_token_ids
-        if allowed:
-            keep = torch.tensor([t for t in allowed if t < vocab_size], dtype=torch.long)
-            row = torch.full((vocab_size,), float("-inf"), dtype=logits.dtype, device=logits.device)
-            keep = keep.to(logits.device)
-            row[keep] = logits[i, keep]
-            logits[i] = row
-        for ids in s.params.bad_words_token_ids or ():
-            prefix = ids[:-1]
-            ends_with_prefix = not prefix or s.output_token_ids[-len(prefix) :] == prefix
-            if ends_with_prefix and ids[-1] < vocab_size:
-                logits[i, ids[-1]] = float("-inf")
-
-
-def _apply_min_tokens(logits: torch.Tensor, states: list[SamplingRequestState]) -> None:
-    """Forbid stop tokens (and EOS unless ignore_eos) until min_tokens are generated."""
-    vocab_size = logits.shape[1]
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, s in enumerate(states):
-        p = s.params
-        if len(s.output_token_ids) >= p.min_tokens:
-            continue
-        banned = set(p.stop_token_ids)
-        if s.eos_token_id is not None and not p.ignore_eos:
-            banned.add(s.eos_token_id)
-        for t in banned:
-            if 0 <= t < vocab_size:
-                rows.append(i)
-                cols.append(t)
-    if rows:
-        logits[
-            torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)
-        ] = float("-inf")
-
-
-def _apply_repetition_penalty(logits: torch.Tensor, states: list[SamplingRequestState]) -> None:
-    """HF/vLLM repetition penalty over prompt + output tokens, rows with penalty != 1."""
-    idx = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
-    device = logits.device
-    vocab_size = logits.shape[1]
-    seen = (
-        _token_counts(
-            [states[i].prompt_token_ids + states[i].output_token_ids for i in idx],
-            vocab_size,
-            device,
-        )
-        > 0
-    )  # [R, V]
-    penalty = torch.tensor(
-        [states[i].params.repetition_penalty for i in idx], device=device, dtype=logits.dtype
-    ).unsqueeze(1)  # [R, 1]
-    rows = torch.tensor(idx, device=device)
-    sub = logits[rows]  # [R, V]
-    penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
-    logits[rows] = torch.where(seen, penalized, sub)
-
-
-def _apply_frequency_presence_penalties(
-    logits: torch.Tensor, states: list[SamplingRequestState]
-) -> None:
-    """``logit -= frequency * count + presence * (count > 0)`` over output tokens."""
-    idx = [
-        i
-        for i, s in enumerate(states)
-        if s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0
-    ]
-    device = logits.device
-    counts = _token_counts([states[i].output_token_ids for i in idx], logits.shape[1], device)
-    freq = torch.tensor(
-        [states[i].params.frequency_penalty for i in idx], device=device, dtype=logits.dtype
-    ).unsqueeze(1)  # [R, 1]
-    pres = torch.tensor(
-        [states[i].params.presence_penalty for i in idx], device=device, dtype=logits.dtype
-    ).unsqueeze(1)  # [R, 1]
-    rows = torch.tensor(idx, device=device)
-    logits[rows] = logits[rows] - freq * counts - pres * (counts > 0).to(logits.dtype)
-
-
-def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below ``min_p * max probability`` (``min_p`` [B])."""
-    probs = torch.softmax(logits, dim=-1)  # [B, V]
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [B, 1]
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep tokens whose logit is >= the k-th largest of the row (ties kept).
-
-    ``top_k`` [B]: rows with ``k >= V`` are left untouched.
-    """
-    vocab_size = logits.shape[1]
-    enabled = top_k < vocab_size  # [B]
-    max_k = int(top_k[enabled].max())
-    top_values = logits.topk(max_k, dim=-1).values  # [B, max_k]
-    kth = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))  # [B, 1]
-    kth = kth.masked_fill(~enabled.unsqueeze(1), float("-inf"))
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def _apply_top_p(
-    probs: torch.Tensor, top_p: torch.Tensor, sampling: Sampling | None = None
-) -> torch.Tensor:
-    """Zero the tail outside the nucleus; ``probs`` [B, V], ``top_p`` [B] (1 = off).
-
-    Keeps the smallest set of most likely tokens whose probability sum is >= p
-    (as vLLM: a token is dropped when the tokens ranked above it already hold >= p
-    of the mass); the most likely token always survives, and tokens tied with the
-    least likely kept token are kept too. Looks at the top 256, then 4,096
-    tokens, and sorts the whole row only for rows whose nucleus is wider still;
-    which step decides depends on the row alone.
-    """
-    kernel = sampling if _native_rows(probs) else None
-    if kernel is not None:  # expected O(V) selection per row instead of top-k sorts
-        threshold = kernel.top_p_threshold(probs.contiguous(), top_p)
-        return probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)
-    vocab_size = probs.shape[1]
-    threshold = torch.full_like(top_p, float("nan"))  # [B]
-    rows = torch.arange(probs.shape[0], device=probs.device)
-    for k in (*_TOP_P_CANDIDATES, vocab_size):
-        k = min(k, vocab_size)
-        threshold[rows] = _top_p_threshold(probs[rows], top_p[rows], k)
-        rows = rows[torch.isnan(threshold[rows])]
-        if rows.numel() == 0:
-            break
-    threshold = threshold.masked_fill(top_p >= 1.0, 0.0)
-    return probs.masked_fill(probs < threshold.unsqueeze(1), 0.0)
-
-
-def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor, k: int) -> torch.Tensor:
-    """Smallest kept probability per row (``[B]``), or NaN when the top ``k`` hold < p."""
-    top = probs.topk(k, dim=-1).values  # [B, k], descending
-    mass_above = top.cumsum(dim=-1) - top  # [B, k]: mass of the tokens ranked above
-    keep = mass_above < top_p.unsqueeze(1)
-    keep[:, 0] = True
-    num_keep = keep.sum(dim=-1)  # [B], >= 1
-    threshold = top.gather(1, (num_keep - 1).unsqueeze(1)).squeeze(1)
-    if k < probs.shape[1]:
-        # The top k hold < p: the token ranked k+1 would be kept too, look further.
-        undecided = (top.sum(dim=-1) < top_p) & (top_p < 1.0)
-        threshold = threshold.masked_fill(undecided, float("nan"))
-    return threshold
 
 
 def _inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import torch
 from transformers import LlamaConfig
 
+from kvserve.kv_cache.manager import cdiv
 from kvserve.model.arch import ModelArchConfig
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.spec_decode.draft_model import DraftModelProposer
+from kvserve.spec_decode.draft_model import CATCH_UP_CHUNK, DraftModelProposer
 
 
 def tiny_loaded() -> SimpleNamespace:
@@ -40,8 +41,13 @@ def tiny_loaded() -> SimpleNamespace:
 
 
 def greedy_from_scratch(loaded, history: list[int], k: int) -> list[int]:
-    fresh = DraftModelProposer(loaded, num_blocks=64, block_size=4, max_model_len=128)
-    return fresh.propose(["x"], [history], [k])[0]
+    fresh = DraftModelProposer(loaded, num_blocks=80, block_size=4, max_model_len=256)
+    assert fresh.propose(["x"], [history], [k]) == [[]]  # first sight: prefill deferred
+    for _ in range(cdiv(len(history), CATCH_UP_CHUNK) + 1):  # catch-up chunks, then drafts
+        got = fresh.propose(["x"], [history], [k])[0]
+        if got:
+            return got
+    raise AssertionError("no proposal after the catch-up chunks")
 
 
 def test_incremental_proposals_equal_greedy_from_scratch_across_rejections():
@@ -50,6 +56,9 @@ def test_incremental_proposals_equal_greedy_from_scratch_across_rejections():
     rng = random.Random(1)
     histories = {"a": [3, 7, 9, 11, 2], "b": [5, 5, 1]}
     free_before = len(p._free)
+    # first sight of a request: nothing computed (its first token is not delayed)
+    assert p.propose(list(histories), list(histories.values()), [3, 3]) == [[], []]
+    assert len(p._free) == free_before
     for _ in range(6):
         ids = list(histories)
         ks = [rng.randint(1, 4) for _ in ids]
@@ -66,3 +75,51 @@ def test_incremental_proposals_equal_greedy_from_scratch_across_rejections():
     # no blocks free: no proposal (and nothing breaks)
     tight = DraftModelProposer(loaded, num_blocks=2, block_size=4, max_model_len=128)
     assert tight.propose(["c"], [list(range(1, 12))], [3]) == [[]]
+    assert tight.propose(["c"], [list(range(1, 12))], [3]) == [[]]
+
+
+def test_long_prompt_catches_up_in_chunks_without_delaying_the_first_token():
+    loaded = tiny_loaded()
+    p = DraftModelProposer(loaded, num_blocks=64, block_size=4, max_model_len=256)
+    history = [(7 * i) % 50 for i in range(CATCH_UP_CHUNK * 2 + 5)]
+    calls: list[int] = []
+    forward = p._forward
+    p._forward = lambda chunks: calls.append(sum(len(c[1]) for c in chunks)) or forward(chunks)
+    assert p.propose(["r"], [history], [3]) == [[]]
+    assert calls == []  # the first token's step does no draft work
+    assert p.propose(["r"], [history], [3]) == [[]]
+    assert p.propose(["r"], [history], [3]) == [[]]
+    assert calls == [CATCH_UP_CHUNK, CATCH_UP_CHUNK]  # one bounded chunk per call
+    drafts = p.propose(["r"], [history], [3])[0]
+    assert len(drafts) == 3 and calls[2] == 5  # the rest, then the proposal
+    assert drafts == greedy_from_scratch(loaded, history, 3)
+
+
+def test_sampled_requests_get_sampled_drafts_with_their_distributions():
+    from kvserve.request import SamplingParams
+    from kvserve.worker.sampler import SamplingRequestState
+
+    loaded = tiny_loaded()
+    p = DraftModelProposer(loaded, num_blocks=64, block_size=4, max_model_len=128)
+    history = [3, 7, 9, 11, 2]
+    hot = SamplingRequestState(SamplingParams(temperature=1.0, seed=3, max_tokens=50), [3], [])
+    hot.output_token_ids = history[1:]
+    greedy = SamplingRequestState(SamplingParams(temperature=0.0, max_tokens=50), [3], [])
+    ids, hists, ks = ["s", "g"], [history, history], [3, 3]
+    p.propose(ids, hists, ks, [hot, greedy])  # first sight: deferred
+    s_drafts, g_drafts = p.propose(ids, hists, ks, [hot, greedy])
+    assert g_drafts == greedy_from_scratch(loaded, history, 3)
+    assert p.draft_probs("g", g_drafts) is None  # greedy drafts are fixed tokens
+    assert p.draft_probs("s", [(s_drafts[0] + 1) % 50]) is None  # not its proposal
+    s_drafts, _ = p.propose(ids, hists, ks, [hot, greedy])
+    q = p.draft_probs("s", s_drafts[:2])  # a prefix (the budget may cut drafts)
+    assert q is not None and q.shape == (2, 50)
+    assert torch.allclose(q.sum(-1), torch.ones(2))
+    assert all(float(q[j, s_drafts[j]]) > 0 for j in range(2))
+    assert p.draft_probs("s", s_drafts[:2]) is None  # one verification per proposal
+    # seeded: the same history and seed propose the same sampled drafts
+    again = DraftModelProposer(loaded, num_blocks=64, block_size=4, max_model_len=128)
+    again.propose(["s"], [history], [3], [hot])
+    assert again.propose(["s"], [history], [3], [hot])[0] == s_drafts
+    p.drop("s")
+    assert "s" not in p._q

@@ -106,15 +106,37 @@ def test_stop_token_inside_accepted_drafts_ends_the_request(loaded_model, single
 
 def test_draft_model_speculation_is_exact_with_its_own_kv_cache(loaded_model, greedy_reference):
     # the default model as its own draft (the only model the tests may load): every
-    # greedy draft is accepted, and the output is the reference token for token
+    # greedy draft is accepted, and the output is the reference token for token.
+    # Fixed k: a draft as large as the target never pays, so the gain monitor would
+    # (rightly) stop it before it is exercised.
     spec = {
         "method": "draft_model",
         "model": "smollm2-135m-instruct",
         "num_speculative_tokens": 3,
         "draft_dtype": "float32",
+        "adaptive": False,
     }
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outs, engine = run(loaded_model, {"num_kv_blocks": 128}, spec, params)
     assert outs == greedy_reference
+    stats = engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and stats.acceptance_rate > 0.9
+
+
+def test_sampled_draft_model_drafts_are_verified_against_their_distribution(loaded_model):
+    # the default model as its own draft, sampled at temperature 1: drafts sampled
+    # from the draft's q (== the target's p) are accepted almost always; greedy drafts
+    # would be accepted only with p(argmax). Seeded: reproducible; no KV leaks.
+    spec = {
+        "method": "draft_model",
+        "model": "smollm2-135m-instruct",
+        "num_speculative_tokens": 3,
+        "draft_dtype": "float32",
+        "adaptive": False,
+    }
+    params = SamplingParams(temperature=1.0, seed=77, max_tokens=24, ignore_eos=True)
+    outs, engine = run(loaded_model, {"num_kv_blocks": 128}, spec, params, rounds=1)
+    again, _ = run(loaded_model, {"num_kv_blocks": 128}, spec, params, rounds=1)
+    assert outs == again
     stats = engine.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.acceptance_rate > 0.9

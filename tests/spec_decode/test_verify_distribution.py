@@ -112,3 +112,96 @@ def test_seeded_rows_draw_what_sequential_decoding_draws():
     states = draft_states(base, sequential[:2])
     rows = sampler(LOGITS.clone(), states).token_ids
     assert rows == sequential and num_accepted(rows, sequential[:2]) == 2
+
+
+DRAFT_LOGITS = torch.tensor(
+    [[1.5, 1.2, 0.5, 0.2, -0.5, 1.0], [0.3, 2.0, -1.0, 1.2, 0.0, 0.5]]
+)  # a draft close to the target, not equal
+
+
+def test_distributions_are_what_the_sampler_draws_from(single_thread_torch):
+    params = [
+        SamplingParams(temperature=0.7, top_k=4, max_tokens=9),
+        SamplingParams(temperature=1.3, top_p=0.8, max_tokens=9),
+        SamplingParams(temperature=0.9, min_p=0.2, repetition_penalty=1.3, max_tokens=9),
+    ]
+    states = [SamplingRequestState(p, [0], [5, 1]) for p in params]
+    sampler = Sampler(seed=11)
+    probs = sampler.distributions(LOGITS.clone(), states)
+    assert torch.allclose(probs.sum(-1), torch.ones(3))
+    assert int((probs[0] > 0).sum()) == 4  # top-k 4
+    counts = [[0] * V for _ in params]
+    for _ in range(2000):
+        for r, tok in enumerate(sampler(LOGITS.clone(), states).token_ids):
+            counts[r][tok] += 1
+    for r in range(3):
+        keep = probs[r] > 0
+        c = [n for n, k in zip(counts[r], keep.tolist(), strict=True) if k]
+        assert sum(c) == 2000  # never a token outside the distribution
+        df = int(keep.sum()) - 1
+        critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}[df]
+        assert chi_square(c, probs[r][keep]) < critical
+    greedy = SamplingRequestState(SamplingParams(temperature=0.0, max_tokens=9), [0], [])
+    hot = sampler.distributions(LOGITS[:1].clone(), [greedy])
+    assert hot[0].tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
+def test_sampled_drafts_verified_against_their_q_keep_the_target_and_accept_more(
+    single_thread_torch,
+):
+    from kvserve.spec_decode.verify import verify_sampled
+
+    params = SamplingParams(temperature=TEMP, top_p=0.95, max_tokens=100)
+    sampler = Sampler(seed=5)
+    base = SamplingRequestState(params=params, prompt_token_ids=[0], output_token_ids=[])
+    gen = torch.Generator().manual_seed(8)
+    first = [0] * V
+    second = [0] * V
+    accepted = 0
+    n = 4000
+    q0 = sampler.distributions(DRAFT_LOGITS[:1].clone(), [base])[0]
+    q1s = [
+        sampler.distributions(DRAFT_LOGITS[1:2].clone(), [draft_states(base, [d])[1]])[0]
+        for d in range(V)
+    ]  # the draft's second row given its first draft (the same rules, no penalties)
+    for _ in range(n):
+        d0 = int(torch.multinomial(q0, 1, generator=gen))
+        q1 = q1s[d0]
+        d1 = int(torch.multinomial(q1, 1, generator=gen))
+        states = draft_states(base, [d0, d1])
+        out = verify_sampled(sampler, LOGITS.clone(), states, [d0, d1], torch.stack([q0, q1]))
+        first[out[0]] += 1
+        accepted += len(out) - 1
+        if len(out) > 1:
+            second[out[1]] += 1
+    p = sampler.distributions(LOGITS.clone(), draft_states(base, [0, 0]))
+    keep0 = p[0] > 0
+    assert (
+        chi_square([c for c, k in zip(first, keep0.tolist(), strict=True) if k], p[0][keep0])
+        < 20.52
+    )
+    # the token after an accepted first draft follows row 1 (it does not depend on d0
+    # here: no penalties), and acceptance is sum(min(p, q)), above p(argmax q)
+    keep1 = p[1] > 0
+    assert (
+        chi_square([c for c, k in zip(second, keep1.tolist(), strict=True) if k], p[1][keep1])
+        < 20.52
+    )
+    overlap = float(torch.minimum(p[0], q0).sum())
+    first_accept = sum(second) / n
+    assert abs(first_accept - overlap) < 0.035
+    assert overlap > float(p[0][int(q0.argmax())]) + 0.1
+
+
+def test_seeded_verification_is_reproducible():
+    from kvserve.spec_decode.verify import verify_sampled
+
+    params = SamplingParams(temperature=TEMP, seed=4, max_tokens=100)
+    sampler = Sampler()
+    base = SamplingRequestState(params=params, prompt_token_ids=[0], output_token_ids=[1, 2])
+    q = torch.softmax(DRAFT_LOGITS / TEMP, dim=-1)
+    runs = [
+        verify_sampled(sampler, LOGITS.clone(), draft_states(base, [1, 3]), [1, 3], q)
+        for _ in range(3)
+    ]
+    assert runs[0] == runs[1] == runs[2]

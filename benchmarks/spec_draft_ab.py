@@ -1,0 +1,168 @@
+"""Draft-model speculation A/B, offline: bf16 target (``--quantization none``), the
+shipped Q4_1 file as draft, spec-edit prompts, concurrency 1 and 4, runs interleaved
+(base, spec, base, spec, ...; shared machines: compare the ratios within one run).
+
+    PYTHONPATH=. python benchmarks/spec_draft_ab.py --temperature 0.2 --reps 3
+
+Prints per (concurrency, mode) the median output tok/s and median TTFT, the ratio
+spec/base, the acceptance per position, and where the spec engine's time went
+(target forward, sampling, draft forwards by kind) from wrapped methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from kvserve.bench.spec_workloads import build_spec_sessions
+from kvserve.engine.args import build_engine_config
+from kvserve.engine.engine_core import EngineCore
+from kvserve.model.loader import load_model
+from kvserve.request import SamplingParams
+
+TIMES: dict[str, float] = defaultdict(float)
+COUNTS: dict[str, int] = defaultdict(int)
+
+
+def wrap(obj: Any, name: str, label: str) -> None:
+    fn = getattr(obj, name)
+
+    def timed(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            TIMES[label] += time.perf_counter() - t0
+            COUNTS[label] += 1
+
+    setattr(obj, name, timed)
+
+
+def run_once(engine: EngineCore, prompts: list[list[int]], params: SamplingParams, tag: str):
+    t0 = time.perf_counter()
+    first: dict[str, float] = {}
+    ntok = 0
+    ids = [engine.add_request(p, params, request_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
+    for _ in range(20000):
+        if not engine.has_unfinished_requests():
+            break
+        for d in engine.step():
+            if d.new_token_ids and d.request_id not in first:
+                first[d.request_id] = time.perf_counter() - t0
+            ntok += len(d.new_token_ids)
+    wall = time.perf_counter() - t0
+    engine.check_no_leaks()
+    assert len(first) == len(ids)
+    return ntok / wall, statistics.median(first.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--temperature", type=float, default=0.2)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--input-len", type=int, default=200)
+    ap.add_argument("--adaptive", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(dtype="bfloat16", quantization="none")
+    tok = loaded.tokenizer
+    spec = {
+        "method": "draft_model",
+        "model": "smollm2-135m-instruct",
+        "num_speculative_tokens": args.k,
+        "adaptive": bool(args.adaptive),
+    }
+    common = dict(dtype="bfloat16", quantization="none", max_model_len=1024)
+    base = EngineCore(build_engine_config(**common), loaded=loaded)
+    spec_engine = EngineCore(build_engine_config(speculative_config=spec, **common), loaded=loaded)
+    runner = spec_engine.runner
+    sd = runner.spec_decoder
+    assert sd is not None
+    prop = sd.proposer
+    wrap(prop, "propose", "draft.propose")
+    fwd = prop._forward
+
+    def draft_forward(chunks: Any) -> Any:
+        n = sum(len(c[1]) for c in chunks)
+        label = (
+            "draft.fwd.rows1"
+            if n == len(chunks)
+            else (
+                "draft.fwd.catchup<=8"
+                if max(len(c[1]) for c in chunks) <= 8
+                else "draft.fwd.prefill"
+            )
+        )
+        t0 = time.perf_counter()
+        try:
+            return fwd(chunks)
+        finally:
+            TIMES[label] += time.perf_counter() - t0
+            COUNTS[label] += 1
+
+    prop._forward = draft_forward
+    wrap(runner.model, "forward", "target.model.forward")
+    wrap(runner, "execute_model", "runner.execute_model")
+    wrap(runner, "_propose", "runner._propose")
+    wrap(runner, "_sample_verify", "runner._sample_verify")
+    wrap(runner, "_sample", "runner._sample")
+    rng = random.Random(0)
+    results: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    stats0 = spec_engine.scheduler.spec_stats.snapshot()
+    for rep in range(args.reps):
+        for c in conc:
+            sessions = build_spec_sessions("spec-edit", c, args.input_len, args.max_tokens, 1, rng)
+            prompts = [
+                tok.apply_chat_template(
+                    [{"role": "user", "content": s.turns[0].user_text}],
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
+                for s in sessions
+            ]
+            prompts = [tok.encode(p, add_special_tokens=False) for p in prompts]
+            params = SamplingParams(
+                temperature=args.temperature,
+                seed=1000 + rep,
+                max_tokens=args.max_tokens,
+                ignore_eos=True,
+            )
+            for mode, eng in (("base", base), ("spec", spec_engine)):
+                results[(c, mode)].append(run_once(eng, prompts, params, f"{mode}{rep}c{c}"))
+    out: dict[str, Any] = {}
+    for c in conc:
+        b = [r[0] for r in results[(c, "base")]]
+        s = [r[0] for r in results[(c, "spec")]]
+        tb = [r[1] for r in results[(c, "base")]]
+        ts = [r[1] for r in results[(c, "spec")]]
+        ratios = [y / x for x, y in zip(b, s, strict=True)]
+        out[f"c{c}"] = {
+            "base_tok_s": round(statistics.median(b), 2),
+            "spec_tok_s": round(statistics.median(s), 2),
+            "ratio_median": round(statistics.median(ratios), 3),
+            "ratios": [round(r, 3) for r in ratios],
+            "ttft_base_s": round(statistics.median(tb), 3),
+            "ttft_spec_s": round(statistics.median(ts), 3),
+        }
+    st = spec_engine.scheduler.spec_stats.snapshot()
+    out["spec_stats"] = {k: v for k, v in st.items()}
+    out["spec_stats_before"] = stats0
+    out["times_s"] = {k: round(v, 3) for k, v in TIMES.items()}
+    out["counts"] = dict(COUNTS)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The measured-gain rule (kvserve.spec_decode.gain) through SpecDecoder, with an
+injected clock and a fake proposer: speculation turns itself off in a batch-size
+bucket where the measured tokens per second fall below those of plain steps (whatever
+the cause: a slow proposer, rejected drafts), comes back for bounded retrials, and
+stays on where it pays (apart from its plain probes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvserve.spec_decode import gain as gain_mod
+from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.decoder import SpecDecoder
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeProposer:
+    """Proposes ``k`` tokens per request; each of its ``max(k)`` forwards costs
+    ``cost`` seconds of the clock."""
+
+    def __init__(self, clock: Clock, cost: float, step_cost: float = 0.0) -> None:
+        self.clock, self.cost, self.step_cost = clock, cost, step_cost
+        self.calls = 0
+
+    def propose(self, req_ids, token_ids, num_tokens, states=None):
+        self.calls += 1
+        self.clock.now += self.cost * max(num_tokens)
+        return [[1] * k for k in num_tokens]
+
+    def draft_probs(self, req_id, drafts):
+        return None
+
+    def drop(self, req_id):
+        pass
+
+
+def sched_out(req_ids: list[str], drafts: dict[str, list[int]], new: bool = False):
+    n = {r: 1 + len(drafts.get(r, [])) for r in req_ids}
+    return SimpleNamespace(
+        scheduled_spec_decode_tokens={r: d for r, d in drafts.items() if r in n},
+        num_scheduled_tokens=n,
+        total_num_scheduled_tokens=sum(n.values()),
+        scheduled_new_reqs=[object()] if new else [],
+        forks={},
+    )
+
+
+def simulate(dec: SpecDecoder, clock: Clock, steps: int, batch: int, accept: int, step_t=1.0):
+    """``steps`` decode steps of ``batch`` requests; each verified draft has its
+    first ``accept`` tokens accepted. Returns, per step, whether drafts were verified."""
+    reqs = [f"r{i}" for i in range(batch)]
+    drafts: dict[str, list[int]] = {}
+    verified: list[bool] = []
+    for _ in range(steps):
+        dec.begin_step(sched_out(reqs, drafts))
+        clock.now += step_t * (1.0 + 0.05 * sum(len(d) for d in drafts.values()))
+        for r, d in drafts.items():
+            dec.observe(r, len(d), min(accept, len(d)))
+        verified.append(bool(drafts))
+        drafts = dec.propose(reqs, [[0, 1, 2]] * batch)
+    return verified
+
+
+def decoder(clock: Clock, proposer: FakeProposer) -> SpecDecoder:
+    config = SpeculativeConfig.from_value(
+        {"method": "ngram", "num_speculative_tokens": 3, "step_cost_per_token": 0.05}
+    )
+    dec = SpecDecoder(config, proposer, clock=clock)
+    dec.controller.draft_step_cost = 0.0  # plan by acceptance alone: the monitor decides
+    return dec
+
+
+def test_speculation_turns_off_when_the_measured_gain_is_below_one():
+    clock = Clock()
+    proposer = FakeProposer(clock, cost=1.5)  # proposing costs more than it yields
+    dec = decoder(clock, proposer)
+    # all drafts accepted: the acceptance-based controller alone would keep drafting
+    simulate(dec, clock, 12, batch=2, accept=3)
+    g = dec.gain.gain(2)
+    assert g is not None and g < 1.0
+    assert dec.gain.is_off(2)
+    calls = proposer.calls
+    verified = simulate(dec, clock, dec.gain._get(2).off_steps - 1, batch=2, accept=3)
+    assert not any(verified) and proposer.calls == calls  # off: no proposing cost at all
+    # another batch size is measured on its own
+    assert not dec.gain.is_off(1)
+
+
+def test_off_bucket_retries_and_backs_off():
+    clock = Clock()
+    proposer = FakeProposer(clock, cost=1.5)
+    dec = decoder(clock, proposer)
+    simulate(dec, clock, 12, batch=1, accept=3)
+    assert dec.gain.is_off(1)
+    first_retry = dec.gain._get(1).retry
+    calls = proposer.calls
+    simulate(dec, clock, dec.gain._get(1).off_steps + 2 * gain_mod.MIN_SPEC + 4, 1, 3)
+    assert proposer.calls > calls
+    # it retried (proposed again), failed again and now waits twice as long
+    assert dec.gain.is_off(1)
+    assert dec.gain._get(1).retry == 2 * first_retry
+
+
+def test_speculation_stays_on_where_it_pays_apart_from_probes():
+    clock = Clock()
+    proposer = FakeProposer(clock, cost=0.03)
+    dec = decoder(clock, proposer)
+    verified = simulate(dec, clock, 200, batch=4, accept=3)
+    g = dec.gain.gain(4)
+    assert g is not None and g > 1.5
+    assert not dec.gain.is_off(4)
+    plain = verified[20:].count(False)
+    assert 0 < plain <= len(verified[20:]) // gain_mod.PROBE_EVERY + 1  # only the probes
+
+
+def test_rejected_drafts_turn_a_free_proposer_off_too():
+    clock = Clock()
+    proposer = FakeProposer(clock, cost=0.0)
+    dec = decoder(clock, proposer)
+    dec.controller.adaptive = False  # the per-request rule off: only the monitor acts
+    simulate(dec, clock, 30, batch=1, accept=0)
+    assert dec.gain.is_off(1)  # verifying 3 rejected drafts costs 15 % for nothing
+
+
+def test_measured_draft_forward_cost_feeds_the_controller():
+    clock = Clock()
+    proposer = FakeProposer(clock, cost=0.3, step_cost=0.1)
+    dec = decoder(clock, proposer)
+    simulate(dec, clock, 12, batch=1, accept=3)
+    measured = dec.gain.draft_forward_cost(1)
+    assert measured is not None and abs(measured - 0.3) < 1e-9
+    assert abs(dec.controller.draft_step_cost - 0.3 * (1 + 0.05)) < 1e-9
+
+
+def test_steps_with_prompt_work_are_not_measured():
+    clock = Clock()
+    dec = decoder(clock, FakeProposer(clock, cost=5.0))
+    for _ in range(30):
+        dec.begin_step(sched_out(["a"], {}, new=True))
+        clock.now += 1.0
+        dec.propose(["a"], [[0, 1]])
+    assert dec.gain.gain(1) is None and not dec.gain.is_off(1)
+
+
+def test_one_off_catch_up_costs_count_against_speculation():
+    clock = Clock()
+
+    class CatchingUp(FakeProposer):
+        def propose(self, req_ids, token_ids, num_tokens, states=None):
+            self.last_catch_up_time = 4.0  # a new request's draft prefill every call
+            self.clock.now += 4.0
+            return super().propose(req_ids, token_ids, num_tokens, states)
+
+    dec = decoder(clock, CatchingUp(clock, cost=0.03))
+    simulate(dec, clock, 12, batch=2, accept=3)
+    assert dec.gain.is_off(2)  # it pays per step, not with the catch-up on top
+    # the proposal forwards alone are what the controller's depth plan is charged
+    assert abs(dec.gain.draft_forward_cost(2) - 3 * 0.03) < 1e-9  # one call of 3 forwards
