@@ -35,12 +35,14 @@ class _ModelPool:
     and the suite builds dozens of engines on it. The pool hands a caller a model only
     while no other object references it (its nn.Module's reference count is back to
     what it was when the pool loaded it), so two live engines never share one model
-    (a runner sets the model's batch-invariant routing, see ModelRunner). Paths, other
-    names and any ``KVSERVE_*`` kernel switch are part of the key; a test that checks
-    loading itself imports ``load_model`` at collection and gets the real function.
+    (a runner sets the model's batch-invariant routing, see ModelRunner). Only the
+    default model by name is pooled (paths and other names load as before); dtype,
+    device, quantization and every ``KVSERVE_*`` kernel switch are the key. A test that
+    checks loading itself imports ``load_model`` at collection and gets the real one.
     """
 
-    MAX_PER_KEY = 1  # bounds the memory the pool keeps
+    # a long-lived engine (a module fixture) may hold one; short-lived ones share the other
+    MAX_PER_KEY = 2
 
     def __init__(self, real: Any, default_name: str) -> None:
         self.real = real
