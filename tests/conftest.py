@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from support.server_helpers import ServerProcess, serve_process
@@ -24,6 +28,66 @@ def kvserve_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
 
 
 # ---------------------------------------------------------------------- model tests
+class _ModelPool:
+    """Loads of the default model by name, reused once nothing else holds them.
+
+    ``load_model`` of the default model costs seconds of CPU (GGUF parse and repack),
+    and the suite builds dozens of engines on it. The pool hands a caller a model only
+    while no other object references it (its nn.Module's reference count is back to
+    what it was when the pool loaded it), so two live engines never share one model
+    (a runner sets the model's batch-invariant routing, see ModelRunner). Only the
+    default model by name is pooled (paths and other names load as before); dtype,
+    device, quantization and every ``KVSERVE_*`` kernel switch are the key. A test that
+    checks loading itself imports ``load_model`` at collection and gets the real one.
+    """
+
+    # a long-lived engine (a module fixture) may hold one; short-lived ones share the other
+    MAX_PER_KEY = 2
+
+    def __init__(self, real: Any, default_name: str) -> None:
+        self.real = real
+        self.default_name = default_name
+        self.free: dict[tuple[Any, ...], list[tuple[Any, int]]] = {}
+
+    def __call__(
+        self,
+        model: Any = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+        quantization: str = "auto",
+    ) -> Any:
+        model = self.default_name if model is None else model
+        if model != self.default_name:
+            return self.real(model, dtype=dtype, device=device, quantization=quantization)
+        env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KVSERVE_")))
+        key = (dtype, device, quantization, env)
+        entries = self.free.setdefault(key, [])
+        for collected in (False, True):
+            if collected:
+                gc.collect()  # an engine dropped in a reference cycle still holds its model
+            for entry in entries:
+                # references of an idle entry: its tuple here (and the argument); of
+                # its module: the LoadedModel's field (and the argument)
+                if sys.getrefcount(entry[0]) <= 2 and sys.getrefcount(entry[0].model) <= entry[1]:
+                    return entry[0]
+        loaded = self.real(model, dtype=dtype, device=device, quantization=quantization)
+        if len(entries) < self.MAX_PER_KEY:
+            entries.append((loaded, sys.getrefcount(loaded.model)))
+        return loaded
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_default_model_loads() -> Iterator[None]:
+    """Engines built without ``loaded=`` reuse idle loads of the default model (see
+    :class:`_ModelPool`); the pool and its models go at the end of the session."""
+    from kvserve.model import loader
+
+    real = loader.load_model
+    loader.load_model = _ModelPool(real, loader.DEFAULT_MODEL_NAME)
+    yield
+    loader.load_model = real
+
+
 # (kvserve and transformers are imported inside the fixtures, so collecting the other
 # tests stays cheap)
 

@@ -76,46 +76,43 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(prompts) -> list[list[int]]:
+def hf_reference(prompts, hf_model) -> list[list[int]]:
     """HF transformers greedy continuations, one prompt at a time (no padding effects)."""
-    from transformers import AutoModelForCausalLM
-
-    from kvserve.model.loader import resolve_model
-
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model("smollm2-135m-instruct"), dtype=torch.float32
-    )
-    model.eval()
     # ignore_eos semantics: EOS may be chosen but does not stop generation, so HF must not
-    # stop on it either (and must not mask it, as min_new_tokens would).
-    model.generation_config.eos_token_id = None
+    # stop on it either (and must not mask it, as min_new_tokens would). The session's HF
+    # model is shared: its generation config is restored afterwards.
+    gen = hf_model.generation_config
+    eos = gen.eos_token_id
+    gen.eos_token_id = None
     refs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            refs.append(out[0, len(p) :].tolist())
-            assert len(refs[-1]) == MAX_TOKENS
-    del model
+    try:
+        with torch.inference_mode():
+            for p in prompts:
+                ids = torch.tensor([p])
+                out = hf_model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=MAX_TOKENS,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                refs.append(out[0, len(p) :].tolist())
+                assert len(refs[-1]) == MAX_TOKENS
+    finally:
+        gen.eos_token_id = eos
     return refs
 
 
 CONFIGS = {
     "mixed-256-prefix": dict(max_num_batched_tokens=256, enable_prefix_caching=True),
-    "separated-buckets": dict(
+    "separated-buckets-no-prefix-cache": dict(
         scheduler_policy="separated",
         max_num_batched_tokens=512,
         num_batched_tokens_buckets=(128, 256, 512),
         max_num_seqs=8,
         num_seqs_buckets=(1, 2, 4, 8),
+        enable_prefix_caching=False,  # caching off: covered here, not by a config of its own
     ),
-    "no-prefix-cache": dict(max_num_batched_tokens=512, enable_prefix_caching=False),
     "tiny-kv-preempt": dict(max_num_batched_tokens=256, num_kv_blocks=150, max_num_seqs=8),
 }
 
@@ -135,7 +132,7 @@ def test_greedy_matches_hf(name: str, prompts, hf_reference) -> None:
     stats = llm.engine.stats()
     if name == "tiny-kv-preempt":
         assert stats.num_preemptions > 0, "the tiny KV cache was meant to force preemption"
-    if name == "separated-buckets":
+    if name == "separated-buckets-no-prefix-cache":
         assert stats.total_padding_tokens > 0
     llm.engine.check_no_leaks()
     assert llm.engine.kv_cache_manager.num_active_blocks == 0

@@ -71,27 +71,27 @@ def test_capacity_and_memory_report():
     from kvserve.model.memory import memory_report
 
     gib = 0.02
-    bf16 = LLM(dtype="bfloat16", kv_cache_memory_gib=gib)
-    int8 = LLM(dtype="bfloat16", kv_cache_dtype="int8", kv_cache_memory_gib=gib)
-    fp8 = LLM(dtype="bfloat16", kv_cache_dtype="fp8_e4m3", kv_cache_memory_gib=gib)
-    nb = {k: v.engine.runner.num_kv_blocks for k, v in (("b", bf16), ("i", int8), ("f", fp8))}
-    cfg = bf16.engine.loaded.model.config
+    nb: dict[str, int] = {}
+    fingerprints: dict[str, str] = {}
+    for kv_dtype, name in (("auto", "bfloat16"), ("int8", "int8"), ("fp8_e4m3", "fp8_e4m3")):
+        llm = LLM(dtype="bfloat16", kv_cache_dtype=kv_dtype, kv_cache_memory_gib=gib)
+        nb[name] = llm.engine.runner.num_kv_blocks
+        fingerprints[name] = llm.engine.kv_cache_manager.model_fingerprint
+        cfg = llm.engine.loaded.model.config
+        report = memory_report(llm.engine)
+        assert report.kv_format == name and report.kv_blocks == nb[name]
+        assert report.kv <= gib * (1 << 30) and report.kv > 0.95 * gib * (1 << 30)
+        assert f"({name}, " in report.describe()
+        del llm  # one engine at a time: the next one may reuse its model load
     d = cfg.head_dim
     # blocks grow by the row-bytes ratio: 2 D bytes (bf16) vs D + 4 (codes + fp32 scale)
     assert (
-        nb["i"]
-        == nb["f"]
+        nb["int8"]
+        == nb["fp8_e4m3"]
         == int(gib * (1 << 30)) // (2 * cfg.num_layers * 16 * cfg.num_kv_heads * (d + 4))
     )
-    assert nb["i"] / nb["b"] == pytest.approx(2 * d / (d + 4), rel=0.02)
-    for llm, name in ((bf16, "bfloat16"), (int8, "int8"), (fp8, "fp8_e4m3")):
-        report = memory_report(llm.engine)
-        assert report.kv_format == name and report.kv_blocks == llm.engine.runner.num_kv_blocks
-        assert report.kv <= gib * (1 << 30) and report.kv > 0.95 * gib * (1 << 30)
-        assert f"({name}, " in report.describe()
-    assert bf16.engine.kv_cache_manager.model_fingerprint != (
-        int8.engine.kv_cache_manager.model_fingerprint
-    )
+    assert nb["int8"] / nb["bfloat16"] == pytest.approx(2 * d / (d + 4), rel=0.02)
+    assert fingerprints["bfloat16"] != fingerprints["int8"]
 
 
 def test_no_leaks_with_a_tight_cache_sharing_and_aborts(int8_llm):
