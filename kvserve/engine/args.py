@@ -72,9 +72,9 @@ OPTIONS: tuple[_Option, ...] = (
         "model",
         bool,
         "a request's logits bitwise the same whatever else runs, however it is chunked "
-        "or cached, at every length (default: automatic, requests up to 512 tokens "
-        "where that is cheap; --batch-invariant costs up to 0.83x on long prompts; "
-        "docs/determinism.md)",
+        "or cached, at every length (default: automatic, requests up to 4,096 tokens on "
+        "AVX-512 CPUs without AMX and up to 512 elsewhere, where that is cheap; "
+        "--no-batch-invariant turns it off; docs/determinism.md)",
     ),
     _Option("max_model_len", "scheduler", int, "longest prompt + output a request may have"),
     _Option("block_size", "cache", int, "tokens per KV block (power of two)"),
