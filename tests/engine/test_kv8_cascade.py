@@ -28,14 +28,14 @@ def test_shared_prefix_with_int8_kv_needs_no_cascade_and_matches_alone(
     seen: list[object] = []  # with bf16 KV this workload cascade-splits 7 of 30 steps
     from kvserve.model import attention_metadata as am
 
-    real = am._cascade_split
+    real = am.cascade_split
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
         out = real(*args, **kwargs)
         seen.append(out)
         return out
 
-    monkeypatch.setattr(am, "_cascade_split", spy)  # raises if the function moved
+    monkeypatch.setattr(am, "cascade_split", spy)  # raises if the function moved
     llm.generate(prompts[:1], params)  # the prefix is cached; later requests share it
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     monkeypatch.undo()
