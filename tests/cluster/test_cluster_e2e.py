@@ -32,7 +32,7 @@ CLUSTER_ARGS = [
     "--replicas", "2", "--threads-per-replica", "1", "--num-kv-blocks", "512",
     "--max-model-len", "2048", "--no-access-log",
 ]  # fmt: skip
-NUM_PREFIXES, PER_PREFIX, PREFIX_LEN = 4, 8, 768
+NUM_PREFIXES, PER_PREFIX, PREFIX_LEN = 4, 8, 384
 
 
 def _cluster(tmp: Path, routing: str) -> Any:
