@@ -38,40 +38,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvserve.bench.forward_args import add_arguments
 from kvserve.bench.forward_drivers import HfDriver, KvserveDriver
+from kvserve.bench.forward_report import print_table
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid list {text!r}: give comma-separated integers (e.g. 1,8,32)"
-        ) from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"invalid list {text!r}: integers >= 1 (e.g. 1,8,32)")
-    return values
-
-
-def _cached_list(text: str) -> list[tuple[int, int]]:
-    """``512@2048,256@4096`` -> [(512, 2048), (256, 4096)] (new tokens, cached tokens)."""
-    if text.strip() == "none":
-        return []
-    out = []
-    for item in text.split(","):
-        new, _, cached = item.strip().partition("@")
-        try:
-            pair = (int(new), int(cached))
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"invalid chunk {item!r}: give NEW@CACHED token counts (e.g. 512@2048)"
-            ) from None
-        if pair[0] < 2 or pair[1] < 1:
-            raise argparse.ArgumentTypeError(
-                f"invalid chunk {item!r}: NEW >= 2 and CACHED >= 1 (e.g. 512@2048)"
-            )
-        out.append(pair)
-    return out
+__all__ = ["add_arguments", "matmul_flop_s", "prefill_flops", "run"]
 
 
 def prefill_flops(arch: Any, new: int, cached: int = 0) -> float:
@@ -96,111 +67,6 @@ def matmul_flop_s(dtype: Any, size: int = 2048, repeats: int = 5) -> float:
     torch.matmul(a, b)
     times = [_timed(functools.partial(torch.matmul, a, b)) for _ in range(repeats)]
     return 2.0 * size**3 / statistics.median(times)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default="smollm2-135m-instruct", help="model (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--dtype", default="auto", help="auto (default), float32, bfloat16 or float16"
-    )
-    parser.add_argument(
-        "--prefill-lens",
-        type=_int_list,
-        default=[512, 2048, 4096],
-        help="prompt lengths (default: 512,2048,4096)",
-    )
-    parser.add_argument(
-        "--cached-prefill",
-        type=_cached_list,
-        default=[(512, 2048), (512, 4096)],
-        help="chunks over a cached prefix, NEW@CACHED comma-separated, or none "
-        "(default: 512@2048,512@4096)",
-    )
-    parser.add_argument(
-        "--decode-batches",
-        type=_int_list,
-        default=[1, 8, 32, 64],
-        help="decode batch sizes (default: 1,8,32,64)",
-    )
-    parser.add_argument(
-        "--context",
-        type=int,
-        default=128,
-        help="prompt tokens per decode request (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--decode-steps",
-        type=int,
-        default=12,
-        help="timed decode steps per batch size (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=3, help="timed prefills per length (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--kv-segment-size", type=int, default=512, help="prefill KV segment (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--block-size", type=int, default=16, help="KV block size (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)"
-    )
-    parser.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall: elapsed time; cpu: this process's CPU time, robust to other load on a "
-        "shared machine when used with --threads 1 (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--attention-batches",
-        type=_int_list,
-        default=[1, 16, 64],
-        help="decode attention grid: batch sizes (default: 1,16,64)",
-    )
-    parser.add_argument(
-        "--attention-contexts",
-        type=_int_list,
-        default=[1024, 4096],
-        help="decode attention grid: contexts (default: 1024,4096)",
-    )
-    parser.add_argument(
-        "--attention-backends",
-        default="native",
-        help="decode attention grid: comma-separated native,portable, or none to skip "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--quantization",
-        default="auto",
-        help="weights of the main run: auto (default: a GGUF's quantized tensors as they "
-        "are), none, int8 or int4",
-    )
-    parser.add_argument(
-        "--weight-formats",
-        default="",
-        help="also decode at --decode-batches with each of these comma-separated "
-        "quantization values (e.g. none,auto), against the memory-bandwidth limit",
-    )
-    parser.add_argument(
-        "--kv-formats",
-        default="",
-        help="also time decode attention (--attention-batches x --attention-contexts, "
-        "interleaved) and whole-model decode (--decode-batches) with each of these "
-        "comma-separated KV cache dtypes (e.g. auto,int8,fp8_e4m3), against the "
-        "memory-bandwidth limit",
-    )
-    parser.add_argument(
-        "--batch-invariant",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="batch-invariant kernels on/off (default: the engine's automatic choice)",
-    )
-    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
 _CLOCK: Callable[[], float] = time.perf_counter
@@ -382,74 +248,8 @@ def run(args: argparse.Namespace) -> int:
             ),
         }
 
-    _print_table(results)
+    print_table(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return 0
-
-
-def _print_table(r: dict[str, Any]) -> None:
-    def ratio(a: float | None, b: float | None) -> str:
-        return f"{a / b:6.2f}x" if a and b else "     -"
-
-    def num(x: float | None, fmt: str) -> str:
-        return format(x, fmt) if x is not None else "-"
-
-    print(
-        f"kvserve bench forward: model={r['model']} dtype={r['dtype']} weights={r['weights']} "
-        f"threads={r['threads']} "
-        f"clock={r['clock']} (medians)"
-    )
-    print(f"{'measure':<28}{'kvserve':>12}{'HF':>12}{'kv/HF':>9}{'of FLOP limit':>15}")
-    for length, v in r["prefill"].items():
-        print(
-            f"{f'prefill {length} tok/s':<28}{v['kvserve_tok_s']:>12.0f}"
-            f"{num(v['hf_tok_s'], '.0f'):>12}{ratio(v['kvserve_tok_s'], v['hf_tok_s']):>9}"
-            f"{v['fraction_of_flop_limit']:>15.0%}"
-        )
-    for key, v in r.get("cached_prefill", {}).items():
-        print(
-            f"{f'prefill {key} tok/s':<28}{v['kvserve_tok_s']:>12.0f}{'-':>12}{'-':>9}"
-            f"{v['fraction_of_flop_limit']:>15.0%}"
-        )
-    lens = r["prefill"]
-    if lens and 512 in lens and 2048 in lens:
-        rel = lens[2048]["kvserve_tok_s"] / lens[512]["kvserve_tok_s"]
-        print(f"kvserve prefill tok/s, 2048 / 512 tokens: {rel:.2f}x (target >= 0.8x)")
-    if "matmul_gflop_s" in r:
-        print(
-            f"FLOP limit: {r['matmul_gflop_s']:.0f} GFLOP/s, a 2048^3 {r['dtype']} matmul "
-            "measured here (same threads and clock); prefill NEW@CACHED: NEW tokens after "
-            "CACHED cached ones"
-        )
-    for batch, v in r["decode"].items():
-        print(
-            f"{f'decode b={batch} step ms':<28}{v['kvserve_step_ms']:>12.1f}"
-            f"{num(v['hf_step_ms'], '.1f'):>12}{ratio(v['hf_step_ms'], v['kvserve_step_ms']):>9}"
-        )
-        print(
-            f"{f'decode b={batch} tok/s':<28}{v['kvserve_tok_s']:>12.1f}"
-            f"{num(v['hf_tok_s'], '.1f'):>12}{ratio(v['kvserve_tok_s'], v['hf_tok_s']):>9}"
-        )
-    dec = r["decode"]
-    if 1 in dec and 32 in dec:
-        scale = dec[32]["kvserve_tok_s"] / dec[1]["kvserve_tok_s"]
-        print(f"kvserve decode tok/s, batch 32 / batch 1: {scale:.1f}x (target >= 8x)")
-    print(f"decode context: {r['context']} prompt tokens per request")
-    if "weight_formats" in r:
-        from kvserve.bench.weight_formats import print_rows
-
-        print_rows(r["weight_formats"]["rows"], r["weight_formats"]["read_bandwidth_gb_s"])
-    if "kv_formats" in r:
-        from kvserve.bench.kv_formats import print_rows as print_kv_rows
-
-        print_kv_rows(r["kv_formats"])
-    if "attention" in r:
-        from kvserve.bench.attention_bench import print_attention_table
-
-        print_attention_table(r["attention"])
-    print(
-        f"machine: {r['cpu_count']} CPUs, 1-minute load average {r['load_average_1m']:.1f} at "
-        "start (on a busy machine use --threads 1 --clock cpu for stable figures)"
-    )

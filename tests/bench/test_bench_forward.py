@@ -9,16 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvserve.bench import forward
+from kvserve.bench import forward, forward_args
 from kvserve.bench.forward_drivers import KvserveDriver
 
 
 def test_cached_list_parses_and_refuses_bad_input() -> None:
-    assert forward._cached_list("512@2048, 256@4096") == [(512, 2048), (256, 4096)]
-    assert forward._cached_list("none") == []
+    assert forward_args._cached_list("512@2048, 256@4096") == [(512, 2048), (256, 4096)]
+    assert forward_args._cached_list("none") == []
     for bad in ("512", "a@b", "1@100", "64@0"):
         with pytest.raises(argparse.ArgumentTypeError, match="NEW"):
-            forward._cached_list(bad)
+            forward_args._cached_list(bad)
 
 
 def test_prefill_flops_counts_linears_head_and_attention() -> None:
