@@ -74,6 +74,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "kvserve.entrypoints.cli",
             "kvserve.entrypoints.serve_cmd",
+            "kvserve.entrypoints.serve_replicas",
             "kvserve.entrypoints.generate_cmd",
             "kvserve.bench.cli",
             "kvserve.sim.cli",

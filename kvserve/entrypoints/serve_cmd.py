@@ -29,268 +29,23 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import uvicorn
 
-from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
-from kvserve.engine.args import add_engine_arguments, build_engine_config, engine_kwargs_from_args
+from kvserve.engine.args import build_engine_config, engine_kwargs_from_args
 from kvserve.engine.vllm_compat import generation_defaults
 from kvserve.entrypoints import vllm_flags
-from kvserve.kv_transfer.factory import (
-    add_kv_transfer_arguments,
-    build_connector,
-    kv_transfer_config_from_args,
-)
+from kvserve.entrypoints.serve_args import add_arguments, http_options_from_args
+from kvserve.kv_transfer.factory import build_connector, kv_transfer_config_from_args
+
+__all__ = ["add_arguments", "http_options_from_args", "run"]
 
 logger = logging.getLogger("kvserve.serve")
 
 
 FLUSH_TIMEOUT_S = 5  # after the drain: time to write out the cut responses
 GC_GEN0_THRESHOLD = 70_000  # allocations between young collections while serving
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0 such as 64, got {text!r}")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
-    parser.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY)",
-    )
-    parser.add_argument(
-        "--max-queue-len",
-        type=_non_negative_int,
-        default=None,
-        help="answer 429 + Retry-After when a request's sequences (prompts x n) would make "
-        "more than this many wait to be scheduled (default: no limit)",
-    )
-    parser.add_argument(
-        "--max-prompts-per-request",
-        type=_non_negative_int,
-        default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
-        help="refuse (400) a completions request with more prompts than this (default "
-        f"{DEFAULT_MAX_PROMPTS_PER_REQUEST}; 0: no limit)",
-    )
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="the model name clients send (default: the model's own name)",
-    )
-    hardening = parser.add_argument_group("chat templates and request limits (docs/security.md)")
-    hardening.add_argument(
-        "--chat-template",
-        default=None,
-        metavar="FILE|STRING",
-        help="the chat template: a .jinja file or the template text (default: the model's own)",
-    )
-    hardening.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="let requests bring their own chat_template (default: refused with 400; a "
-        "template is code, so only for trusted clients)",
-    )
-    hardening.add_argument(
-        "--chat-template-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="a chat template render past this is stopped and answered 400 (default 5)",
-    )
-    hardening.add_argument(
-        "--max-request-body-bytes",
-        type=_non_negative_int,
-        default=None,
-        help="answer 413 for larger bodies (default: max(8 MiB, 64 x max_model_len x "
-        "max_num_seqs))",
-    )
-    hardening.add_argument(
-        "--allowed-origins",
-        nargs="+",
-        default=None,
-        metavar="ORIGIN",
-        help="send CORS headers for these origins ('*' for any; default: none, so browsers "
-        "keep other sites' pages from reading answers)",
-    )
-    parser.add_argument(
-        "--graceful-shutdown-timeout",
-        type=_non_negative_int,
-        default=30,
-        help="seconds in-flight requests get to finish after SIGTERM (default 30)",
-    )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="log level (default info)",
-    )
-    parser.add_argument(
-        "--access-log",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="log one line per HTTP request (default on)",
-    )
-    scale = parser.add_argument_group(
-        "scale-out (Ray Serve; needs the 'ray' extra: pip install -e '.[ray]')"
-    )
-    scale.add_argument(
-        "--replicas",
-        type=_non_negative_int,
-        default=None,
-        help="run N >= 2 engine replicas on Ray Serve behind this endpoint (default: one "
-        "engine in this process)",
-    )
-    scale.add_argument(
-        "--ray-address",
-        default=None,
-        help="join this Ray cluster (e.g. 10.0.0.5:6379 after 'ray start --head'); default: "
-        "start a local one on 127.0.0.1",
-    )
-    scale.add_argument(
-        "--threads-per-replica",
-        type=_non_negative_int,
-        default=None,
-        help="torch threads of each replica (default: this machine's cores / N)",
-    )
-    scale.add_argument(
-        "--min-healthy-replicas",
-        type=_non_negative_int,
-        default=None,
-        help="GET /health answers 503 while fewer replicas than this are alive (default: "
-        "all --replicas)",
-    )
-    scale.add_argument(
-        "--routing",
-        default="prefix-aware",
-        choices=["prefix-aware", "round-robin", "least-loaded"],
-        help="request routing across replicas (default prefix-aware)",
-    )
-    for role in ("prefill", "decode"):
-        scale.add_argument(
-            f"--{role}-replicas",
-            type=_non_negative_int,
-            default=None,
-            help=f"{role} pool size for disaggregated serving: not available yet (the "
-            "prefill/decode roles have not landed; the flag is refused)",
-        )
-    add_engine_arguments(parser)
-    add_kv_transfer_arguments(parser)
-    vllm_flags.add_arguments(parser)
-
-
-def http_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """``build_app`` keyword arguments of the chat/limits flags; raises ValueError
-    (with the fix) for a template that cannot be read or compiled."""
-    from kvserve.entrypoints.chat.template import TemplateError, load_chat_template
-
-    out: dict[str, Any] = {
-        "trust_request_chat_template": bool(args.trust_request_chat_template),
-        "max_request_body_bytes": args.max_request_body_bytes or None,
-        "allowed_origins": args.allowed_origins or None,
-    }
-    if args.chat_template is not None:
-        try:
-            out["chat_template"] = load_chat_template(args.chat_template)
-        except TemplateError as e:
-            raise ValueError(f"--chat-template: {e}") from None
-    if args.chat_template_timeout is not None:
-        if not args.chat_template_timeout > 0:
-            raise ValueError(
-                f"--chat-template-timeout must be > 0 seconds, got {args.chat_template_timeout}"
-            )
-        out["chat_template_timeout_s"] = args.chat_template_timeout
-    return out
-
-
-def _run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
-    """``--replicas N``: the Ray Serve app (``kvserve.cluster``, imported only here)."""
-    if args.prefill_replicas is not None or args.decode_replicas is not None:
-        print(
-            "kvserve serve: --prefill-replicas/--decode-replicas are not available yet: the "
-            "disaggregated prefill and decode roles (--kv-role) have not landed in this build; "
-            "use --replicas N for N identical engine replicas",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        from kvserve.cluster.app import ClusterOptions
-        from kvserve.cluster.launcher import run_cluster
-        from kvserve.cluster.policy import RoutingConfig
-    except ImportError as e:
-        print(
-            f"kvserve serve: --replicas needs Ray Serve ({e}); install it with "
-            "pip install -e '.[ray]' (make setup does)",
-            file=sys.stderr,
-        )
-        return 2
-    n = args.replicas
-    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // max(n, 1))
-    try:
-        options, notices = vllm_flags.engine_options(args, engine_kwargs_from_args(args))
-        for notice in notices:
-            print(f"kvserve serve: {notice}", file=sys.stderr)
-        unsupported = [
-            flag
-            for flag, on in (
-                ("--enable-auto-tool-choice", args.enable_auto_tool_choice),
-                ("--seed", args.seed is not None),
-                ("--max-logprobs", args.max_logprobs != vllm_flags.MAX_LOGPROBS),
-                ("--enable-log-requests", args.log_requests),
-            )
-            if on
-        ]
-        if unsupported:
-            raise ValueError(
-                f"{', '.join(unsupported)} cannot be combined with --replicas yet (the Ray "
-                "Serve ingress does not pass them on): drop them or serve one engine"
-            )
-        if options.get("hash_algo") == "builtin":
-            raise ValueError(
-                "--hash-algo builtin gives different hashes in every process, so the router "
-                "cannot predict the replicas' caches: use --hash-algo sha256 with --replicas"
-            )
-        build_engine_config(**options)
-        if not args.ray_address:  # fail fast on a bad --model (and convert it once, here)
-            from kvserve.model.loader import (
-                DEFAULT_MODEL_NAME,
-                gguf_source,
-                resolve_gguf_metadata,
-                resolve_model,
-            )
-
-            model_name = options.get("model") or DEFAULT_MODEL_NAME
-            gguf = gguf_source(model_name)
-            if gguf is not None and options.get("quantization", "auto") != "none":
-                resolve_gguf_metadata(gguf, Path(model_name).stem)  # runs quantized
-            else:
-                resolve_model(model_name)
-        opts = ClusterOptions(
-            num_replicas=n,
-            threads_per_replica=threads,
-            engine_options=options,
-            routing=RoutingConfig(policy=args.routing),
-            served_model_name=args.served_model_name,
-            api_key=api_key,
-            max_queue_len=args.max_queue_len,
-            min_healthy_replicas=args.min_healthy_replicas,
-            http_options=http_options_from_args(args),
-        )
-    except (ValueError, TypeError) as e:
-        print(f"kvserve serve: {e}", file=sys.stderr)
-        return 2
-    return run_cluster(opts, host=args.host, port=args.port, ray_address=args.ray_address)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -307,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
         or args.prefill_replicas is not None
         or args.decode_replicas is not None
     ):
-        return _run_replicas(args, api_key)
+        from kvserve.entrypoints.serve_replicas import run_replicas
+
+        return run_replicas(args, api_key)
     t0 = time.perf_counter()
     try:
         http_options = http_options_from_args(args)

@@ -1,0 +1,99 @@
+"""``kvserve serve --replicas N``: the same options, served by N engine replicas on Ray
+Serve (:mod:`kvserve.cluster`, imported only when this runs).
+
+The options are checked here, in the launching process, before Ray starts: a flag the
+Ray Serve ingress cannot pass on, or a bad ``--model``, answers exit status 2 at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from kvserve.engine.args import build_engine_config, engine_kwargs_from_args
+from kvserve.entrypoints import vllm_flags
+from kvserve.entrypoints.serve_args import http_options_from_args
+
+
+def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
+    """``--replicas N``: the Ray Serve app (``kvserve.cluster``, imported only here).
+
+    Returns the exit status: 2 (with the fix on stderr) for flags the cluster cannot
+    honour, a bad model or a missing Ray; otherwise what the cluster returns."""
+    if args.prefill_replicas is not None or args.decode_replicas is not None:
+        print(
+            "kvserve serve: --prefill-replicas/--decode-replicas are not available yet: the "
+            "disaggregated prefill and decode roles (--kv-role) have not landed in this build; "
+            "use --replicas N for N identical engine replicas",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        from kvserve.cluster.app import ClusterOptions
+        from kvserve.cluster.launcher import run_cluster
+        from kvserve.cluster.policy import RoutingConfig
+    except ImportError as e:
+        print(
+            f"kvserve serve: --replicas needs Ray Serve ({e}); install it with "
+            "pip install -e '.[ray]' (make setup does)",
+            file=sys.stderr,
+        )
+        return 2
+    n = args.replicas
+    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // max(n, 1))
+    try:
+        options, notices = vllm_flags.engine_options(args, engine_kwargs_from_args(args))
+        for notice in notices:
+            print(f"kvserve serve: {notice}", file=sys.stderr)
+        unsupported = [
+            flag
+            for flag, on in (
+                ("--enable-auto-tool-choice", args.enable_auto_tool_choice),
+                ("--seed", args.seed is not None),
+                ("--max-logprobs", args.max_logprobs != vllm_flags.MAX_LOGPROBS),
+                ("--enable-log-requests", args.log_requests),
+            )
+            if on
+        ]
+        if unsupported:
+            raise ValueError(
+                f"{', '.join(unsupported)} cannot be combined with --replicas yet (the Ray "
+                "Serve ingress does not pass them on): drop them or serve one engine"
+            )
+        if options.get("hash_algo") == "builtin":
+            raise ValueError(
+                "--hash-algo builtin gives different hashes in every process, so the router "
+                "cannot predict the replicas' caches: use --hash-algo sha256 with --replicas"
+            )
+        build_engine_config(**options)
+        if not args.ray_address:  # fail fast on a bad --model (and convert it once, here)
+            from kvserve.model.loader import (
+                DEFAULT_MODEL_NAME,
+                gguf_source,
+                resolve_gguf_metadata,
+                resolve_model,
+            )
+
+            model_name = options.get("model") or DEFAULT_MODEL_NAME
+            gguf = gguf_source(model_name)
+            if gguf is not None and options.get("quantization", "auto") != "none":
+                resolve_gguf_metadata(gguf, Path(model_name).stem)  # runs quantized
+            else:
+                resolve_model(model_name)
+        opts = ClusterOptions(
+            num_replicas=n,
+            threads_per_replica=threads,
+            engine_options=options,
+            routing=RoutingConfig(policy=args.routing),
+            served_model_name=args.served_model_name,
+            api_key=api_key,
+            max_queue_len=args.max_queue_len,
+            min_healthy_replicas=args.min_healthy_replicas,
+            http_options=http_options_from_args(args),
+        )
+    except (ValueError, TypeError) as e:
+        print(f"kvserve serve: {e}", file=sys.stderr)
+        return 2
+    return run_cluster(opts, host=args.host, port=args.port, ray_address=args.ray_address)
