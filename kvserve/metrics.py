@@ -225,6 +225,13 @@ class _TransferCollector(Collector):
         )
         nominal.add_metric(m, float(s.nominal_bytes_per_token))
         yield nominal
+        in_flight = GaugeMetricFamily(
+            PREFIX + "kv_transfer_in_flight",
+            "Remote prefills this decode worker waits on (asked for, KV not all loaded).",
+            labels=["model_name"],
+        )
+        in_flight.add_metric(m, float(s.in_flight))
+        yield in_flight
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -12,9 +12,8 @@ Two sources keep the index near the truth::
                           replica will cache these blocks when it runs the request;
                           kept while the request runs and pending_ttl_s after it ends
     replica report   ──▶ apply_report(replica, epoch, seq, keys)     "confirmed": the
-                          exact set the replica's prefix cache holds now; the diff
-                          with its previous report counts the blocks cached and
-                          evicted since
+                          exact set the replica's prefix cache holds now (its
+                          evictions since the last report drop out)
 
 A key is *held* by a replica when it is confirmed there, or pending there (its
 request still running, or ended less than ``pending_ttl_s`` ago: the replica's next
@@ -65,8 +64,6 @@ class _ReplicaEntry:
     pending: dict[bytes, _Pending] = field(default_factory=dict)
     epoch: str | None = None  # the replica process that sent the last report
     seq: int = -1  # that report's sequence number
-    num_cached: int = 0  # blocks reported newly cached, summed over reports
-    num_evicted: int = 0  # blocks reported evicted, summed over reports
 
 
 class PrefixIndex:
@@ -113,11 +110,6 @@ class PrefixIndex:
         entry = self._replicas.get(replica)
         return len(entry.confirmed) if entry else 0
 
-    def report_counts(self, replica: str) -> tuple[int, int]:
-        """(blocks cached, blocks evicted) that the replica's reports showed so far."""
-        entry = self._replicas.get(replica)
-        return (entry.num_cached, entry.num_evicted) if entry else (0, 0)
-
     # ------------------------------------------------------------------ updates
     def record_routed(self, replica: str, request_id: str, keys: Sequence[bytes]) -> None:
         """The router sent ``request_id`` (its block keys) to ``replica``. Calling it
@@ -154,16 +146,14 @@ class PrefixIndex:
 
         Returns False and changes nothing for a report already applied or older than
         the last one of the same epoch. A new epoch (the replica restarted) replaces
-        everything. The diff with the previous confirmed set is added to the
-        cached/evicted counts; expired pending keys are dropped.
+        everything (blocks the replica evicted since its last report are no longer
+        held); expired pending keys are dropped.
         """
         entry = self._replicas.setdefault(replica, _ReplicaEntry())
         if entry.epoch == epoch and seq <= entry.seq:
             return False
         if entry.epoch != epoch:
             entry.confirmed = set()
-        entry.num_cached += len(keys - entry.confirmed)
-        entry.num_evicted += len(entry.confirmed - keys)
         entry.confirmed = keys
         entry.epoch, entry.seq = epoch, seq
         now = self._clock()

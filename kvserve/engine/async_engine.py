@@ -44,7 +44,6 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from typing import Any
 
 from kvserve.engine.admission import RefusalReason, Refused, admit_sequences
 from kvserve.engine.engine_core import EngineCore
@@ -97,14 +96,6 @@ class AsyncEngine(EngineLoop):
             self.metrics.set_transfer_source(connector.stats.snapshot)
 
     # ------------------------------------------------------------------ lifecycle
-    @classmethod
-    def from_options(cls, **engine_options: Any) -> AsyncEngine:
-        """Build the engine from flat engine options (``kvserve.engine.args``)."""
-        from kvserve.engine.args import build_engine_config
-
-        config = build_engine_config(**engine_options)
-        return cls(run_in_scratch_thread(lambda: EngineCore(config)))
-
     def start(self) -> None:
         """Start the engine thread, bound to the running event loop. Idempotent."""
         if self._thread is not None:

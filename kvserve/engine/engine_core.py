@@ -349,18 +349,6 @@ class EngineCore:
                 out.append(make_delta(request, FinishReason.ABORT, error=error))
         return out
 
-    def wait_for_transfer(self, timeout_s: float) -> None:
-        """Block up to ``timeout_s`` until the KV connector may have news (returns at
-        once without a connector)."""
-        if self.kv_connector is not None:
-            self.kv_connector.wait(timeout_s)
-
-    @property
-    def has_pending_transfers(self) -> bool:
-        """Blocks held for a transfer: remote loads waiting, or sends not yet let go."""
-        sched = self.scheduler
-        return bool(sched.waiting_for_remote or sched.sending)
-
     # ------------------------------------------------------------------ health
     def stats(self) -> EngineStats:
         """Numbers for /metrics and logs (plain data)."""

@@ -106,10 +106,6 @@ class KVConnectorScheduler(Protocol):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool: ...
 
-    def wait(self, timeout_s: float) -> None:
-        """Block up to ``timeout_s`` until a transfer event may need the engine."""
-        ...
-
 
 class KVConnectorWorker(Protocol):
     """Worker side. Rules the runner keeps: ``register_kv_cache`` once, before any

@@ -114,7 +114,6 @@ class DecodeConnector:
         self._remote: dict[str, _Remote] = {}
         self._results: list[LoadResult] = []
         self._wakeup: Callable[[], None] | None = None
-        self._event = threading.Event()
         self._kv_cache: torch.Tensor | None = None
         self._closed = threading.Event()
         transport.set_receiver(self._on_message)
@@ -141,7 +140,6 @@ class DecodeConnector:
             self._wake()
 
     def _wake(self) -> None:
-        self._event.set()
         if self._wakeup is not None:
             self._wakeup()
 
@@ -153,11 +151,6 @@ class DecodeConnector:
         then. Once true it stays true: a peer lost later is the failure policy's."""
         with self._lock:
             return self.peers.any_answered
-
-    @property
-    def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._remote)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
@@ -198,6 +191,7 @@ class DecodeConnector:
                 last_heard=now,
             )
             self._remote[request.req_id] = remote
+            self.stats.set_in_flight(len(self._remote))
             if peer is None:
                 remote.error = "no prefill peer is reachable"
                 return
@@ -238,6 +232,7 @@ class DecodeConnector:
                 if remote.peer:
                     self.peers.ended(remote.peer)
                 out.append(result)
+            self.stats.set_in_flight(len(self._remote))
         return out
 
     def _check(self, remote: _Remote, now: float) -> LoadResult | None:
@@ -284,15 +279,12 @@ class DecodeConnector:
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         with self._lock:
             remote = self._remote.pop(request.req_id, None)
+            self.stats.set_in_flight(len(self._remote))
             if remote is not None and remote.peer:
                 self.peers.ended(remote.peer)
         if remote is not None and remote.peer:
             self.transport.send(remote.peer, Cancel(request.req_id))
         return False
-
-    def wait(self, timeout_s: float) -> None:
-        self._event.wait(timeout_s)
-        self._event.clear()
 
     # ------------------------------------------------------------------ worker side
     def register_kv_cache(self, kv_cache: Any) -> None:

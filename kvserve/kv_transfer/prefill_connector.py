@@ -87,7 +87,6 @@ class PrefillConnector:
             queue.SimpleQueue()
         )
         self._wakeup: Callable[[], None] | None = None
-        self._event = threading.Event()
         self._sender = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
         self._sender.start()
 
@@ -141,7 +140,6 @@ class PrefillConnector:
         self.transport.close()
 
     def _wake(self) -> None:
-        self._event.set()
         if self._wakeup is not None:
             self._wakeup()
 
@@ -242,10 +240,6 @@ class PrefillConnector:
                 )
             )
         return True
-
-    def wait(self, timeout_s: float) -> None:
-        self._event.wait(timeout_s)
-        self._event.clear()
 
     # ------------------------------------------------------------------ worker side
     @property

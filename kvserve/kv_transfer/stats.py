@@ -42,6 +42,7 @@ class TransferSnapshot:
     long_exposed_seconds: float = 0.0
     num_long: int = 0
     nominal_bytes_per_token: int = 0  # 2 x layers x KV heads x head dim x dtype bytes
+    in_flight: int = 0  # decode side: remote prefills asked for and not yet ended (a gauge)
 
 
 class TransferStats:
@@ -77,6 +78,11 @@ class TransferStats:
                 s.long_busy_seconds += busy
                 s.long_exposed_seconds += min(max(exposed, 0.0), busy)
                 s.num_long += 1
+
+    def set_in_flight(self, num_requests: int) -> None:
+        """The decode connector's count of remote prefills it waits on, after a change."""
+        with self._lock:
+            self._s.in_flight = num_requests
 
     def set_nominal_bytes_per_token(self, num_bytes: int) -> None:
         with self._lock:

@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
     def batch_invariant_supported(self) -> bool:
         """Whether batch-invariant mode can run: the fused native layers (fp32 residual,
         per-row norms) and native panels for every linear (docs/determinism.md)."""
-        return self._native is not None and all(lin.invariant_capable for lin in self._linears())
+        return self.uses_native_layers and all(lin.invariant_capable for lin in self._linears())
 
     @property
     def batch_invariant_default(self) -> bool:
@@ -279,11 +279,6 @@ class LlamaForCausalLM(nn.Module):
         """``"float"``, or the quantized formats run, e.g. ``"q4_1+q8_0"``."""
         names = sorted({q.fmt.name for parts in self._quant.values() for q in parts})
         return "+".join(names) if names else "float"
-
-    @property
-    def quantized(self) -> bool:
-        """Whether any weight runs quantized."""
-        return bool(self._quant)
 
     def streamed_weight_bytes(self) -> int:
         """Bytes a decode step reads from the weights (after :meth:`prepare`): each

@@ -192,11 +192,6 @@ class StructuredBatch:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-mask")
         return self._pool.submit(self._masks, list(req_ids), matchers)
 
-    def masks_now(self, req_ids: list[str]) -> torch.Tensor | None:
-        """:meth:`start_masks` without the thread (tests, benchmarks)."""
-        matchers = [self.matchers.get(r) for r in req_ids]
-        return None if all(m is None for m in matchers) else self._masks(req_ids, matchers)
-
     def _masks(self, req_ids: list[str], matchers: list[Any]) -> torch.Tensor:
         from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 

@@ -19,6 +19,7 @@ from kvserve.kv_transfer.decode_connector import DecodeConnector
 from kvserve.kv_transfer.prefill_connector import PrefillConnector
 from kvserve.kv_transfer.transport import in_process_pair
 from kvserve.kv_transfer.wire import Cancel, Claim, PrefillRequest, decode_message
+from kvserve.metrics import EngineMetrics
 from kvserve.request import Request, RequestStatus, SamplingParams
 
 B = 4
@@ -160,7 +161,7 @@ def test_any_drop_duplicate_or_reorder_ends_cleanly(
                 break
             clock.now += 2.0  # past the timeout: a silent peer fails the load
         (result,) = results
-        assert decode.num_in_flight == 0
+        assert decode.stats.snapshot().in_flight == 0
         if all_arrived:
             assert result.error is None and result.num_tokens_ok == n
         else:
@@ -236,9 +237,13 @@ def test_late_and_foreign_chunks_are_ignored():
         d_req = _request("r", tokens)
         decode.peers.pong("prefill", 0)
         decode.update_state_after_alloc(d_req, [5, 6, 7], 2 * B)
-        assert decode.num_in_flight == 1
+        assert decode.stats.snapshot().in_flight == 1
+        metrics = EngineMetrics("m")
+        metrics.set_transfer_source(decode.stats.snapshot)
+        assert b'kv_transfer_in_flight{model_name="m"} 1.0' in metrics.render()
         assert decode.request_finished(d_req, [5, 6, 7]) is False
-        assert decode.num_in_flight == 0
+        assert decode.stats.snapshot().in_flight == 0
+        assert b'kv_transfer_in_flight{model_name="m"} 0.0' in metrics.render()
     finally:
         decode.close()
         prefill.close()

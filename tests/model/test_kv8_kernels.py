@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kvserve.model.kernels.kv8 import (
-    dequantize_cache,
     dequantize_rows,
     get_kv8_kernel,
     pages_to_rows,
@@ -25,6 +24,14 @@ except RuntimeError:  # no compiler
 
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="native kernels unavailable")
 FORMATS = [torch.int8, torch.uint8]  # int8, fp8_e4m3
+
+
+def dequantize_cache(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A whole 8-bit layer cache -> float32 ``[2, Hk, blocks, block_size, D]`` (the
+    reference codec's inverse of ``quantize_cache``)."""
+    if kv_cache.dtype == torch.int8:
+        return dequantize_rows(pages_to_rows(kv_cache))
+    return dequantize_rows(kv_cache)
 
 
 def _cache(hk: int, blocks: int, bs: int, d: int, dtype: torch.dtype, gen: torch.Generator):

@@ -145,8 +145,9 @@ def _generate(
     out: list[int] = []
     replaced = 0
     while len(out) < params.max_tokens:
-        mask = batch.masks_now([req_id])
-        assert mask is not None
+        pending = batch.start_masks([req_id])
+        assert pending is not None
+        mask = pending.result()
         token = choose(mask[0], gen)
         forced = batch.vet(req_id, token)
         if forced is not None:
@@ -236,8 +237,9 @@ def test_replayed_request_keeps_the_budget(compiler: GrammarCompiler, tokenizer:
     out = list(prefix)
     while out[-1] != eos:
         assert len(out) < max_tokens
-        mask = batch.masks_now(["r"])
-        assert mask is not None
+        pending = batch.start_masks(["r"])
+        assert pending is not None
+        mask = pending.result()
         token = int(mask[0].nonzero()[-1])  # the highest allowed id: rarely a closer
         token = batch.vet("r", token) or token
         batch.accept("r", token)

@@ -77,8 +77,9 @@ def _walk(batch: StructuredBatch, tokenizer: Any, req_id: str, seed: int) -> str
     out: list[int] = []
     texts: dict[int, str] = {}
     for _ in range(300):
-        mask = batch.masks_now([req_id])
-        assert mask is not None
+        pending = batch.start_masks([req_id])
+        assert pending is not None
+        mask = pending.result()
         allowed = mask[0].nonzero().flatten().tolist()
         if eos in allowed:
             return str(tokenizer.decode(out))
@@ -135,11 +136,13 @@ def test_replayed_tokens_and_unconstrained_rows(compiler: GrammarCompiler, token
     prefix = tokenizer.encode("hello", add_special_tokens=False)
     batch.add("r", params, prefix)  # e.g. after a preemption: the outputs so far replay
     batch.add("free", SamplingParams(), [])  # no constraint: not tracked
-    mask = batch.masks_now(["free", "r"])
-    assert mask is not None and bool(mask[0].all())
+    pending = batch.start_masks(["free", "r"])
+    assert pending is not None
+    mask = pending.result()
+    assert bool(mask[0].all())
     allowed = [tokenizer.decode([t]) for t in mask[1].nonzero().flatten().tolist()]
     assert allowed and all(" world".startswith(a) for a in allowed)
-    assert batch.masks_now(["free"]) is None
+    assert batch.start_masks(["free"]) is None
 
 
 def test_unpack_bitmask() -> None:

@@ -77,8 +77,10 @@ def _raw(compiler: GrammarCompiler, params: StructuredOutputsParams) -> Any:
 def test_batch_reports_a_matcher_with_no_allowed_token(compiler: GrammarCompiler) -> None:
     batch = StructuredBatch(compiler)
     batch.matchers["r"] = _raw(compiler, StructuredOutputsParams(json={"$ref": "#"}))
-    mask = batch.masks_now(["r", "free"])
-    assert mask is not None and mask[0].sum() == 1 and mask[1].all()
+    pending = batch.start_masks(["r", "free"])
+    assert pending is not None
+    mask = pending.result()
+    assert mask[0].sum() == 1 and mask[1].all()
     failures = batch.take_failures()
     assert list(failures) == ["r"] and "mid-generation" in failures["r"]
     assert batch.take_failures() == {}
@@ -89,8 +91,9 @@ def test_batch_reports_a_matcher_that_fails_on_a_token(
 ) -> None:
     batch = StructuredBatch(compiler)
     batch.matchers["r"] = _raw(compiler, StructuredOutputsParams(regex="a{1000000}"))
-    mask = batch.masks_now(["r"])
-    assert mask is not None
+    pending = batch.start_masks(["r"])
+    assert pending is not None
+    mask = pending.result()
     batch.accept("r", int(mask[0].nonzero()[0]))
     assert "r" in batch.take_failures()
     batch.drop("r")

@@ -206,13 +206,6 @@ def pages_to_rows(pages: torch.Tensor) -> torch.Tensor:
     return out.view(torch.int8)
 
 
-def dequantize_cache(kv_cache: torch.Tensor) -> torch.Tensor:
-    """A whole 8-bit layer cache -> float32 ``[2, Hk, blocks, block_size, D]``."""
-    if kv_cache.dtype == torch.int8:
-        return dequantize_rows(pages_to_rows(kv_cache))
-    return dequantize_rows(kv_cache)
-
-
 def quantize_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float ``[2, Hk, blocks, block_size, D]`` -> an 8-bit layer cache of ``dtype`` in
     its layout (what ``kvs_kv8_write`` stores for those values)."""

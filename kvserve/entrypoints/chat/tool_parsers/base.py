@@ -163,15 +163,6 @@ class ToolParser:
         raise NotImplementedError
 
 
-def could_start(buffer: str, marker: str) -> bool:
-    """True when some suffix of ``buffer`` is a proper prefix of ``marker`` (so the
-    text may still turn into the marker and must be held back)."""
-    for k in range(min(len(buffer), len(marker) - 1), 0, -1):
-        if marker.startswith(buffer[-k:]):
-            return True
-    return False
-
-
 def held_suffix(buffer: str, marker: str) -> int:
     """How many trailing characters of ``buffer`` may begin ``marker``."""
     for k in range(min(len(buffer), len(marker) - 1), 0, -1):
