@@ -264,15 +264,6 @@ class SchedulerConfig:
             )
 
     @property
-    def decode_batch_buckets(self) -> tuple[int, ...] | None:
-        """The batch sizes decode steps are padded to: ``num_seqs_buckets`` under the
-        separated policy, None under the mixed policy (it never pads a decode batch).
-        The one place outside ``kvserve.sched`` that knows what a policy pads."""
-        if self.scheduler_policy != "separated" or self.num_seqs_buckets is None:
-            return None
-        return tuple(self.num_seqs_buckets)
-
-    @property
     def model_len(self) -> int:
         """``max_model_len``, or ``DEFAULT_MAX_MODEL_LEN`` where it is None (unresolved)."""
         return DEFAULT_MAX_MODEL_LEN if self.max_model_len is None else self.max_model_len

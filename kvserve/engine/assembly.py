@@ -59,19 +59,9 @@ def cost_model_stats(model: CostModel | None) -> dict[str, float]:
 
 
 def step_cost_model(config: EngineConfig, runner: Runner, vocab_size: int) -> CostModel | None:
-    """The scheduler's step-time model: None when ``max_step_ms`` is 0; a runner's own
-    ``cost_model`` attribute when it has one (the simulator's); for the real
-    ModelRunner, fitted now from timed steps (:mod:`kvserve.worker.step_cost`)."""
-    if not config.scheduler.max_step_ms:
+    """The scheduler's step-time model: None when ``max_step_ms`` is 0 or the runner
+    has no ``step_cost_model`` (:class:`CostedRunner`: token budgets only); otherwise
+    the runner's (the real one fits it now from timed steps)."""
+    if not config.scheduler.max_step_ms or not isinstance(runner, CostedRunner):
         return None
-    if isinstance(runner, CostedRunner) and isinstance(runner.cost_model, CostModel):
-        return runner.cost_model
-    from kvserve.worker.model_runner import ModelRunner
-
-    if not isinstance(runner, ModelRunner):
-        return None  # an injected runner without a model: token budgets only
-    from kvserve.worker.step_cost import cached_calibration
-
-    return cached_calibration(
-        runner, vocab_size=vocab_size, max_model_len=config.scheduler.model_len
-    )
+    return runner.step_cost_model(vocab_size, config.scheduler.model_len)

@@ -91,8 +91,10 @@ class KVFormatRunner(Runner, Protocol):
 
 @runtime_checkable
 class CostedRunner(Runner, Protocol):
-    """A runner that brings its own step-time model (the simulator's stand-in, whose
-    steps take no real time); the engine gives the scheduler that one instead of
-    fitting one from timed steps."""
+    """A runner that can give the scheduler a step-time model (used when
+    ``max_step_ms`` is set): the real runner fits one from timed steps of its own
+    model, the simulator's stand-in (whose steps take no real time) returns fixed
+    coefficients. A runner without it gets token budgets only. Called once, before
+    the first step."""
 
-    cost_model: CostModel
+    def step_cost_model(self, vocab_size: int, max_model_len: int) -> CostModel: ...

@@ -44,6 +44,12 @@ def make_scheduler(
     return cls(config, kv_cache_manager, kv_connector=kv_connector, clock=clock)
 
 
+def decode_batch_buckets(config: SchedulerConfig) -> tuple[int, ...] | None:
+    """The batch sizes ``config.scheduler_policy`` pads decode steps to (None: it never
+    pads); the policy class owns the answer (:meth:`Scheduler.decode_batch_buckets`)."""
+    return POLICIES[config.scheduler_policy].decode_batch_buckets(config)
+
+
 __all__ = [
     "POLICIES",
     "KVConnector",
@@ -52,6 +58,7 @@ __all__ = [
     "SchedulerState",
     "SeparatedScheduler",
     "StepBuilder",
+    "decode_batch_buckets",
     "default_num_batched_tokens_buckets",
     "default_num_seqs_buckets",
     "get_bucket",

@@ -158,10 +158,11 @@ class Scheduler(abc.ABC):
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.waiting_for_remote)
 
-    @property
-    def has_runnable_requests(self) -> bool:
-        """Whether a step can compute anything (not only wait on remote loads)."""
-        return bool(self.waiting or self.running)
+    @classmethod
+    def decode_batch_buckets(cls, config: SchedulerConfig) -> tuple[int, ...] | None:
+        """The batch sizes this policy pads decode steps to (the runner compiles one
+        decode graph per size); None: it never pads a decode batch."""
+        return None
 
     @property
     def max_running_requests(self) -> int:

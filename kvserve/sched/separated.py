@@ -75,6 +75,11 @@ class SeparatedScheduler(Scheduler):
             1, kv_cache_manager.max_concurrent_requests(self.max_model_len)
         )
 
+    @classmethod
+    def decode_batch_buckets(cls, config: SchedulerConfig) -> tuple[int, ...] | None:
+        """``num_seqs_buckets``: a decode batch is padded to the smallest that holds it."""
+        return None if config.num_seqs_buckets is None else tuple(config.num_seqs_buckets)
+
     @property
     def max_running_requests(self) -> int:
         """Rule (4): at most the KV cache's concurrency at ``max_model_len``."""

@@ -214,6 +214,10 @@ class StandInRunner:
     def clock(self) -> float:
         return float(self.step)
 
+    def step_cost_model(self, vocab_size: int, max_model_len: int) -> CostModel:
+        """The fixed reference coefficients (``CostedRunner``), whatever the shapes."""
+        return self.cost_model
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         assert self.engine is not None, "set StandInRunner.engine before stepping"
         self.record = _step_record(self.step, scheduler_output, self.engine)

@@ -21,13 +21,14 @@ import torch
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
-from kvserve.model.attention_metadata import AUTO_INVARIANT_MAX_CONTEXT
 from kvserve.model.invariance import auto_invariant_reach
 from kvserve.model.kernels.kv8 import resolve_kv_cache_dtype
 from kvserve.model.kv_cache_tensor import allocate_kv_cache as allocate_kv_cache  # re-exported
 from kvserve.model.kv_cache_tensor import kv_cache_bytes_per_block as kv_cache_bytes_per_block
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
+from kvserve.sched import decode_batch_buckets
+from kvserve.sched.cost_model import CostModel
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.decoder import History, SpecDecoder
@@ -37,54 +38,9 @@ from kvserve.structured.compiler import GrammarCompiler
 from kvserve.structured.matcher import StructuredBatch
 from kvserve.worker.compiled_step import CompiledDecode
 from kvserve.worker.input_batch import InputBatch, StepInputs
+from kvserve.worker.invariance_mode import resolve_auto_invariance, resolve_batch_invariant
 from kvserve.worker.prompt_logprobs import score
 from kvserve.worker.sampler import Sampler, SamplerOutput, SamplingRequestState
-
-
-def resolve_batch_invariant(
-    requested: bool | None, model: LlamaForCausalLM, backend: str, compile: bool
-) -> bool:
-    """Whether a runner runs in batch-invariant mode (docs/determinism.md).
-
-    ``None`` (the default): on where it is supported and cheap
-    (``model.batch_invariant_default``, the native attention backend) and ``compile`` is
-    off (compiled decode graphs use other elementwise kernels than eager prefill).
-    ``True``: on, or ValueError saying why it cannot be; ``False``: off.
-    """
-    if requested is not None and not isinstance(requested, bool):
-        raise ValueError(
-            f"invalid batch_invariant={requested!r}: must be True, False or None (automatic) "
-            "(for example: batch_invariant=True)"
-        )
-    supported = model.batch_invariant_supported and backend == "native"
-    if requested is None:
-        return supported and model.batch_invariant_default and not compile
-    if requested and compile:
-        raise ValueError(
-            "invalid batch_invariant=True with compile=True: compiled decode steps use other "
-            "kernels than eager prefill steps, so a row's logits would depend on how it was "
-            "scheduled (for example: batch_invariant=True, compile=False)"
-        )
-    if requested and not supported:
-        raise ValueError(
-            "invalid batch_invariant=True: it needs kvserve's native kernels for this model "
-            "and dtype (a C++ compiler; AVX-512F for float32, AVX512-BF16 for bfloat16; a "
-            "model without per-head q/k norms) (for example: batch_invariant=False)"
-        )
-    return bool(requested)
-
-
-def resolve_auto_invariance(
-    requested: bool | None, model: LlamaForCausalLM, backend: str, compile: bool
-) -> int:
-    """The automatic mode's reach (docs/determinism.md): with ``batch_invariant``
-    unset (None), no ``compile``, the native backend and cheap invariant linears
-    (``model.auto_invariance_cheap``), requests whose context is at most
-    ``AUTO_INVARIANT_MAX_CONTEXT`` tokens are batch invariant (returns that length);
-    otherwise 0 (``True`` covers every length, ``False`` none)."""
-    if requested is not None or compile or backend != "native":
-        return 0
-    return AUTO_INVARIANT_MAX_CONTEXT if model.auto_invariance_cheap else 0
 
 
 class ModelRunner:
@@ -190,7 +146,7 @@ class ModelRunner:
         if compile:
             self.compiled = CompiledDecode(
                 self.model,
-                buckets=scheduler_config.decode_batch_buckets,
+                buckets=decode_batch_buckets(scheduler_config),
                 max_model_len=scheduler_config.model_len,
                 block_size=self.block_size,
                 attention_backend=self.attention_backend,
@@ -201,6 +157,13 @@ class ModelRunner:
         """Use ``connector``'s worker side around every step (disaggregation)."""
         connector.register_kv_cache(self.kv_cache)
         self.kv_connector = connector
+
+    def step_cost_model(self, vocab_size: int, max_model_len: int) -> CostModel:
+        """The step-time model fitted from timed steps of this runner (``CostedRunner``;
+        cached per model and shapes, :mod:`kvserve.worker.step_cost`)."""
+        from kvserve.worker.step_cost import cached_calibration
+
+        return cached_calibration(self, vocab_size=vocab_size, max_model_len=max_model_len)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -22,13 +22,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.request import SamplingParams
 from kvserve.sched.cost_model import CostModel, Features, output_features
 from kvserve.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from kvserve.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:  # the runner calls cached_calibration (ModelRunner.step_cost_model)
+    from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

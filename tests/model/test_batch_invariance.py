@@ -268,7 +268,7 @@ def test_linear_rows_invariant_at_every_m(loaded_model) -> None:
 
 
 def test_resolve_batch_invariant_rules(loaded_model) -> None:
-    from kvserve.worker.model_runner import resolve_batch_invariant
+    from kvserve.worker.invariance_mode import resolve_batch_invariant
 
     model = loaded_model.model
     with pytest.raises(ValueError, match="compile"):
@@ -279,7 +279,7 @@ def test_resolve_batch_invariant_rules(loaded_model) -> None:
         resolve_batch_invariant(True, model, "portable", False)
     assert resolve_batch_invariant(False, model, "native", False) is False
     from kvserve.model.attention_metadata import AUTO_INVARIANT_MAX_CONTEXT
-    from kvserve.worker.model_runner import resolve_auto_invariance
+    from kvserve.worker.invariance_mode import resolve_auto_invariance
 
     assert resolve_auto_invariance(True, model, "native", False) == 0
     assert resolve_auto_invariance(False, model, "native", False) == 0

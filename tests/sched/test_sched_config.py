@@ -15,7 +15,17 @@ from kvserve.config import (
 )
 from kvserve.kv_cache import KVCacheManager
 from kvserve.kv_transfer.config import KVTransferConfig
-from kvserve.sched import MixedScheduler, SeparatedScheduler, make_scheduler
+from kvserve.sched import MixedScheduler, SeparatedScheduler, decode_batch_buckets, make_scheduler
+
+
+def test_each_policy_owns_the_decode_batch_sizes_it_pads_to():
+    separated = SchedulerConfig(scheduler_policy="separated", max_num_seqs=8).resolved()
+    assert separated.num_seqs_buckets is not None
+    assert decode_batch_buckets(separated) == tuple(separated.num_seqs_buckets)
+    assert decode_batch_buckets(dataclasses.replace(separated, num_seqs_buckets=(2, 8))) == (2, 8)
+    # the mixed policy never pads a decode batch, whatever the bucket list says
+    mixed = SchedulerConfig(scheduler_policy="mixed", max_num_seqs=8).resolved()
+    assert mixed.num_seqs_buckets is not None and decode_batch_buckets(mixed) is None
 
 
 def test_defaults_are_valid_and_resolved_fills_buckets():

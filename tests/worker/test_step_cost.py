@@ -88,3 +88,19 @@ def test_calibrate_on_the_default_model(loaded_model):
         cached_seq_len={"r": 0},
     )
     assert len(runner.execute_model(so).sampled_token_ids["r"]) == 1
+
+
+def test_a_runner_without_a_step_cost_model_gets_token_budgets_only():
+    from support.fake_runner import FakeModel, FakeRunner
+
+    runner = FakeRunner()
+    assert not hasattr(runner, "step_cost_model")
+    engine = EngineCore(
+        EngineConfig(
+            cache=CacheConfig(num_kv_blocks=runner.num_kv_blocks),
+            scheduler=SchedulerConfig(max_model_len=256, max_step_ms=100.0),
+        ),
+        loaded=FakeModel(tokenizer=list(range(300))),
+        runner=runner,
+    )
+    assert engine.scheduler.cost_model is None
