@@ -38,7 +38,16 @@ RUNTIME = ("module", "function")
 # Layers, lowest first. A module belongs to the layer of the longest prefix below that
 # names it (a prefix names a module and everything under it).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("kvserve.errors", "kvserve.checks", "kvserve.seeding", "kvserve.buckets")),
+    (
+        "base",
+        (
+            "kvserve.errors",
+            "kvserve.checks",
+            "kvserve.seeding",
+            "kvserve.buckets",
+            "kvserve.prompt_check",
+        ),
+    ),
     ("config", ("kvserve.config", "kvserve.spec_decode.config", "kvserve.kv_transfer.config")),
     ("request", ("kvserve.request", "kvserve.structured.params", "kvserve.kv_cache.hashing")),
     # the pieces the scheduler and the runner both stand on

@@ -171,7 +171,7 @@ def vocabulary(tokenizer_name: str | None, required: bool) -> Any:
     With ``required`` a tokenizer that cannot be loaded is an error; without it the
     default (approximate) vocabulary is used after a warning.
     """
-    from kvserve.bench.workloads import WordVocabulary
+    from kvserve.bench.vocabulary import WordVocabulary
 
     if tokenizer_name is None:
         return WordVocabulary.default()

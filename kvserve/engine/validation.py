@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvserve.request import RequestError, SamplingParams, check_prompt
+from kvserve.prompt_check import check_prompt
+from kvserve.request import RequestError, SamplingParams
 from kvserve.structured.params import StructuredOutputsParams
 
 

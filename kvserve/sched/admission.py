@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from kvserve.kv_cache.manager import KVCacheManager, cdiv
-from kvserve.request import Request, RequestError, RequestStatus, check_prompt
+from kvserve.prompt_check import check_prompt
+from kvserve.request import Request, RequestError, RequestStatus
 
 
 def running_seqs(running: Iterable[Request]) -> int:
@@ -35,7 +36,7 @@ def check_schedulable(
     """Raise ValueError when the id is taken (``queued``: the scheduler's unfinished
     requests) or the request was already used, and :class:`RequestError` when its
     group of samples exceeds ``max_num_seqs``, its prompt leaves no room under
-    ``max_model_len`` (:func:`~kvserve.request.check_prompt`), or it could never fit in
+    ``max_model_len`` (:func:`~kvserve.prompt_check.check_prompt`), or it could never fit in
     the whole KV cache (it would wait forever). Changes nothing."""
     req_id = request.req_id
     if req_id in queued:
