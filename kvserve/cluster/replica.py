@@ -148,10 +148,6 @@ class EngineReplica:
         if not self.async_engine.is_healthy:
             raise RuntimeError(f"replica {self.name}: the engine is not running")
 
-    def process_info(self) -> dict[str, Any]:
-        """Name and pid of this replica (operators and the fault tests use it)."""
-        return {"replica": self.name, "pid": os.getpid()}
-
     async def __del__(self) -> None:
         if self._push_task is not None:
             self._push_task.cancel()
