@@ -1,4 +1,4 @@
-"""``kvserve bench {serve,compare,step-cost,forward}``.
+"""``kvserve bench {serve,compare,step-cost,invariance,forward}``.
 
 - ``serve``: load-test any OpenAI-compatible server (kvserve, vLLM, llama.cpp)
   (``kvserve.bench.serve_bench``).
@@ -7,9 +7,11 @@
   (``kvserve.bench.compare_cmd``).
 - ``step-cost``: the step-time cost model's prediction error on real steps
   (``kvserve.bench.step_cost``).
-- ``forward``: the model forward-pass benchmark, implemented in
-  ``kvserve.bench.forward`` (imported when the parser is built, like the top-level
-  subcommands; "not yet available" while that module is missing).
+- ``invariance``: batch invariance, bitwise (``kvserve.bench.invariance``).
+- ``forward``: the model forward-pass benchmark (``kvserve.bench.forward``).
+
+Each subcommand's module has ``add_arguments`` and ``run``; the modules load when the
+parser is built, torch-backed ones only inside ``run``.
 
 Heavy imports (httpx, numpy, matplotlib, transformers) happen inside ``run``.
 """
@@ -17,63 +19,59 @@ Heavy imports (httpx, numpy, matplotlib, transformers) happen inside ``run``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from typing import Any
 
 from kvserve.bench import compare_cmd, serve_bench
 
 
+def _add(sub: Any, name: str, module: Any, help: str, description: str | None = None) -> None:
+    """One subcommand: ``module.add_arguments`` builds its parser and ``module.run`` runs
+    it; without ``description`` its help text is the module's docstring."""
+    if description is None:
+        p = sub.add_parser(
+            name,
+            help=help,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    else:
+        p = sub.add_parser(name, help=help, description=description)
+    module.add_arguments(p)
+    p.set_defaults(_bench_run=module.run)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the bench sub-subcommands to ``parser`` (the ``kvserve bench`` parser)."""
+    from kvserve.bench import forward, invariance, step_cost
+
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
-    p = sub.add_parser(
+    _add(
+        sub,
         "serve",
-        help="load-test an OpenAI-compatible server",
-        description="Load-test any OpenAI-compatible server (kvserve, vLLM, llama.cpp's server): "
-        "stream every request, report throughput, TTFT/TPOT/ITL/E2E percentiles, goodput and "
-        "the prefix-cache hit rate, and write results.json and PNG plots.",
+        serve_bench,
+        "load-test an OpenAI-compatible server",
+        "Load-test any OpenAI-compatible server (kvserve, vLLM, llama.cpp's server): stream "
+        "every request, report throughput, TTFT/TPOT/ITL/E2E percentiles, goodput and the "
+        "prefix-cache hit rate, and write results.json and PNG plots.",
     )
-    serve_bench.add_arguments(p)
-    p.set_defaults(_bench_run=serve_bench.run)
-    p = sub.add_parser(
+    _add(
+        sub,
         "compare",
-        help="compare kvserve configurations and the HF baseline",
-        description="Run one preset workload against several kvserve configurations, each started "
-        "as its own `kvserve serve`, plus the HF transformers static-batching baseline, and print "
-        "each figure with its ratio to a reference configuration.",
+        compare_cmd,
+        "compare kvserve configurations and the HF baseline",
+        "Run one preset workload against several kvserve configurations, each started as its "
+        "own `kvserve serve`, plus the HF transformers static-batching baseline, and print each "
+        "figure with its ratio to a reference configuration.",
     )
-    compare_cmd.add_arguments(p)
-    p.set_defaults(_bench_run=compare_cmd.run)
-    from kvserve.bench import step_cost
-
-    p = sub.add_parser(
-        "step-cost",
-        help="the step-time cost model's prediction error on real steps",
-        description=step_cost.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    step_cost.add_arguments(p)
-    p.set_defaults(_bench_run=step_cost.run)
-    from kvserve.bench import invariance
-
-    p = sub.add_parser(
+    _add(sub, "step-cost", step_cost, "the step-time cost model's prediction error on real steps")
+    _add(
+        sub,
         "invariance",
-        help="batch invariance: alone vs batched vs cache hit vs disaggregated, bitwise",
-        description=invariance.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        invariance,
+        "batch invariance: alone vs batched vs cache hit vs disaggregated, bitwise",
     )
-    invariance.add_arguments(p)
-    p.set_defaults(_bench_run=invariance.run)
-    p = sub.add_parser("forward", help="model forward-pass benchmark")
-    try:
-        forward = importlib.import_module("kvserve.bench.forward")
-    except ModuleNotFoundError as e:
-        if e.name != "kvserve.bench.forward":
-            raise
-        p.set_defaults(_bench_run=_forward_unavailable)
-    else:
-        forward.add_arguments(p)
-        p.set_defaults(_bench_run=forward.run)
+    _add(sub, "forward", forward, "model forward-pass benchmark")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,8 +84,3 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     return int(args._bench_run(args) or 0)
-
-
-def _forward_unavailable(args: argparse.Namespace) -> int:
-    print("kvserve bench forward: not yet available in this version", file=sys.stderr)
-    return 2

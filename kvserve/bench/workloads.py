@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from kvserve.bench.sessions import Session as Session  # re-exported
 from kvserve.bench.sessions import Turn as Turn  # re-exported
@@ -79,21 +79,9 @@ WorkloadKind = Literal[
     "spec-json",
     "spec-quote",
 ]
-WORKLOAD_KINDS: tuple[str, ...] = (
-    "random",
-    "shared-prefix",
-    "multi-turn",
-    "long-doc",
-    "interference",
-    "multi-tenant",
-    "chat-interference",
-    "chat-multiturn",
-    # speculative decoding (kvserve.bench.spec_workloads): answers copy from the prompt
-    "spec-edit",
-    "spec-code",
-    "spec-json",
-    "spec-quote",
-)
+# the spec-* kinds are speculative decoding's (kvserve.bench.spec_workloads): answers
+# copy from the prompt
+WORKLOAD_KINDS: tuple[str, ...] = get_args(WorkloadKind)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,7 @@ def kv_fingerprint(loaded: ModelInfo, runner: Runner) -> str:
     not the model dtype (an int8 cache's blocks never match a bfloat16 one's)."""
     if not isinstance(runner, KVFormatRunner):
         return loaded.fingerprint
-    from kvserve.model.kernels.kv8 import kv_cache_fingerprint
-
-    return kv_cache_fingerprint(
-        loaded.fingerprint, runner.kv_format, getattr(loaded, "dtype", None)
-    )
+    return runner.kv_fingerprint(loaded.fingerprint)
 
 
 def model_runner(

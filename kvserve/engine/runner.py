@@ -7,14 +7,11 @@ test double. Nothing here imports torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.sched.cost_model import CostModel
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
-
-if TYPE_CHECKING:
-    from kvserve.model.kernels.kv8 import KVCacheFormat
 
 
 class ModelInfo(Protocol):
@@ -83,10 +80,12 @@ class ConnectedRunner(Runner, Protocol):
 @runtime_checkable
 class KVFormatRunner(Runner, Protocol):
     """A runner whose KV cache has a storage format (the real runner: the model dtype
-    or 8-bit); the engine salts the prefix-cache block hashes with it, so blocks of
-    one format never match another's."""
+    or 8-bit); the engine salts the prefix-cache block hashes with what
+    ``kv_fingerprint`` returns, so blocks of one format never match another's."""
 
-    kv_format: KVCacheFormat
+    def kv_fingerprint(self, model_fingerprint: str) -> str:
+        """The block-hash salt of this runner's KV blocks, given the model's own."""
+        ...
 
 
 @runtime_checkable

@@ -135,7 +135,7 @@ class ResponsesRequest(StrictModel):
     previous_response_id: Annotated[Any, WithJsonSchema({"type": "null"})] = None
     store: bool | None = None
     text: dict[str, Any] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # as chat completions
     metadata: dict[str, Any] | None = None
 
     @field_validator("tools", mode="before")

@@ -22,7 +22,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_transfer.connector import KVConnectorWorker
 from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.invariance import auto_invariant_reach
-from kvserve.model.kernels.kv8 import resolve_kv_cache_dtype
+from kvserve.model.kernels.kv8 import kv_cache_fingerprint, resolve_kv_cache_dtype
 from kvserve.model.kv_cache_tensor import allocate_kv_cache as allocate_kv_cache  # re-exported
 from kvserve.model.kv_cache_tensor import kv_cache_bytes_per_block as kv_cache_bytes_per_block
 from kvserve.model.llama import LlamaForCausalLM
@@ -157,6 +157,10 @@ class ModelRunner:
         """Use ``connector``'s worker side around every step (disaggregation)."""
         connector.register_kv_cache(self.kv_cache)
         self.kv_connector = connector
+
+    def kv_fingerprint(self, model_fingerprint: str) -> str:
+        """The block-hash salt of this cache's KV format (``KVFormatRunner``)."""
+        return kv_cache_fingerprint(model_fingerprint, self.kv_format, self.loaded.dtype)
 
     def step_cost_model(self, vocab_size: int, max_model_len: int) -> CostModel:
         """The step-time model fitted from timed steps of this runner (``CostedRunner``;
