@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -194,29 +194,30 @@ def _gguf_cache_key(gguf_path: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-def _convert_gguf_cached(gguf_path: Path, cache_name: str) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in cache_name)
-    key = _gguf_cache_key(gguf_path)
-    target = cache_dir() / "models" / f"{safe}-{key}"
+def _safe_name(cache_name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in cache_name)
+
+
+def _cached_folder(name: str, pattern: str, build: Callable[[Path], None]) -> Path:
+    """``cache_dir()/models/name``, built once. A complete folder (its meta file
+    written) matching ``pattern`` under any name is reused (the same bytes in another
+    clone); otherwise ``build`` fills a temporary folder that is renamed into place
+    under a file lock, so concurrent processes never see half a folder and only one
+    of them pays the build."""
+    models = cache_dir() / "models"
+    target = models / name
     if (target / _META_FILE).is_file():
         return target
-    # The same bytes under another name (a copy, another clone's venv): reuse that folder.
-    for other in sorted((cache_dir() / "models").glob(f"*-{key}")):
+    for other in sorted(models.glob(pattern)):
         if (other / _META_FILE).is_file():
             return other
-    with _file_lock(cache_dir() / "models" / f".{target.name}.lock"):
-        if (target / _META_FILE).is_file():  # another process converted it meanwhile
+    with _file_lock(models / f".{name}.lock"):
+        if (target / _META_FILE).is_file():  # another process built it meanwhile
             return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models))
         tmp.chmod(0o755)
-        t0 = time.monotonic()
-        _progress(
-            f"converting {gguf_path.name} once into {target} "
-            "(this takes ~25 s for the default model; later starts reuse it)"
-        )
         try:
-            convert_gguf(gguf_path, tmp)
-            _progress(f"converted {gguf_path.name} in {time.monotonic() - t0:.1f} s")
+            build(tmp)
             if target.exists():  # a stale, incomplete folder (no meta file)
                 shutil.rmtree(target)
             os.rename(tmp, target)
@@ -226,35 +227,33 @@ def _convert_gguf_cached(gguf_path: Path, cache_name: str) -> Path:
     return target
 
 
+def _convert_gguf_cached(gguf_path: Path, cache_name: str) -> Path:
+    key = _gguf_cache_key(gguf_path)
+    name = f"{_safe_name(cache_name)}-{key}"
+
+    def build(tmp: Path) -> None:
+        t0 = time.monotonic()
+        _progress(
+            f"converting {gguf_path.name} once into {cache_dir() / 'models' / name} "
+            "(this takes ~25 s for the default model; later starts reuse it)"
+        )
+        convert_gguf(gguf_path, tmp)
+        _progress(f"converted {gguf_path.name} in {time.monotonic() - t0:.1f} s")
+
+    return _cached_folder(name, f"*-{key}", build)
+
+
 def resolve_gguf_metadata(gguf_path: Path, cache_name: str) -> Path:
-    """A cached folder with only config.json, tokenizer files, generation_config.json
-    and ``kvserve_meta.json`` (the GGUF file's digest) for running the file's weights
-    as they are: no weights are written. Same locking and atomic rename as the
-    dequantized conversion. Keyed by the file's content (as the conversion), so copies
-    of one file in other clones or under other names share one folder."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in cache_name)
+    """A cached folder (:func:`_cached_folder`) with only config.json, tokenizer
+    files, generation_config.json and ``kvserve_meta.json`` (the GGUF file's digest),
+    to run the file's weights as they are: no weights are written. Keyed by content."""
     ident = f"{_file_digest_memo(gguf_path)}|meta{_META_FORMAT_VERSION}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    target = cache_dir() / "models" / f"{safe}-meta-{key}"
-    if (target / _META_FILE).is_file():
-        return target
-    for other in sorted((cache_dir() / "models").glob(f"*-meta-{key}")):
-        if (other / _META_FILE).is_file():
-            return other
-    with _file_lock(cache_dir() / "models" / f".{target.name}.lock"):
-        if (target / _META_FILE).is_file():
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        tmp.chmod(0o755)
-        try:
-            write_gguf_metadata(gguf_path, tmp)
-            if target.exists():
-                shutil.rmtree(target)
-            os.rename(tmp, target)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return _cached_folder(
+        f"{_safe_name(cache_name)}-meta-{key}",
+        f"*-meta-{key}",
+        lambda tmp: write_gguf_metadata(gguf_path, tmp),
+    )
 
 
 # --------------------------------------------------------------------------- load
