@@ -604,9 +604,38 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--port", type=int, default=8300)
     sub.add_parser("table", help="print the last results")
+    agr = sub.add_parser(
+        "agree",
+        help="greedy output of kvserve against llama.cpp's server on the shipped GGUF file",
+    )
+    agr.add_argument(
+        "--kvserve",
+        action="append",
+        default=None,
+        metavar="NAME=VALUE[,...]",
+        help="one kvserve run's LLM options (repeatable; default: quantization=auto and "
+        "quantization=none,dtype=float32)",
+    )
+    agr.add_argument("--prompts", type=int, default=16, help="how many of the 16 prompts")
+    agr.add_argument("--max-tokens", type=int, default=64)
+    agr.add_argument("--llama-server", type=Path, help="default: the one `install llamacpp` built")
+    agr.add_argument("--port", type=int, default=8310)
     args = ap.parse_args(argv)
     lay = Layout(args.root)
-    if args.cmd == "install":
+    if args.cmd == "agree":
+        from agree import DEFAULT_CONFIGS, run_agree
+
+        run_agree(
+            args.root,
+            args.llama_server or lay.llama_server,
+            _shipped_gguf(),
+            _kvserve_python(),
+            args.kvserve or list(DEFAULT_CONFIGS),
+            args.prompts,
+            args.max_tokens,
+            args.port,
+        )
+    elif args.cmd == "install":
         (install_vllm if args.what == "vllm" else install_llamacpp)(lay)
     elif args.cmd == "run":
         run_targets(
