@@ -85,7 +85,9 @@ def parse_config(spec: str) -> list[str]:
     parts = [p.strip() for p in spec.split(",") if p.strip()]
     for p in parts:
         if "=" not in p:
-            raise SystemExit(f"--kvserve {spec!r}: use NAME=VALUE[,NAME=VALUE], e.g. quantization=auto")
+            raise SystemExit(
+                f"--kvserve {spec!r}: use NAME=VALUE[,NAME=VALUE], e.g. quantization=auto"
+            )
     return parts
 
 
@@ -105,8 +107,13 @@ def _wait_health(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> 
 
 
 def llamacpp_side(
-    server: Path, gguf: str, port: int, texts: list[str], prompt_ids: list[list[int]],
-    max_tokens: int, log: Path,
+    server: Path,
+    gguf: str,
+    port: int,
+    texts: list[str],
+    prompt_ids: list[list[int]],
+    max_tokens: int,
+    log: Path,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """(llama.cpp's tokenization of ``texts``, its greedy ids for ``prompt_ids``)."""
     threads = str(min(os.cpu_count() or 2, 4))
@@ -123,7 +130,9 @@ def llamacpp_side(
                 for t in texts
             ]
             outputs = [
-                parse_completion(_post(port, "/completion", completion_body(ids, max_tokens)), max_tokens)
+                parse_completion(
+                    _post(port, "/completion", completion_body(ids, max_tokens)), max_tokens
+                )
                 for ids in prompt_ids
             ]
         finally:
@@ -138,13 +147,21 @@ def llamacpp_side(
 
 
 def kvserve_side(
-    python: Path, gguf: str, options: list[str], texts: list[str],
-    prompt_ids: list[list[int]] | None, max_tokens: int, work: Path, timeout_s: float = 900,
+    python: Path,
+    gguf: str,
+    options: list[str],
+    texts: list[str],
+    prompt_ids: list[list[int]] | None,
+    max_tokens: int,
+    work: Path,
+    timeout_s: float = 900,
 ) -> dict[str, Any]:
     """Run ``kvserve_greedy.py`` once; ``prompt_ids=None`` decodes from kvserve's own
     tokenization of ``texts`` (returned as ``tokenized`` either way)."""
     inp, out = work / "in.json", work / "out.json"
-    inp.write_text(json.dumps({"texts": texts, "prompt_token_ids": prompt_ids, "max_tokens": max_tokens}))
+    inp.write_text(
+        json.dumps({"texts": texts, "prompt_token_ids": prompt_ids, "max_tokens": max_tokens})
+    )
     cmd = [str(python), str(HERE / "kvserve_greedy.py"), str(inp), str(out), "--model", gguf]
     for o in options:
         cmd += ["--option", o]
@@ -155,12 +172,20 @@ def kvserve_side(
 
 
 def run_agree(
-    root: Path, server: Path, gguf: str, python: Path, configs: list[str], num_prompts: int,
-    max_tokens: int, port: int,
+    root: Path,
+    server: Path,
+    gguf: str,
+    python: Path,
+    configs: list[str],
+    num_prompts: int,
+    max_tokens: int,
+    port: int,
 ) -> dict[str, Any]:
     """The whole comparison; returns (and writes under ``root/agree``) the report dict."""
     if not server.exists():
-        raise SystemExit(f"no llama-server at {server}: run `peers.py install llamacpp` or pass --llama-server")
+        raise SystemExit(
+            f"no llama-server at {server}: run `peers.py install llamacpp` or pass --llama-server"
+        )
     if not 1 <= num_prompts <= len(PROMPTS):
         raise SystemExit(f"--prompts must be 1..{len(PROMPTS)} (got {num_prompts})")
     texts = list(PROMPTS[:num_prompts])
@@ -174,7 +199,9 @@ def run_agree(
         runs[first] = kvserve_side(python, gguf, parse_config(first), texts, None, max_tokens, work)
         prompt_ids = runs[first]["tokenized"]
         for spec in configs[1:]:
-            runs[spec] = kvserve_side(python, gguf, parse_config(spec), texts, prompt_ids, max_tokens, work)
+            runs[spec] = kvserve_side(
+                python, gguf, parse_config(spec), texts, prompt_ids, max_tokens, work
+            )
         lc_tok, lc_out = llamacpp_side(
             server, gguf, port, texts, prompt_ids, max_tokens, outdir / "llama_server.log"
         )
@@ -189,8 +216,10 @@ def run_agree(
         "llamacpp_outputs": lc_out,
         "kvserve": {},
     }
-    print(f"tokenization: {num_prompts - len(mism)}/{num_prompts} prompts identical"
-          + (f" (differ: {mism})" if mism else ""))
+    print(
+        f"tokenization: {num_prompts - len(mism)}/{num_prompts} prompts identical"
+        + (f" (differ: {mism})" if mism else "")
+    )
     dq = next((s for s in configs if "quantization=none" in s), None)
     for spec in configs:
         outs = runs[spec]["outputs"]
