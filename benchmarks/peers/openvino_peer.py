@@ -36,10 +36,32 @@ OV_FORMATS = ("fp16", "int8", "int4")
 # int4: group-wise with groups of 64 (the model's 576 columns are not a multiple of 128),
 # every layer 4-bit (ratio 1.0; optimum's default keeps some in int8).
 EXPORT_EXTRA = {"int4": ["--group-size", "64", "--ratio", "1.0"]}
-_WORDS = (
-    "river stone light morning garden window paper music city road answer table story "
-    "friend winter number market letter school field summer mountain question voice"
-).split()
+_WORDS = [
+    "river",
+    "stone",
+    "light",
+    "morning",
+    "garden",
+    "window",
+    "paper",
+    "music",
+    "city",
+    "road",
+    "answer",
+    "table",
+    "story",
+    "friend",
+    "winter",
+    "number",
+    "market",
+    "letter",
+    "school",
+    "field",
+    "summer",
+    "mountain",
+    "question",
+    "voice",
+]
 
 
 def ov_venv(root: Path) -> Path:
