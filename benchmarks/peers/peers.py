@@ -10,6 +10,9 @@ Usage, from the repository root after ``make setup``::
     python benchmarks/peers/peers.py install llamacpp    # llama-server built from source
     python benchmarks/peers/peers.py run kvserve:bfloat16 vllm:bfloat16 llamacpp:q4_1
     python benchmarks/peers/peers.py table
+    python benchmarks/peers/peers.py agree               # greedy ids vs llama.cpp, same GGUF
+    python benchmarks/peers/peers.py install openvino    # OpenVINO GenAI, own venv, IR export
+    python benchmarks/peers/peers.py offline openvino:int8 openvino:int4 kvserve
 
 Targets are ``ENGINE:FORMAT``: ``kvserve:{bfloat16,float32}``, ``vllm:{bfloat16,float32}``,
 ``llamacpp:{q4_1,bf16}``. ``--workloads rand,prefix,single,custom`` picks the workloads;
@@ -20,7 +23,8 @@ tells two runs of one target apart (e.g. with and without speculative decoding).
 Everything lives under ``--root`` (default ``$TMPDIR/kvserve-peers``): venvs, builds,
 logs, one JSON result per (workload, target). Servers bind 127.0.0.1 and are stopped by
 their own process group. The machine must be quiet while this measures: compare rows of
-one run, not across runs.
+one run, not across runs. ``agree`` (``agree.py``) and ``offline`` (``openvino_peer.py``)
+are described in their modules and in ``benchmarks/peers/README.md``.
 """
 
 from __future__ import annotations
