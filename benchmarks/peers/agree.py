@@ -225,11 +225,11 @@ def run_agree(
         outs = runs[spec]["outputs"]
         vs_lc = compare(lc_out, outs)
         entry: dict[str, Any] = {"outputs": outs, "vs_llamacpp": vs_lc.as_dict()}
-        print(f"kvserve {spec:34} vs llama.cpp: {vs_lc.line()}")
+        print(f"kvserve {spec:34} vs llama.cpp: {vs_lc.line()}", flush=True)
         if dq is not None and spec != dq:
             vs_dq = compare(runs[dq]["outputs"], outs)
             entry["vs_kvserve_dequantized"] = vs_dq.as_dict()
-            print(f"kvserve {spec:34} vs kvserve {dq}: {vs_dq.line()}")
+            print(f"kvserve {spec:34} vs kvserve {dq}: {vs_dq.line()}", flush=True)
         report["kvserve"][spec] = entry
     (outdir / "agree.json").write_text(json.dumps(report, indent=1))
     print(f"written: {outdir / 'agree.json'}")
@@ -246,11 +246,15 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     for spec, entry in report["kvserve"].items():
         a = entry["vs_llamacpp"]
         mfd = a["mean_first_divergence"]
-        lines.append(
+        line = (
             f"  kvserve {spec:34} exact {a['exact']:>2}/{a['sequences']}  "
             f"first div {'-' if mfd is None else f'{mfd:.1f}':>5}  "
             f"agreement {a['token_agreement']:.1%}"
         )
+        dq = entry.get("vs_kvserve_dequantized")
+        if dq:
+            line += f"  (vs kvserve dequantized: exact {dq['exact']}/{dq['sequences']}, {dq['token_agreement']:.1%})"
+        lines.append(line)
     return lines
 
 

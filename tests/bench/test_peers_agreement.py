@@ -101,8 +101,13 @@ def test_summary_lines_from_report() -> None:
         "prompts": 1,
         "max_tokens": 2,
         "tokenization_mismatches": [],
-        "kvserve": {"quantization=auto": {"vs_llamacpp": a}},
+        "kvserve": {
+            "quantization=auto": {"vs_llamacpp": a, "vs_kvserve_dequantized": a},
+            "quantization=none": {"vs_llamacpp": a},
+        },
     }
     lines = agree.summary_lines(report)
     assert "1 prompts x 2 tokens" in lines[0]
     assert "exact  0/1" in lines[1] and "first div   1.0" in lines[1] and "50.0%" in lines[1]
+    assert "vs kvserve dequantized: exact 0/1, 50.0%" in lines[1]
+    assert "dequantized" not in lines[2]
