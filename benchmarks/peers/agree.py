@@ -1,10 +1,10 @@
 """``peers.py agree``: kvserve's greedy output against llama.cpp's on the same GGUF file.
 
 llama.cpp's server runs the shipped Q4_1 file (127.0.0.1, one slot, started and stopped
-here); kvserve runs the same file offline (``kvserve_greedy.py`` in the project's venv),
+here, one thread by default: its spinning thread pool crawls on a loaded machine); kvserve runs the same file offline (``kvserve_greedy.py`` in the project's venv),
 once per option set (default: ``quantization=auto`` -- Q4_1 executed natively -- and
 ``quantization=none,dtype=float32`` -- dequantized float32). Both get the same prompt
-token ids (kvserve's tokenization of :data:`agreement.PROMPTS`, raw, no chat template)
+token ids (llama.cpp's tokenization of :data:`agreement.PROMPTS`, raw, no chat template)
 and decode greedily for ``max_tokens`` tokens with EOS ignored. The prompts' tokenization
 is also compared (llama.cpp's ``/tokenize`` with ``add_special``, which is what its
 ``/completion`` does with a text prompt, against kvserve's tokenizer).
@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -106,44 +107,43 @@ def _wait_health(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> 
     raise RuntimeError(f"llama-server not ready after {timeout_s:.0f} s")
 
 
-def llamacpp_side(
-    server: Path,
-    gguf: str,
-    port: int,
-    texts: list[str],
-    prompt_ids: list[list[int]],
-    max_tokens: int,
-    log: Path,
-) -> tuple[list[list[int]], list[list[int]]]:
-    """(llama.cpp's tokenization of ``texts``, its greedy ids for ``prompt_ids``)."""
-    threads = str(min(os.cpu_count() or 2, 4))
-    cmd = [
-        str(server), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-        "-np", "1", "-c", "2048", "-t", threads, "--no-warmup",
-    ]  # fmt: skip
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            _wait_health(proc, port, 180)
-            tokenized = [
-                parse_tokenize(_post(port, "/tokenize", {"content": t, "add_special": True}))
-                for t in texts
-            ]
-            outputs = [
-                parse_completion(
-                    _post(port, "/completion", completion_body(ids, max_tokens)), max_tokens
-                )
-                for ids in prompt_ids
-            ]
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-    return tokenized, outputs
+class LlamaServer:
+    """llama-server on one GGUF file, 127.0.0.1, one slot; a context manager that stops it
+    (its whole process group) on exit, also after an error."""
+
+    def __init__(self, server: Path, gguf: str, port: int, log: Path, threads: int) -> None:
+        self.cmd = [
+            str(server), "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
+            "-np", "1", "-c", "2048", "-t", str(threads), "--no-warmup",
+        ]  # fmt: skip
+        self.port, self.log = port, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> LlamaServer:
+        fh = open(self.log, "w")  # noqa: SIM115 - the child keeps it; closed with the process
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        fh.close()
+        _wait_health(self.proc, self.port, 180)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def tokenize(self, text: str) -> list[int]:
+        return parse_tokenize(_post(self.port, "/tokenize", {"content": text, "add_special": True}))
+
+    def greedy(self, ids: list[int], max_tokens: int) -> list[int]:
+        body = completion_body(ids, max_tokens)
+        return parse_completion(_post(self.port, "/completion", body, timeout=900), max_tokens)
 
 
 def kvserve_side(
@@ -180,32 +180,62 @@ def run_agree(
     num_prompts: int,
     max_tokens: int,
     port: int,
+    threads: int = 1,
 ) -> dict[str, Any]:
-    """The whole comparison; returns (and writes under ``root/agree``) the report dict."""
+    """The whole comparison; returns (and writes under ``root/agree``) the report dict.
+
+    llama.cpp's tokenization fixes the prompt ids both engines decode from (kvserve's own
+    tokenization is compared with it); kvserve's runs go in a background thread while
+    llama.cpp decodes, and every engine's ids are saved as soon as they arrive."""
     if not server.exists():
         raise SystemExit(
             f"no llama-server at {server}: run `peers.py install llamacpp` or pass --llama-server"
         )
     if not 1 <= num_prompts <= len(PROMPTS):
         raise SystemExit(f"--prompts must be 1..{len(PROMPTS)} (got {num_prompts})")
+    for spec in configs:
+        parse_config(spec)
     texts = list(PROMPTS[:num_prompts])
     outdir = root / "agree"
     outdir.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        # kvserve's tokenization fixes the prompt ids every engine decodes from.
-        first = configs[0]
-        runs[first] = kvserve_side(python, gguf, parse_config(first), texts, None, max_tokens, work)
-        prompt_ids = runs[first]["tokenized"]
-        for spec in configs[1:]:
-            runs[spec] = kvserve_side(
-                python, gguf, parse_config(spec), texts, prompt_ids, max_tokens, work
-            )
-        lc_tok, lc_out = llamacpp_side(
-            server, gguf, port, texts, prompt_ids, max_tokens, outdir / "llama_server.log"
+    errors: list[BaseException] = []
+    with LlamaServer(server, gguf, port, outdir / "llama_server.log", threads) as lc:
+        prompt_ids = [lc.tokenize(t) for t in texts]
+
+        def kvserve_runs() -> None:
+            try:
+                with tempfile.TemporaryDirectory() as tmp:
+                    for i, spec in enumerate(configs):
+                        r = kvserve_side(
+                            python,
+                            gguf,
+                            parse_config(spec),
+                            texts,
+                            prompt_ids,
+                            max_tokens,
+                            Path(tmp),
+                        )
+                        (outdir / f"kvserve_{i}.json").write_text(json.dumps({"config": spec, **r}))
+                        runs[spec] = r
+                        print(f"kvserve {spec}: done", flush=True)
+            except BaseException as e:  # reported after llama.cpp's half
+                errors.append(e)
+
+        worker = threading.Thread(target=kvserve_runs, daemon=True)
+        worker.start()
+        lc_out = []
+        for ids in prompt_ids:
+            lc_out.append(lc.greedy(ids, max_tokens))
+        (outdir / "llamacpp.json").write_text(
+            json.dumps({"prompt_token_ids": prompt_ids, "outputs": lc_out})
         )
-    mism = tokenization_mismatches(lc_tok, prompt_ids)
+        print("llama.cpp: done", flush=True)
+    worker.join()
+    if errors:
+        raise SystemExit(f"a kvserve run failed: {errors[0]!r}")
+    kv_tok = runs[configs[0]]["tokenized"]
+    mism = tokenization_mismatches(prompt_ids, kv_tok)
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "gguf": gguf,
@@ -218,7 +248,8 @@ def run_agree(
     }
     print(
         f"tokenization: {num_prompts - len(mism)}/{num_prompts} prompts identical"
-        + (f" (differ: {mism})" if mism else "")
+        + (f" (differ: {mism})" if mism else ""),
+        flush=True,
     )
     dq = next((s for s in configs if "quantization=none" in s), None)
     for spec in configs:

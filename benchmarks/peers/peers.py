@@ -654,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     agr.add_argument("--max-tokens", type=int, default=64)
     agr.add_argument("--llama-server", type=Path, help="default: the one `install llamacpp` built")
     agr.add_argument("--port", type=int, default=8310)
+    agr.add_argument("--threads", type=int, default=1, help="llama-server threads (-t)")
     off = sub.add_parser(
         "offline",
         help="offline runs, batched and one at a time: openvino:{fp16,int8,int4} against "
@@ -692,6 +693,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "agree":
         from agree import DEFAULT_CONFIGS, run_agree
 
+        # A SIGTERM (e.g. from `timeout`) unwinds, so llama-server is stopped on the way out.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
         run_agree(
             args.root,
             args.llama_server or lay.llama_server,
@@ -701,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
             args.prompts,
             args.max_tokens,
             args.port,
+            args.threads,
         )
     elif args.cmd == "install":
         (install_vllm if args.what == "vllm" else install_llamacpp)(lay)
