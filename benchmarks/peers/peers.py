@@ -10,6 +10,9 @@ Usage, from the repository root after ``make setup``::
     python benchmarks/peers/peers.py install llamacpp    # llama-server built from source
     python benchmarks/peers/peers.py run kvserve:bfloat16 vllm:bfloat16 llamacpp:q4_1
     python benchmarks/peers/peers.py table
+    python benchmarks/peers/peers.py agree               # greedy ids vs llama.cpp, same GGUF
+    python benchmarks/peers/peers.py install openvino    # OpenVINO GenAI, own venv, IR export
+    python benchmarks/peers/peers.py offline openvino:int8 openvino:int4 kvserve
 
 Targets are ``ENGINE:FORMAT``: ``kvserve:{bfloat16,float32}``, ``vllm:{bfloat16,float32}``,
 ``llamacpp:{q4_1,bf16}``. ``--workloads rand,prefix,single,custom`` picks the workloads;
@@ -20,7 +23,8 @@ tells two runs of one target apart (e.g. with and without speculative decoding).
 Everything lives under ``--root`` (default ``$TMPDIR/kvserve-peers``): venvs, builds,
 logs, one JSON result per (workload, target). Servers bind 127.0.0.1 and are stopped by
 their own process group. The machine must be quiet while this measures: compare rows of
-one run, not across runs.
+one run, not across runs. ``agree`` (``agree.py``) and ``offline`` (``openvino_peer.py``)
+are described in their modules and in ``benchmarks/peers/README.md``.
 """
 
 from __future__ import annotations
@@ -533,29 +537,57 @@ def run_targets(
             log.close()
 
 
+ENGINES = ("kvserve", "vllm", "llamacpp")
+
+
+def split_label(label: str) -> tuple[str, str, str] | None:
+    """``WORKLOAD_ENGINE_FORMAT[SUFFIX]`` -> (workload, tag, format); workload names may
+    hold underscores (``--jsonl multi_turn=...``), so the split is at the engine's name.
+    ``None`` for a label that names no engine."""
+    for i in range(len(label)):
+        if label[i] != "_":
+            continue
+        rest = label[i + 1 :]
+        engine, _, fmt = rest.partition("_")
+        if engine in ENGINES and fmt:
+            return label[:i], rest, fmt.split("_")[0]  # the format without any --suffix
+    return None
+
+
 def table(lay: Layout) -> str:
     """One row per (workload, target) found under results/, with ratios to vLLM's row
-    of the same workload and format where there is one."""
+    of the same workload and format where there is one; then the saved greedy agreement
+    (``agree``) and offline (``offline``) results, where there are any."""
     rows = []
     for p in sorted(lay.results.glob("*.json")):
         label = p.stem
-        if label.startswith("warm_"):
+        parts = split_label(label)
+        if label.startswith("warm_") or parts is None:
             continue
-        w, _, tag = label.partition("_")
         r = json.loads(p.read_text())
-        rows.append((w, tag, r))
-    by_key = {(w, tag): r for w, tag, r in rows}
+        if "output_throughput" not in r:
+            continue
+        rows.append((*parts, r))
+    by_key = {(w, tag): r for w, tag, _, r in rows}
     lines = [
-        f"{'workload':13} {'target':18} {'tok/s':>8} {'vs vLLM':>8} {'TPOT ms':>8} {'p99 ITL':>8} {'TTFT ms':>8}"
+        f"{'workload':13} {'target':24} {'tok/s':>8} {'vs vLLM':>8} {'TPOT ms':>8} {'p99 ITL':>8} {'TTFT ms':>8}"
     ]
-    for w, tag, r in rows:
-        fmt = tag.partition("_")[2]
+    for w, tag, fmt, r in rows:
         ref = by_key.get((w, f"vllm_{'bfloat16' if fmt in ('bf16', 'q4_1') else fmt}"))
         ratio = f"{r['output_throughput'] / ref['output_throughput']:.2f}" if ref else "-"
         lines.append(
-            f"{w:13} {tag:18} {r['output_throughput']:8.1f} {ratio:>8} {r['mean_tpot_ms']:8.1f} "
+            f"{w:13} {tag:24} {r['output_throughput']:8.1f} {ratio:>8} {r['mean_tpot_ms']:8.1f} "
             f"{r['p99_itl_ms']:8.0f} {r['mean_ttft_ms']:8.0f}"
         )
+    from agree import summary_lines
+    from openvino_peer import offline_table, saved_results
+
+    offline = offline_table(saved_results(lay.root))
+    if offline:
+        lines += ["", offline]
+    agree_file = lay.root / "agree" / "agree.json"
+    if agree_file.exists():
+        lines += ["", *summary_lines(json.loads(agree_file.read_text()))]
     return "\n".join(lines)
 
 
@@ -575,9 +607,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "kvserve-peers")
     sub = ap.add_subparsers(dest="cmd", required=True)
     inst = sub.add_parser(
-        "install", help="install a peer: vllm (also the bench client) or llamacpp"
+        "install",
+        help="install a peer: vllm (also the bench client), llamacpp or openvino (own venv "
+        "and fp16/int8/int4 IR)",
     )
-    inst.add_argument("what", choices=("vllm", "llamacpp"))
+    inst.add_argument("what", choices=("vllm", "llamacpp", "openvino"))
     run = sub.add_parser("run", help="serve each target in turn and run the workloads against it")
     run.add_argument("targets", nargs="+", metavar="ENGINE:FORMAT")
     run.add_argument("--workloads", default="rand,prefix")
@@ -604,9 +638,76 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--port", type=int, default=8300)
     sub.add_parser("table", help="print the last results")
+    agr = sub.add_parser(
+        "agree",
+        help="greedy output of kvserve against llama.cpp's server on the shipped GGUF file",
+    )
+    agr.add_argument(
+        "--kvserve",
+        action="append",
+        default=None,
+        metavar="NAME=VALUE[,...]",
+        help="one kvserve run's LLM options (repeatable; default: quantization=auto and "
+        "quantization=none,dtype=float32)",
+    )
+    agr.add_argument("--prompts", type=int, default=16, help="how many of the 16 prompts")
+    agr.add_argument("--max-tokens", type=int, default=64)
+    agr.add_argument("--llama-server", type=Path, help="default: the one `install llamacpp` built")
+    agr.add_argument("--port", type=int, default=8310)
+    agr.add_argument("--threads", type=int, default=1, help="llama-server threads (-t)")
+    off = sub.add_parser(
+        "offline",
+        help="offline runs, batched and one at a time: openvino:{fp16,int8,int4} against "
+        "kvserve[:NAME=VALUE,...] (LLM options)",
+    )
+    off.add_argument("targets", nargs="+", metavar="ENGINE[:FORMAT]")
+    off.add_argument("--batch-prompts", type=int, default=32)
+    off.add_argument("--batch-len", type=int, default=500, help="words per batch prompt")
+    off.add_argument("--single-prompts", type=int, default=5)
+    off.add_argument("--single-len", type=int, default=250, help="words per single prompt")
+    off.add_argument("--max-tokens", type=int, default=128)
+    off.add_argument("--max-num-seqs", type=int, default=16)
+    off.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = ap.parse_args(argv)
     lay = Layout(args.root)
-    if args.cmd == "install":
+    if args.cmd == "offline":
+        from openvino_peer import make_prompts, offline_table, run_offline
+
+        counts = (args.batch_prompts, args.batch_len, args.single_prompts, args.single_len)
+        if min(counts) < 0 or args.max_tokens < 1 or args.batch_prompts + args.single_prompts < 1:
+            raise SystemExit("prompt counts and lengths must be >= 0, --max-tokens >= 1")
+        results = run_offline(
+            args.root,
+            args.targets,
+            _kvserve_python(),
+            make_prompts(*counts),
+            args.max_tokens,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+        )
+        print(offline_table(results))
+    elif args.cmd == "install" and args.what == "openvino":
+        from openvino_peer import install_openvino
+
+        install_openvino(args.root, TORCH_VERSION, _model_folder())
+    elif args.cmd == "agree":
+        from agree import DEFAULT_CONFIGS, run_agree
+
+        # A SIGTERM (e.g. from `timeout`) unwinds, so llama-server is stopped on the way out.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+        run_agree(
+            args.root,
+            args.llama_server or lay.llama_server,
+            _shipped_gguf(),
+            _kvserve_python(),
+            args.kvserve or list(DEFAULT_CONFIGS),
+            args.prompts,
+            args.max_tokens,
+            args.port,
+            args.threads,
+        )
+    elif args.cmd == "install":
         (install_vllm if args.what == "vllm" else install_llamacpp)(lay)
     elif args.cmd == "run":
         run_targets(
