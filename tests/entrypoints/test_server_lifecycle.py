@@ -31,6 +31,7 @@ def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
         "--api-key", KEY,
         "--graceful-shutdown-timeout", "2",
         "--no-access-log",
+        "--max-step-ms", "0",  # no step-time calibration at start
     ]  # fmt: skip
     with serve_process(args, tmp_path_factory.mktemp("small")) as server:
         server.api_key = KEY

@@ -25,6 +25,8 @@ ARGS = [
     "--max-model-len",
     "2048",
     "--no-access-log",
+    "--max-step-ms",
+    "0",  # no step-time calibration at start: draining does not depend on it
 ]
 
 
@@ -35,7 +37,7 @@ def _stream(http: httpx.Client, url: str, max_tokens: int) -> httpx.Response:
 
 
 def test_sigterm_drains_then_cuts_cleanly(tmp_path: Any) -> None:
-    with serve_process([*ARGS, "--graceful-shutdown-timeout", "10"], tmp_path) as server:
+    with serve_process([*ARGS, "--graceful-shutdown-timeout", "4"], tmp_path) as server:
         url = server.base_url
         with httpx.Client(timeout=120) as http:
             short = _stream(http, url, 3)  # finishes within the grace period
@@ -71,7 +73,7 @@ def test_sigterm_drains_then_cuts_cleanly(tmp_path: Any) -> None:
     assert plain["body"]["error"]["code"] == "engine_unavailable"
     assert int(plain["headers"]["retry-after"]) >= 1
     assert code == 0, server.log()[-3000:]
-    assert 9.5 < elapsed < 25, elapsed  # waited the grace period for the long ones, no more
+    assert 3.5 < elapsed < 19, elapsed  # waited the grace period for the long ones, no more
 
 
 def test_sigterm_with_nothing_in_flight_exits_at_once(tmp_path: Any) -> None:
