@@ -23,7 +23,10 @@ def kvserve_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     max_model_len 2048 keeps the too-long-prompt tests cheap.
     """
     args = ["--num-kv-blocks", "512", "--max-model-len", "2048", "--no-access-log"]
-    with serve_process(args, tmp_path_factory.mktemp("serve"), api_key=SERVER_API_KEY) as server:
+    tmp = tmp_path_factory.mktemp("serve")
+    # 10 s on the CI machine; a shared, loaded one has taken minutes (a crash still
+    # ends the wait at once)
+    with serve_process(args, tmp, api_key=SERVER_API_KEY, timeout_s=600.0) as server:
         yield server
 
 
