@@ -514,9 +514,12 @@ constexpr int kMaxPart = static_cast<int>(kPartMax);  // keys per softmax pass (
 // next part's K), and past the end of a unit of work into the first K blocks of the
 // unit the thread runs next (Work, claim_ahead): memory no longer idles while a part's
 // softmax and P.V run, nor at a task's start. Measured on AMD Zen 5 (1 thread, CPU
-// clock, interleaved A/B against the kernel without it, medians of 5): +11 % at 1 row x
-// 4k keys, +6 % at 16 x 1k, +4 % at 16 x 4k; the kernel then reads its scattered 2 KB
-// pages faster than a plain prefetched read of them (read_pages).
+// clock, huge pages, interleaved A/B against the kernel without it): at load ~13,
+// medians of 5: +11 % at 1 row x 4k keys, +6 % at 16 x 1k, +4 % at 16 x 4k; at load
+// ~17, paired medians of 11: +17 % at 1 x 1k, +1 % at 1 x 4k, 0 % at 16 x 1k, +6 % at
+// 16 x 4k. The kernel then reads its scattered 2 KB pages about as fast as a plain
+// prefetched read of them (read_pages), and random 2 KB pieces cap one Zen 5 core at
+// ~16 GB/s, about half its stream rate (docs/kernels.md).
 // (benchmarks/decode_attention_micro.py)
 constexpr int kKeyLanesMinM = 8;  // queries per tile from which Q.K runs in key lanes
 typedef uint32_t u32k __attribute__((may_alias));
