@@ -178,8 +178,6 @@ struct Work {
   int64_t part;
 };
 
-
-
 // What every task reads: its request's rows, block table, and K/V base pointers;
 // the constructor zeroes the output of the task's padding rows.
 template <typename T>
