@@ -9,12 +9,19 @@ its KV from memory rather than from the CPU's caches: one cache per layer up to
 than any last-level cache), on transparent huge pages like the engine's KV pool
 (:mod:`kvserve.model.hugepages`). The bandwidth limit is the K and V bytes the step
 must read (``layers × batch × (context + 1) × kv_heads × head_dim × 2 × element
-size``) divided by this machine's read bandwidth, measured fairly: the native
-kernels' stream read (512-bit loads, one slice per thread, the same thread count,
-a huge-page buffer like the caches; :meth:`PagedAttention.read_slices`), its median
-taken between the rows so that machine load slows both alike: ``fraction = limit_ms /
-measured_ms``. A large tensor's ``torch.sum`` (4 KB pages) is reported beside it for
-comparison with older figures. A benchmark, not a test: nothing here asserts.
+size``) divided by this machine's read bandwidth, measured RIGHT BESIDE the step:
+before every timed repeat of a row, the native kernels' stream read
+(:meth:`PagedAttention.read_slices`: 512-bit loads, one slice per thread, the step's
+own thread count and clock) of a huge-page buffer as large as the KV the step
+touches (its caches' bytes), so that machine load, frequency and cache residency
+affect both alike; the row's limit uses the median of its own samples and the row
+reports their spread (min, max). ``fraction = limit_ms / measured_ms``. Beside it,
+the plain read of exactly the step's scattered K/V pages in the kernel's order
+(:meth:`PagedAttention.read_pages`, also interleaved): the access pattern's own
+limit (on AMD Zen 5 one core reads random 2 KB pieces at about half its stream
+rate, whatever the prefetching). A large tensor's ``torch.sum`` (4 KB pages) is
+reported for comparison with older figures. A benchmark, not a test: nothing here
+asserts.
 """
 
 from __future__ import annotations
@@ -84,9 +91,14 @@ def decode_attention_step(
     block_size: int = 16,
     repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
+    limit_reads: bool = False,
 ) -> dict[str, Any]:
     """Time one decode step's attention (all layers, median of ``repeats``) for
-    ``batch`` rows of ``context``."""
+    ``batch`` rows of ``context``. With ``limit_reads`` (and the native kernels built)
+    every repeat is preceded by the limit's reads on the same threads and clock: the
+    stream read of a huge-page buffer as large as the step's caches
+    (``stream_read_gb_s``: one sample per repeat) and the read of the step's own pages
+    (``page_read_ms``: their median)."""
     import torch
 
     from kvserve.model.attention import SeqSpec, build_attention_metadata, paged_attention
@@ -117,11 +129,18 @@ def decode_attention_step(
     k = torch.randn(batch, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(batch, num_kv_heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
+    reads = _LimitReads.make(caches, meta, num_layers) if limit_reads else None
     with torch.inference_mode():
         for kv_cache in caches:  # warm-up (and first touch of every page)
             paged_attention(q, k, v, kv_cache, meta, scale)
+        if reads is not None:
+            reads.sample(clock)  # warm-up (first touch of the stream buffer)
+            reads.stream_gb_s.clear()
+            reads.pages_s.clear()
         times = []
         for _ in range(repeats):
+            if reads is not None:
+                reads.sample(clock)
             t0 = clock()
             for layer in range(num_layers):
                 paged_attention(q, k, v, caches[layer % num_caches], meta, scale)
@@ -129,14 +148,63 @@ def decode_attention_step(
     step_s = statistics.median(times)
     elem = kv_cache.element_size()
     kv_bytes = num_layers * batch * (context + 1) * num_kv_heads * head_dim * 2 * elem
-    return {
+    out: dict[str, Any] = {
         "batch": batch,
         "context": context,
         "backend": "native" if meta.native is not None else "portable",
         "step_ms": step_s * 1e3,
+        "step_ms_spread": [min(times) * 1e3, max(times) * 1e3],
         "num_caches": num_caches,
         "kv_bytes": kv_bytes,
     }
+    if reads is not None:
+        out["stream_read_gb_s"] = reads.stream_gb_s
+        out["stream_read_bytes"] = reads.stream_bytes
+        out["page_read_ms"] = statistics.median(reads.pages_s) * 1e3
+    return out
+
+
+class _LimitReads:
+    """The limit's reads beside one row's timings (see :func:`decode_attention_step`)."""
+
+    def __init__(self, kernel: Any, buf: Any, caches: list[Any], meta: Any, layers: int) -> None:
+        import torch
+
+        self.kernel = kernel
+        self.buf = buf
+        self.stream_bytes = buf.numel() * buf.element_size()
+        self.caches = caches
+        self.seqs = meta.native.seqs
+        self.tables = meta.native.block_tables
+        self.layers = layers
+        self.threads = torch.get_num_threads()
+        self.stream_gb_s: list[float] = []
+        self.pages_s: list[float] = []
+
+    @classmethod
+    def make(cls, caches: list[Any], meta: Any, layers: int) -> _LimitReads | None:
+        """None where the native kernels are unavailable or the step does not use them."""
+        import torch
+
+        from kvserve.model.hugepages import zeros_hugepages
+        from kvserve.model.kernels.backend import default_backend
+
+        kernel = default_backend().attention
+        if kernel is None or meta.native is None:
+            return None
+        cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+        buf = zeros_hugepages(max(1 << 20, cache_bytes) // 4, dtype=torch.float32)
+        return cls(kernel, buf, caches, meta, layers)
+
+    def sample(self, clock: Callable[[], float]) -> None:
+        t0 = clock()
+        self.kernel.read_slices(self.buf, self.threads)
+        self.stream_gb_s.append(self.stream_bytes / (clock() - t0) / 1e9)
+        t0 = clock()
+        for layer in range(self.layers):
+            c = self.caches[layer % len(self.caches)]
+            self.kernel.read_pages(c, self.seqs, self.tables, self.threads)
+        self.pages_s.append(clock() - t0)
 
 
 def run_attention_grid(
@@ -146,14 +214,19 @@ def run_attention_grid(
     contexts: Sequence[int],
     backends: Sequence[str],
     clock: Callable[[], float] = time.perf_counter,
+    repeats: int = 7,
 ) -> dict[str, Any]:
-    """Every batch × context × backend, plus the measured bandwidth and limits
-    (``read_bandwidth_gb_s``: the native stream read, its median over measurements
-    between the rows; torch's sum where the native kernels are unavailable)."""
+    """Every batch × context × backend (median of ``repeats`` steps), each native row
+    against its own limit measured beside it (:func:`decode_attention_step` with
+    ``limit_reads``): ``read_bandwidth_gb_s`` (median of the row's stream reads),
+    ``read_bandwidth_spread`` (their min, max), ``fraction_of_bandwidth``, and
+    ``fraction_of_page_read`` (the step's time over the plain read of its own pages).
+    Rows without native reads (the portable backend, or no native kernels) use the
+    median of every sample taken, or torch's sum where there is none. The top level
+    keeps ``read_bandwidth_gb_s`` (the median over all rows' samples) and their spread."""
     import torch
 
     torch_sum = read_bandwidth_gb_s()
-    samples = [s for s in (stream_read_gb_s(clock=clock),) if s is not None]
     rows = []
     for backend in backends:
         for context in contexts:
@@ -167,18 +240,25 @@ def run_attention_grid(
                     batch=batch,
                     context=context,
                     backend=backend,
+                    repeats=repeats,
                     clock=clock,
+                    limit_reads=True,
                 )
                 rows.append(r)
-                s = stream_read_gb_s(repeats=3, clock=clock)
-                if s is not None:
-                    samples.append(s)
+    samples = [x for r in rows for x in r.get("stream_read_gb_s", [])]
     bw = statistics.median(samples) if samples else torch_sum
     for r in rows:
-        r["limit_ms"] = r["kv_bytes"] / (bw * 1e9) * 1e3
+        own = r.get("stream_read_gb_s") or []
+        row_bw = statistics.median(own) if own else bw
+        r["read_bandwidth_gb_s"] = row_bw
+        r["read_bandwidth_spread"] = [min(own), max(own)] if own else None
+        r["limit_ms"] = r["kv_bytes"] / (row_bw * 1e9) * 1e3
         r["fraction_of_bandwidth"] = r["limit_ms"] / r["step_ms"]
+        if "page_read_ms" in r:
+            r["fraction_of_page_read"] = r["page_read_ms"] / r["step_ms"]
     return {
         "read_bandwidth_gb_s": bw,
+        "read_bandwidth_spread": [min(samples), max(samples)] if samples else None,
         "torch_sum_gb_s": torch_sum,
         "stream_read_gb_s": samples,
         "threads": torch.get_num_threads(),
@@ -188,20 +268,27 @@ def run_attention_grid(
 
 
 def print_attention_table(result: dict[str, Any]) -> None:
+    spread = result.get("read_bandwidth_spread")
+    spread_s = f" [{spread[0]:.1f}-{spread[1]:.1f}]" if spread else ""
     print(
         f"decode attention per step (all layers), read bandwidth "
-        f"{result['read_bandwidth_gb_s']:.1f} GB/s (native stream read, huge pages, "
-        f"{result.get('threads', '?')} threads; torch sum "
-        f"{result.get('torch_sum_gb_s', float('nan')):.1f} GB/s; load average "
+        f"{result['read_bandwidth_gb_s']:.1f}{spread_s} GB/s (native stream read beside each "
+        f"row, huge pages, as large as the row's KV, {result.get('threads', '?')} threads; "
+        f"torch sum {result.get('torch_sum_gb_s', float('nan')):.1f} GB/s; load average "
         f"{result.get('load_average', float('nan')):.1f}):"
     )
     print(
         f"{'backend':<10}{'batch':>6}{'context':>9}{'step ms':>10}{'KV MB':>8}"
-        f"{'limit ms':>10}{'of limit':>10}"
+        f"{'GB/s':>7}{'bw GB/s':>15}{'limit ms':>10}{'of limit':>10}{'of pages':>10}"
     )
     for r in result["rows"]:
+        bw = r.get("read_bandwidth_gb_s", result["read_bandwidth_gb_s"])
+        sp = r.get("read_bandwidth_spread")
+        bw_s = f"{bw:.1f} [{sp[0]:.0f}-{sp[1]:.0f}]" if sp else f"{bw:.1f}"
+        pages = r.get("fraction_of_page_read")
         print(
             f"{r['backend']:<10}{r['batch']:>6}{r['context']:>9}{r['step_ms']:>10.2f}"
-            f"{r['kv_bytes'] / 1e6:>8.1f}{r['limit_ms']:>10.2f}"
-            f"{r['fraction_of_bandwidth']:>9.0%}"
+            f"{r['kv_bytes'] / 1e6:>8.1f}{r['kv_bytes'] / r['step_ms'] / 1e6:>7.1f}{bw_s:>15}"
+            f"{r['limit_ms']:>10.2f}{r['fraction_of_bandwidth']:>9.0%}"
+            f"{format(pages, '>9.0%') if pages is not None else '        -'}"
         )

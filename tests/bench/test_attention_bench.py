@@ -67,3 +67,32 @@ def test_native_reads_touch_every_byte_they_claim() -> None:
     kv.zero_()
     kv[0, 0, 1, 2, 0] = 1.0  # block 1, slot 2: seq 0's key 6 does not exist
     assert kernel.read_pages(kv, seqs, tables, 1) == 0
+
+
+def test_limit_reads_sit_beside_every_repeat() -> None:
+    """With limit_reads, each timed repeat gets its own stream sample, over a buffer as
+    large as the step's caches, and the page read is timed too; the grid holds each
+    native row against its own samples' median and reports their spread."""
+    from kvserve.model.kernels.backend import default_backend
+
+    if default_backend().attention is None:
+        import pytest
+
+        pytest.skip("no native kernels here")
+    r = _step(repeats=3, limit_reads=True, context=2000)
+    assert len(r["stream_read_gb_s"]) == 3 and all(x > 0 for x in r["stream_read_gb_s"])
+    cache_bytes = 2 * 2 * (1 + 2 * 126) * 16 * 16 * 4  # [2, Hk, blocks, bs, D] fp32
+    assert r["stream_read_bytes"] == 3 * cache_bytes  # one cache per layer
+    assert r["page_read_ms"] > 0
+    assert _step()["num_caches"] == 3 and "stream_read_gb_s" not in _step()
+
+    from types import SimpleNamespace
+
+    arch = SimpleNamespace(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    g = ab.run_attention_grid(arch, torch.float32, [1, 2], [40], ["native"], repeats=3)
+    for row in g["rows"]:
+        lo, hi = row["read_bandwidth_spread"]
+        assert lo <= row["read_bandwidth_gb_s"] <= hi
+        assert row["limit_ms"] == row["kv_bytes"] / (row["read_bandwidth_gb_s"] * 1e9) * 1e3
+        assert row["fraction_of_page_read"] == row["page_read_ms"] / row["step_ms"]
+    assert len(g["stream_read_gb_s"]) == 6

@@ -40,6 +40,7 @@
 // fail. (The portable run_task, the fallback without AVX-512, walks block by block
 // with a running max: its own arithmetic, never mixed with the AVX-512 path's.)
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -160,6 +161,22 @@ struct Task {
   int kvh;
 };
 
+// Keys a task sees (the walk's lmax): rows [r0, min(r1, num_tokens)) of its request.
+inline int64_t task_keys(const Args& a, const Task& t) {
+  const int64_t* s = a.seqs + 5 * t.seq;
+  const int64_t r_end = std::min<int64_t>(t.r1, s[2]);
+  if (r_end <= t.r0) return 0;
+  return s[4] ? s[3] : s[3] + r_end;
+}
+
+// A unit of work a thread runs: a task's key parts from `part` on (all of them, or
+// the one part of a split task). The thread's next unit is handed to the current one
+// so that its last part's P.V pass prefetches the next unit's first K blocks: memory
+// stays busy across task boundaries. Prefetches only: no result depends on them.
+struct Work {
+  const Task* task;
+  int64_t part;
+};
 
 // What every task reads: its request's rows, block table, and K/V base pointers;
 // the constructor zeroes the output of the task's padding rows.
@@ -490,8 +507,17 @@ constexpr int kMaxPart = static_cast<int>(kPartMax);  // keys per softmax pass (
 // task's first block. Measured on AMD Zen 5 (2 cores, 16 decode rows x 1k/4k keys,
 // scattered 16-token blocks, interleaved A/B): L2 hints instead of L1 (_MM_HINT_T0) and
 // the unbroken stream read bf16 KV ~40 % and fp32 KV ~20 % faster; 2, 8 or 16 blocks
-// ahead were no better than 4, and neither an extra L1 prefetch one block ahead nor
-// running the stream on during P.V (the next part's K) helped.
+// ahead were no better than 4, and an extra L1 prefetch one block ahead did not help.
+// The stream also runs on during P.V, one block per V block (so up to a part ahead, the
+// next part's K), and past the end of a unit of work into the first K blocks of the
+// unit the thread runs next (Work, claim_ahead): memory no longer idles while a part's
+// softmax and P.V run, nor at a task's start. Measured on AMD Zen 5 (1 thread, CPU
+// clock, huge pages, interleaved A/B against the kernel without it): at load ~13,
+// medians of 5: +11 % at 1 row x 4k keys, +6 % at 16 x 1k, +4 % at 16 x 4k; at load
+// ~17, paired medians of 11: +17 % at 1 x 1k, +1 % at 1 x 4k, 0 % at 16 x 1k, +6 % at
+// 16 x 4k. The kernel then reads its scattered 2 KB pages about as fast as a plain
+// prefetched read of them (read_pages), and random 2 KB pieces cap one Zen 5 core at
+// ~16 GB/s, about half its stream rate (docs/kernels.md).
 // (benchmarks/decode_attention_micro.py)
 constexpr int kKeyLanesMinM = 8;  // queries per tile from which Q.K runs in key lanes
 typedef uint32_t u32k __attribute__((may_alias));
@@ -537,6 +563,34 @@ inline __m512 scores16_keylanes(const float* q, const float* kt) {
 #define KVS_PREFETCH_BLOCKS 4
 #endif
 constexpr int64_t kPrefetchBlocks = KVS_PREFETCH_BLOCKS;
+
+// The K blocks of a unit of work, prefetched into L2 in order from its first block.
+template <typename T>
+struct KStream {
+  const char* kbase = nullptr;
+  const int64_t* bt = nullptr;
+  int64_t lmax = 0, first = 0, next = 0, row_bytes = 0;
+  int bs = 0;
+  void init(const Args& a, const Task& t, int64_t part) {
+    lmax = task_keys(a, t);
+    int64_t p0 = 0;
+    for (int64_t k = 0; k < part && p0 < lmax; ++k) p0 = part_end(a.seg, p0);
+    if (p0 >= lmax) return;  // nothing to read: kbase stays null
+    bs = a.block_size;
+    row_bytes = static_cast<int64_t>(a.head_dim) * static_cast<int64_t>(sizeof(T));
+    kbase = static_cast<const char*>(a.kv) + static_cast<int64_t>(t.kvh) * a.num_blocks * bs * row_bytes;
+    bt = a.block_tables + a.max_blocks * t.seq;
+    first = next = p0 / bs;
+  }
+  // prefetch blocks [next, end_block) (bounded at the unit's keys)
+  void prefetch_to(int64_t end_block) {
+    for (; next < end_block && next * bs < lmax; ++next) {
+      const int64_t n1 = std::min<int64_t>(lmax - next * bs, bs) * row_bytes;
+      const char* k0 = kbase + bt[next] * bs * row_bytes;
+      for (int64_t o = 0; o < n1; o += 64) _mm_prefetch(k0 + o, _MM_HINT_T1);
+    }
+  }
+};
 
 // Writes a finished task's rows (state mx, l, acc as run_task_avx512 keeps it).
 template <typename T, int DV, bool kSplit>
@@ -595,7 +649,7 @@ inline void merge_part(float& mx, float& l, float* acc, float mp, float lp, cons
 // merge_task to merge (the task's parts then run on several threads).
 template <typename T, int DV, bool kDp = false>
 void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf, int64_t part_lo = 0,
-                     int64_t part_hi = INT64_MAX, float* parts = nullptr) {
+                     int64_t part_hi = INT64_MAX, float* parts = nullptr, const Work* next = nullptr) {
   constexpr int D = 16 * DV;
   // bf16 rows widened in split order (kDp: bf16 rows used as they lie, vdpbf16ps)
   constexpr bool kSplit = std::is_same_v<T, bf16_t> && !kDp;
@@ -664,6 +718,16 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf, i
     }
   };
   prefetch_k_to(kpf + kPrefetchBlocks);
+  KStream<T> next_k;  // the K of the work this thread runs next (see Work)
+  if (next != nullptr) next_k.init(a, *next->task, next->part);
+  // the K stream runs on past this call's last block into the next unit's first ones
+  int64_t call_end = p0;  // key end of this call's parts
+  for (int64_t k = part; k < part_hi && call_end < lmax; ++k) call_end = part_end(a.seg, call_end);
+  const int64_t end_block = (std::min(call_end, lmax) + bs - 1) / bs;
+  const auto prefetch_k_stream = [&](int64_t target) {
+    prefetch_k_to(std::min(target, end_block));
+    if (target > end_block && next_k.kbase != nullptr) next_k.prefetch_to(next_k.first + (target - end_block));
+  };
 
   for (; p0 < lmax && part < part_hi; ++part) {
     // the part [p0, p1): absolute split points (see the top), bounded at lmax
@@ -681,7 +745,7 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf, i
         const int64_t bytes = (c1 - c0) * D * static_cast<int64_t>(sizeof(T));
         const char* vcur = reinterpret_cast<const char*>(vbase + off);
         for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(vcur + b, _MM_HINT_T1);
-        prefetch_k_to(c0 / bs + 1 + kPrefetchBlocks);  // K a few blocks ahead
+        prefetch_k_stream(c0 / bs + 1 + kPrefetchBlocks);  // K a few blocks ahead
       }
       for (int64_t g0 = c0; g0 < c1; g0 += 16) {
         const int nk = static_cast<int>(std::min<int64_t>(16, c1 - g0));
@@ -768,6 +832,9 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf, i
       const int64_t c1 = std::min<int64_t>(p1, (c0 / bs + 1) * bs);
       const int64_t off = (bt[c0 / bs] * bs + c0 % bs) * D;
       const int64_t j0 = c0 - p0;
+      // the K stream runs on during P.V, one block per block: the next part's (or the
+      // next unit's) K, so memory stays busy while the part's arithmetic runs
+      prefetch_k_stream(p1 / bs + (c0 - p0) / bs + 1 + kPrefetchBlocks);
       for (int m0 = 0; m0 < m_hi; m0 += MB) {
 #if defined(__AVX512BF16__)
         if constexpr (kDp) {
@@ -829,7 +896,7 @@ void merge_task(const Args& a, const Task& task, int64_t nparts, const float* pa
 // applies: then a task never splits across threads).
 template <typename T>
 struct TaskFns {
-  void (*run)(const Args&, const Task&, std::vector<float>&, int64_t, int64_t, float*) = nullptr;
+  void (*run)(const Args&, const Task&, std::vector<float>&, int64_t, int64_t, float*, const Work*) = nullptr;
   void (*merge)(const Args&, const Task&, int64_t, const float*, std::vector<float>&) = nullptr;
 };
 
@@ -865,6 +932,28 @@ TaskFns<T> task_fns(const Args& a) {
   return f;
 }
 
+// A dynamic schedule in which each thread claims its next item before it runs the
+// current one: body(i, next) runs item i knowing the item this thread runs after it
+// (-1: none), so that it can prefetch that item's first K blocks (Work). Which thread
+// runs an item never changes its result. Call inside a parallel region; `counter`
+// starts at 0 and is shared by the region's threads.
+template <typename F>
+void claim_ahead_loop(std::atomic<int64_t>& counter, int64_t n, F&& body) {
+  int64_t cur = counter.fetch_add(1, std::memory_order_relaxed);
+  while (cur < n) {
+    const int64_t nxt = counter.fetch_add(1, std::memory_order_relaxed);
+    body(cur, nxt < n ? nxt : -1);
+    cur = nxt;
+  }
+}
+
+template <typename F>
+void claim_ahead(int64_t n, int num_threads, F&& body) {
+  std::atomic<int64_t> counter{0};
+#pragma omp parallel num_threads(num_threads)
+  claim_ahead_loop(counter, n, body);
+}
+
 // Threads: one task per (request, row tile, KV head), dynamic schedule. Where there are
 // fewer than two tasks per thread (a few long decodes: 1 request x 3 KV heads on 2
 // cores leaves one core idle a third of the time), each task's key parts run as
@@ -884,15 +973,16 @@ void run_all(const Args& a, int64_t num_seqs, int row_tile, int num_threads) {
   // Scratch per thread, kept across calls (OpenMP pool threads persist): a fresh
   // buffer per call would be page-faulted in every time.
   static thread_local std::vector<float> buf;
-  const auto run = [&](const Task& t) {
+  const auto run = [&](int64_t i, int64_t next) {
     if (fns.run != nullptr) {
-      fns.run(a, t, buf, 0, INT64_MAX, nullptr);
+      const Work w{next >= 0 ? &tasks[next] : nullptr, 0};
+      fns.run(a, tasks[i], buf, 0, INT64_MAX, nullptr, next >= 0 ? &w : nullptr);
     } else {
-      run_task<T>(a, t, buf);
+      run_task<T>(a, tasks[i], buf);
     }
   };
   if (num_threads <= 1 || n < 1) {
-    for (const Task& t : tasks) run(t);
+    for (int64_t i = 0; i < n; ++i) run(i, i + 1 < n ? i + 1 : -1);
     return;
   }
   // parts of each task, where its key parts are split across threads
@@ -905,27 +995,27 @@ void run_all(const Args& a, int64_t num_seqs, int row_tile, int num_threads) {
       const int64_t* s = a.seqs + 5 * tasks[i].seq;
       const int64_t r_end = std::min<int64_t>(tasks[i].r1, s[2]);
       const int64_t rows = std::max<int64_t>(0, r_end - tasks[i].r0);
-      const int64_t lmax = rows == 0 ? 0 : (s[4] ? s[3] : s[3] + r_end);  // as run_task_avx512
-      nparts.push_back(count_parts(a.seg, lmax));
+      nparts.push_back(count_parts(a.seg, task_keys(a, tasks[i])));
       offset.push_back(total);
       total += nparts.back() * rows * g * (a.head_dim + 2);
       for (int64_t k = 0; k < nparts.back(); ++k) items.emplace_back(i, k);
     }
   }
   if (static_cast<int64_t>(items.size()) <= n) {  // no task has two parts: one item per task
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t i = 0; i < n; ++i) run(tasks[i]);
+    claim_ahead(n, num_threads, run);
     return;
   }
   std::vector<float> states(static_cast<size_t>(total));
   const int64_t ni = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> counter{0};
 #pragma omp parallel num_threads(num_threads)
   {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t j = 0; j < ni; ++j) {
+    claim_ahead_loop(counter, ni, [&](int64_t j, int64_t next) {
       const auto [i, k] = items[j];
-      fns.run(a, tasks[i], buf, k, k + 1, states.data() + offset[i]);
-    }
+      const Work w{next >= 0 ? &tasks[items[next].first] : nullptr, next >= 0 ? items[next].second : 0};
+      fns.run(a, tasks[i], buf, k, k + 1, states.data() + offset[i], next >= 0 ? &w : nullptr);
+    });
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) fns.merge(a, tasks[i], nparts[i], states.data() + offset[i], buf);
   }
