@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=200)
     ap.add_argument("--adaptive", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--share-target-kv", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(dtype="bfloat16", quantization="none")
@@ -82,6 +83,7 @@ def main() -> None:
         "model": "smollm2-135m-instruct",
         "num_speculative_tokens": args.k,
         "adaptive": bool(args.adaptive),
+        "share_target_kv": bool(args.share_target_kv),
     }
     common = dict(dtype="bfloat16", quantization="none", max_model_len=1024)
     base = EngineCore(build_engine_config(**common), loaded=loaded)
@@ -161,6 +163,19 @@ def main() -> None:
     out["spec_stats_before"] = stats0
     out["times_s"] = {k: round(v, 3) for k, v in TIMES.items()}
     out["counts"] = dict(COUNTS)
+    out["uses_target_kv"] = prop.uses_target_kv
+    out["kv_rows_copied"] = prop.kv_rows_copied
+    out["gain_buckets"] = {
+        b: {
+            "spec_rate": round(bk.spec.rate, 3),
+            "spec_n": bk.spec.n,
+            "plain_rate": round(bk.plain.rate, 3),
+            "plain_n": bk.plain.n,
+            "off_steps": bk.off_steps,
+            "retry": bk.retry,
+        }
+        for b, bk in sorted(sd.gain._buckets.items())
+    }
     print(json.dumps(out, indent=1))
 
 

@@ -2,7 +2,7 @@
 :class:`~kvserve.spec_decode.protocol.Proposer` protocol plus the controller that
 sizes each proposal.
 
-Rules for the runner: call :meth:`SpecDecoder.begin_step` first thing in every step
+Rules for the runner: call :meth:`SpecDecoder.attach_target` once with its KV cache; call :meth:`SpecDecoder.begin_step` first thing in every step
 (it times the step for the gain monitor, :mod:`kvserve.spec_decode.gain`); after
 sampling, call :meth:`SpecDecoder.propose` with the requests that sampled (their histories already hold the new tokens) and return the
 result in ``ModelRunnerOutput.spec_token_ids``; call :meth:`observe` for every
@@ -95,6 +95,15 @@ class SpecDecoder:
         self._step_accepted = 0
         self._last_propose_time = 0.0  # the propose call whose drafts the next step verifies
         self._last_forwards = 0
+
+    def attach_target(
+        self, kv_cache: torch.Tensor, block_ids_of: Callable[[str], Sequence[int] | None]
+    ) -> bool:
+        """Offer the target's KV cache to the proposer (a draft model with the
+        target's checkpoint copies K/V rows from it instead of prefilling; see
+        :meth:`DraftModelProposer.attach_target`). Returns whether it is used."""
+        attach = getattr(self.proposer, "attach_target", None)
+        return bool(attach(kv_cache, block_ids_of)) if attach is not None else False
 
     def begin_step(self, so: Any) -> None:
         """Start timing a step (``so``: its SchedulerOutput). Only pure decode steps,
