@@ -5,7 +5,8 @@ shipped Q4_1 file as draft, spec-edit prompts, concurrency 1 and 4, runs interle
     PYTHONPATH=. python benchmarks/spec_draft_ab.py --temperature 0.2 --reps 3
 
 Prints per (concurrency, mode) the median output tok/s and median TTFT, the ratio
-spec/base, the acceptance per position, and where the spec engine's time went
+spec/base (wall clock, and output tokens per second of process CPU time: with one
+torch thread on a loaded machine the CPU-time ratio is the steadier one), the acceptance per position, and where the spec engine's time went
 (target forward, sampling, draft forwards by kind) from wrapped methods.
 """
 
@@ -47,6 +48,7 @@ def wrap(obj: Any, name: str, label: str) -> None:
 
 def run_once(engine: EngineCore, prompts: list[list[int]], params: SamplingParams, tag: str):
     t0 = time.perf_counter()
+    c0 = time.process_time()
     first: dict[str, float] = {}
     ntok = 0
     ids = [engine.add_request(p, params, request_id=f"{tag}-{i}") for i, p in enumerate(prompts)]
@@ -58,9 +60,10 @@ def run_once(engine: EngineCore, prompts: list[list[int]], params: SamplingParam
                 first[d.request_id] = time.perf_counter() - t0
             ntok += len(d.new_token_ids)
     wall = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     engine.check_no_leaks()
     assert len(first) == len(ids)
-    return ntok / wall, statistics.median(first.values())
+    return ntok / wall, statistics.median(first.values()), ntok / cpu
 
 
 def main() -> None:
@@ -150,11 +153,18 @@ def main() -> None:
         tb = [r[1] for r in results[(c, "base")]]
         ts = [r[1] for r in results[(c, "spec")]]
         ratios = [y / x for x, y in zip(b, s, strict=True)]
+        cb = [r[2] for r in results[(c, "base")]]
+        cs = [r[2] for r in results[(c, "spec")]]
+        cpu_ratios = [y / x for x, y in zip(cb, cs, strict=True)]
         out[f"c{c}"] = {
             "base_tok_s": round(statistics.median(b), 2),
             "spec_tok_s": round(statistics.median(s), 2),
             "ratio_median": round(statistics.median(ratios), 3),
             "ratios": [round(r, 3) for r in ratios],
+            "cpu_tok_s_base": round(statistics.median(cb), 2),
+            "cpu_tok_s_spec": round(statistics.median(cs), 2),
+            "cpu_ratio_median": round(statistics.median(cpu_ratios), 3),
+            "cpu_ratios": [round(r, 3) for r in cpu_ratios],
             "ttft_base_s": round(statistics.median(tb), 3),
             "ttft_spec_s": round(statistics.median(ts), 3),
         }

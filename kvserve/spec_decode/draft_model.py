@@ -135,6 +135,9 @@ class DraftModelProposer:
         self.same_weights: bool | None = None
         self.share_target_kv = True
         self.kv_rows_copied = 0  # target K/V rows copied instead of computed (stats)
+        # decayed catch-up forward time and tokens: the measured prefill cost per token
+        self._prefill_time = 0.0
+        self._prefill_tokens = 0.0
 
     @classmethod
     def load(cls, config: SpeculativeConfig, target: Any, cache_config: Any) -> DraftModelProposer:
@@ -253,6 +256,26 @@ class DraftModelProposer:
         state = self._reqs.pop(req_id, None)
         if state is not None:
             self._free.extend(reversed(state.block_ids))
+
+    # -- the catch-up's cost (what SpecDecoder weighs before starting one) -----------
+    def catch_up_tokens(self, req_id: str, history: Sequence[int]) -> int:
+        """Tokens ``req_id`` must still prefill in the draft before it can propose (0:
+        none, e.g. the target's KV is copied, or it lags by at most ``STEADY_GAP``)."""
+        if self._target_flat is not None:
+            return 0
+        state = self._reqs.get(req_id)
+        n = len(history)
+        if state is None:
+            return n
+        c, seen = 0, state.seen
+        limit = min(len(seen), n - 1)
+        while c < limit and seen[c] == history[c]:
+            c += 1
+        return n - c if n - c > STEADY_GAP else 0
+
+    def prefill_seconds_per_token(self) -> float | None:
+        """Measured catch-up forward time per token (None: none measured yet)."""
+        return self._prefill_time / self._prefill_tokens if self._prefill_tokens > 0 else None
 
     # -- proposing ----------------------------------------------------------------
     def _from_target(
@@ -421,6 +444,8 @@ class DraftModelProposer:
             t0 = time.perf_counter()
             self._forward(catch_up)
             self.last_catch_up_time = time.perf_counter() - t0
+            self._prefill_time = 0.8 * self._prefill_time + self.last_catch_up_time
+            self._prefill_tokens = 0.8 * self._prefill_tokens + sum(len(c[1]) for c in catch_up)
         if not chunks:
             return out
         logits = self._forward(chunks)
