@@ -77,18 +77,36 @@ def main() -> None:
     ap.add_argument("--adaptive", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--share-target-kv", type=int, default=1)
+    ap.add_argument(
+        "--method", default="draft_model", help="draft_model, or ngram (k from --k, lookup 4)"
+    )
+    ap.add_argument(
+        "--quantization", default="none", help="the target's (ngram: auto = the 4-bit file)"
+    )
+    ap.add_argument("--batch-invariant", type=int, default=None, help="1/0; default: the engine's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    loaded = load_model(dtype="bfloat16", quantization="none")
+    loaded = load_model(dtype="bfloat16", quantization=args.quantization)
     tok = loaded.tokenizer
-    spec = {
+    spec: dict[str, Any] = {
         "method": "draft_model",
         "model": "smollm2-135m-instruct",
         "num_speculative_tokens": args.k,
         "adaptive": bool(args.adaptive),
         "share_target_kv": bool(args.share_target_kv),
     }
-    common = dict(dtype="bfloat16", quantization="none", max_model_len=1024)
+    if args.method == "ngram":
+        spec = {
+            "method": "ngram",
+            "num_speculative_tokens": args.k,
+            "prompt_lookup_max": 4,
+            "adaptive": bool(args.adaptive),
+        }
+    common: dict[str, Any] = dict(
+        dtype="bfloat16", quantization=args.quantization, max_model_len=1024
+    )
+    if args.batch_invariant is not None:
+        common["batch_invariant"] = bool(args.batch_invariant)
     base = EngineCore(build_engine_config(**common), loaded=loaded)
     spec_engine = EngineCore(build_engine_config(speculative_config=spec, **common), loaded=loaded)
     runner = spec_engine.runner
@@ -96,7 +114,7 @@ def main() -> None:
     assert sd is not None
     prop = sd.proposer
     wrap(prop, "propose", "draft.propose")
-    fwd = prop._forward
+    fwd = getattr(prop, "_forward", None)
 
     def draft_forward(chunks: Any) -> Any:
         n = sum(len(c[1]) for c in chunks)
@@ -116,7 +134,8 @@ def main() -> None:
             TIMES[label] += time.perf_counter() - t0
             COUNTS[label] += 1
 
-    prop._forward = draft_forward
+    if fwd is not None:
+        prop._forward = draft_forward
     wrap(runner.model, "forward", "target.model.forward")
     wrap(runner, "execute_model", "runner.execute_model")
     wrap(runner, "_propose", "runner._propose")
@@ -173,8 +192,8 @@ def main() -> None:
     out["spec_stats_before"] = stats0
     out["times_s"] = {k: round(v, 3) for k, v in TIMES.items()}
     out["counts"] = dict(COUNTS)
-    out["uses_target_kv"] = prop.uses_target_kv
-    out["kv_rows_copied"] = prop.kv_rows_copied
+    out["uses_target_kv"] = getattr(prop, "uses_target_kv", None)
+    out["kv_rows_copied"] = getattr(prop, "kv_rows_copied", None)
     out["gain_buckets"] = {
         b: {
             "spec_rate": round(bk.spec.rate, 3),

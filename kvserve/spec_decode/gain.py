@@ -13,7 +13,10 @@ does not pay. Per pure decode step (no prompt tokens) of ``B`` requests::
     gain(B) = (tokens / cost over spec steps) / (B / cost over plain steps)
 
 both as exponentially decayed sums per batch-size bucket (exact sizes up to 8, then
-powers of two). Plain steps are rare while speculating, so every ``PROBE_EVERY``-th
+powers of two); a step's cost counts at most ``CLIP`` times its side's mean cost per
+token (a process descheduled on a loaded machine makes single steps many times
+slower, and one such step among a bucket's two plain probes or six spec steps would
+flip its decision). Plain steps are rare while speculating, so every ``PROBE_EVERY``-th
 spec step of a bucket is followed by a *probe*: one step with no proposals. Once a
 bucket has ``MIN_SPEC`` spec and ``MIN_PLAIN`` plain measurements and its gain is
 below 1, speculation is off for that bucket; after ``retry`` more steps it gets a
@@ -41,6 +44,8 @@ MIN_PLAIN = 2  # plain steps measured before a bucket's gain is trusted
 PROBE_EVERY = 24  # spec steps between two plain probes
 RETRY = 48  # steps a bucket stays off before its first retrial
 MAX_RETRY = 768
+CLIP = 3.0  # a step's cost per token counts at most this many times its side's mean
+CLIP_AFTER = 2  # ... once the side has this many measurements
 
 
 def bucket_of(batch: int) -> int:
@@ -57,6 +62,10 @@ class _Rate:
     n: int = 0
 
     def add(self, tokens: float, cost: float) -> None:
+        if self.n >= CLIP_AFTER and self.tokens > 0 and tokens > 0:
+            # a step many times slower per token than this side's mean is the machine
+            # (the process descheduled on a loaded host), not speculation: clip it
+            cost = min(cost, CLIP * tokens * self.cost / self.tokens)
         self.tokens = DECAY * self.tokens + tokens
         self.cost = DECAY * self.cost + cost
         self.n += 1

@@ -227,3 +227,19 @@ def test_catch_up_costs_are_not_mixed_into_the_measured_gain():
     assert g is not None and g > 1.5  # the steps pay; catch-ups are judged per request
     # the proposal forwards alone are what the controller's depth plan is charged
     assert abs(dec.gain.draft_forward_cost(2) - 3 * 0.03) < 1e-9  # one call of 3 forwards
+
+
+def test_one_descheduled_step_does_not_turn_a_paying_bucket_off():
+    clock = Clock()
+    dec = decoder(clock, FakeProposer(clock, cost=0.03))
+    simulate(dec, clock, 10, batch=1, accept=3)
+    assert not dec.gain.is_off(1) and dec.gain.gain(1) > 1.5
+    # one spec step 30x slower (the process was not running): clipped, still on
+    dec.gain.record(1, tokens=4, target_time=40.0, propose_time=0.1, num_forwards=1, verified=True)
+    assert not dec.gain.is_off(1) and dec.gain.gain(1) > 1.0
+    # a real slowdown, step after step, still turns it off
+    for _ in range(30):
+        dec.gain.record(
+            1, tokens=4, target_time=8.0, propose_time=0.1, num_forwards=1, verified=True
+        )
+    assert dec.gain.is_off(1)
