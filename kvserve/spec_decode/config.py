@@ -11,6 +11,9 @@ true: the per-request and engine-wide rule of :mod:`kvserve.spec_decode.controll
 false proposes ``num_speculative_tokens`` whenever the proposer has them) and
 ``step_cost_per_token`` (the controller's cost model: the time one more token adds
 to a step, as a fraction of a one-token step; measured default, see the docs).
+Draft models only: ``draft_dtype``, ``quantization`` and ``share_target_kv`` (default
+true: a draft with the target's checkpoint copies the target's K/V rows instead of
+prefilling the prompt itself, :mod:`kvserve.spec_decode.draft_model`).
 Unknown keys and bad values raise ValueError naming the key and a valid example.
 """
 
@@ -35,6 +38,7 @@ _KEYS = {
     "step_cost_per_token",
     "draft_dtype",
     "quantization",
+    "share_target_kv",
 }
 _EXAMPLE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
@@ -65,6 +69,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     adaptive: bool = True
     step_cost_per_token: float = DEFAULT_STEP_COST_PER_TOKEN
+    share_target_kv: bool = True
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
@@ -126,6 +131,11 @@ class SpeculativeConfig:
             raise _err("quantization", quant, "use auto, none, int8 or int4")
         if method == "ngram" and "quantization" in value:
             raise _err("quantization", quant, "only a draft_model has weights to quantize")
+        share = value.get("share_target_kv", True)
+        if not isinstance(share, bool):
+            raise _err("share_target_kv", share, "use true or false")
+        if method == "ngram" and "share_target_kv" in value:
+            raise _err("share_target_kv", share, "only a draft_model keeps a KV cache")
         return cls(
             method=method,
             num_speculative_tokens=k,
@@ -137,4 +147,5 @@ class SpeculativeConfig:
             disable_by_batch_size=disable,
             adaptive=adaptive,
             step_cost_per_token=float(cost),
+            share_target_kv=share,
         )

@@ -11,7 +11,8 @@ step yields on average::
 
 ``v`` for the ``i``-th draft of request ``r`` is ``alpha_r ** i``: the chance that
 drafts ``1..i`` are all accepted, with ``alpha_r`` the request's acceptance rate (an
-exponentially decayed estimate, a prior for a new request). The controller adds
+exponentially decayed estimate; a new request starts from ``prior_alpha``, 0.6 until
+the decoder sets it to the engine's measured acceptance). The controller adds
 draft tokens greedily, most valuable first, while the inequality holds. So:
 
 - per request: a request whose drafts are rejected gets shorter proposals, then none
@@ -71,6 +72,9 @@ class SpecController:
         self.adaptive = adaptive
         self.disable_by_batch_size = disable_by_batch_size
         self._reqs: dict[str, _ReqAcceptance] = {}
+        # acceptance assumed for a request not yet measured; the decoder sets it to
+        # the engine's measured acceptance (a draft model's is the same for all)
+        self.prior_alpha = PRIOR_ALPHA
 
     def alpha(self, req_id: str) -> float:
         """The request's current acceptance estimate."""
@@ -84,7 +88,7 @@ class SpecController:
             return [0] * batch
         if not self.adaptive:
             return [self.k] * batch
-        states = [self._reqs.setdefault(r, _ReqAcceptance()) for r in req_ids]
+        states = [self._reqs.get(r) or self._new(r) for r in req_ids]
         alphas = [min(s.alpha, 0.999) for s in states]
         candidates = sorted(
             ((alphas[j] ** i, j) for j in range(batch) for i in range(1, self.k + 1)),
@@ -111,6 +115,11 @@ class SpecController:
                 s.idle_plans = 0
                 plan[j] = 1
         return plan
+
+    def _new(self, req_id: str) -> _ReqAcceptance:
+        s = _ReqAcceptance(accepted=self.prior_alpha * PRIOR_WEIGHT, attempts=PRIOR_WEIGHT)
+        self._reqs[req_id] = s
+        return s
 
     def _plan_levels(self, alphas: list[float], plan: list[int], gain: float, time: float) -> None:
         """Draft depths for a proposer whose forwards cost: depth ``d`` costs one
@@ -141,7 +150,7 @@ class SpecController:
         were accepted (in order, so the first rejection ends it)."""
         if num_drafts <= 0:
             return
-        s = self._reqs.setdefault(req_id, _ReqAcceptance())
+        s = self._reqs.get(req_id) or self._new(req_id)
         attempts = num_accepted + (1 if num_accepted < num_drafts else 0)
         s.accepted = DECAY * s.accepted + num_accepted
         s.attempts = DECAY * s.attempts + attempts

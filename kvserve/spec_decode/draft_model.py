@@ -29,13 +29,36 @@ time gets no proposal and no draft work in that call (the call ends the step tha
 emits its first token); later calls catch its draft KV up ``CATCH_UP_CHUNK`` tokens
 at a time (a forward of their own, timed in ``last_catch_up_time``), and it is
 proposed for once it lags by at most ``STEADY_GAP`` tokens (so the proposing
-forwards, which the gain monitor charges, never carry a prefill chunk). Rules for callers: as :class:`~kvserve.spec_decode.protocol.Proposer`.
+forwards, which the gain monitor charges, never carry a prefill chunk).
+
+**The target's KV instead of a catch-up** (:meth:`attach_target`). A draft with the
+same weights as the target at lower precision (the shipped 4-bit file drafting for
+its bfloat16 target) has the target's architecture, so the catch-up, which costs as
+much compute as the target's own prefill (a 250-token prompt: about 30 target decode
+steps here, more than 96 output tokens earn back), is replaced by a copy of the
+target's K/V rows into the draft's blocks::
+
+    history  [ .............................. | t ]   t: sampled this step, no KV yet
+    target KV valid for every position before t (all a sampling request's earlier
+    tokens were computed: its prefill, its accepted drafts)
+    draft:   copy rows [c, n-1) from the target's blocks, then forward t alone
+
+so each proposal's first forward is one row per request and a new request needs no
+prefill at all (none is deferred). The draft then attends to the target's K/V for
+the history, its own for its drafts: acceptance, not exactness, depends on it (the
+verifier is exact for any proposal). It is used when the runner attaches its cache
+and the draft matches: same layer count, KV heads, head size, block size and cache
+dtype (an 8-bit target cache does not match), and the same norm weights in every
+layer (the same checkpoint, not just the same shape); ``share_target_kv: false`` in
+the config turns it off. Rules for callers: as
+:class:`~kvserve.spec_decode.protocol.Proposer`; :meth:`attach_target`'s block lookup
+must return the request's current block table (positions before its last token).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +126,18 @@ class DraftModelProposer:
         # one draft forward over one target step, as bytes read (decode is bound by
         # reading the weights); load() sets it from the target, 1.0 until then
         self.step_cost = 1.0
+        # the target's cache, [L, 2, Hk, blocks * block_size, D] (attach_target), and
+        # the lookup of a request's target block table; None: catch up by prefill
+        self._target_flat: torch.Tensor | None = None
+        self._target_blocks: Callable[[str], Sequence[int] | None] | None = None
+        # load(): whether the draft has the target's weights at another precision
+        # (None: unknown, e.g. built directly); config share_target_kv=False: never
+        self.same_weights: bool | None = None
+        self.share_target_kv = True
+        self.kv_rows_copied = 0  # target K/V rows copied instead of computed (stats)
+        # decayed catch-up forward time and tokens: the measured prefill cost per token
+        self._prefill_time = 0.0
+        self._prefill_tokens = 0.0
 
     @classmethod
     def load(cls, config: SpeculativeConfig, target: Any, cache_config: Any) -> DraftModelProposer:
@@ -137,10 +172,67 @@ class DraftModelProposer:
             per_block = kv_cache_bytes_per_block(draft, bs)
             num_blocks = max(2, int(cache_config.kv_cache_memory_gib * (1 << 30)) // per_block)
         proposer = cls(draft, num_blocks, bs, min(draft.max_model_len, target.max_model_len))
+        proposer.same_weights = same_norm_weights(draft.model, target.model)
+        proposer.share_target_kv = config.share_target_kv
         target_bytes = target.model.streamed_weight_bytes()
         if target_bytes > 0:
             proposer.step_cost = DRAFT_OVERHEAD * draft.model.streamed_weight_bytes() / target_bytes
         return proposer
+
+    # -- the target's KV -----------------------------------------------------------
+    def attach_target(
+        self, kv_cache: torch.Tensor, block_ids_of: Callable[[str], Sequence[int] | None]
+    ) -> bool:
+        """Copy K/V rows from the target's cache ``kv_cache`` (the runner's, layout of
+        :mod:`kvserve.model.kv_cache_tensor`) instead of prefilling, when it matches
+        (see the module docstring); ``block_ids_of(req_id)``: the request's target
+        block table at propose time (None: unknown, then that request gets no
+        proposal). Returns whether the target's KV is used."""
+        mine = self.kv_cache
+        ok = (
+            self.share_target_kv
+            and self.same_weights is not False
+            and kv_cache.dim() == mine.dim() == 6
+            and kv_cache.dtype == mine.dtype
+            and kv_cache.device == mine.device
+            and kv_cache.shape[:3] == mine.shape[:3]
+            and kv_cache.shape[4:] == mine.shape[4:]
+            and kv_cache.is_contiguous()
+            and mine.is_contiguous()
+        )
+        if not ok:
+            self._target_flat = self._target_blocks = None
+            return False
+        L, two, hk, nb, bs, d = kv_cache.shape
+        self._target_flat = kv_cache.view(L, two, hk, nb * bs, d)
+        self._target_blocks = block_ids_of
+        return True
+
+    @property
+    def uses_target_kv(self) -> bool:
+        return self._target_flat is not None
+
+    def _copy_from_target(self, copies: list[tuple[Sequence[int], list[int], int, int]]) -> None:
+        """Copy target K/V rows of positions ``[start, end)`` from the target's blocks
+        ``tb`` into the draft's ``db``, for each ``(tb, db, start, end)``, in one
+        gather and one scatter over all layers."""
+        assert self._target_flat is not None
+        bs = self.block_size
+        src: list[int] = []
+        dst: list[int] = []
+        for tb, db, start, end in copies:
+            for p in range(start, end):
+                b, o = divmod(p, bs)
+                src.append(tb[b] * bs + o)
+                dst.append(db[b] * bs + o)
+        if not src:
+            return
+        L, two, hk, nb, _, d = self.kv_cache.shape
+        flat = self.kv_cache.view(L, two, hk, nb * bs, d)
+        dev = self.device
+        rows = self._target_flat.index_select(3, torch.tensor(src, dtype=torch.long, device=dev))
+        flat.index_copy_(3, torch.tensor(dst, dtype=torch.long, device=dev), rows)
+        self.kv_rows_copied += len(src)
 
     # -- blocks -------------------------------------------------------------------
     def _ensure_blocks(self, state: _DraftState, num_tokens: int) -> bool:
@@ -165,7 +257,54 @@ class DraftModelProposer:
         if state is not None:
             self._free.extend(reversed(state.block_ids))
 
+    # -- the catch-up's cost (what SpecDecoder weighs before starting one) -----------
+    def catch_up_tokens(self, req_id: str, history: Sequence[int]) -> int:
+        """Tokens ``req_id`` must still prefill in the draft before it can propose (0:
+        none, e.g. the target's KV is copied, or it lags by at most ``STEADY_GAP``)."""
+        if self._target_flat is not None:
+            return 0
+        state = self._reqs.get(req_id)
+        n = len(history)
+        if state is None:
+            return n
+        c, seen = 0, state.seen
+        limit = min(len(seen), n - 1)
+        while c < limit and seen[c] == history[c]:
+            c += 1
+        return n - c if n - c > STEADY_GAP else 0
+
+    def prefill_seconds_per_token(self) -> float | None:
+        """Measured catch-up forward time per token (None: none measured yet)."""
+        return self._prefill_time / self._prefill_tokens if self._prefill_tokens > 0 else None
+
     # -- proposing ----------------------------------------------------------------
+    def _from_target(
+        self,
+        req_id: str,
+        history: Sequence[int],
+        n: int,
+        k: int,
+        copies: list[tuple[Sequence[int], list[int], int, int]],
+    ) -> tuple[_DraftState, list[int], int] | None:
+        """The proposing chunk of ``req_id`` (its last token alone) with the rows
+        before it queued in ``copies`` from the target's blocks; None: no proposal
+        (no target block table, or no free draft block)."""
+        assert self._target_blocks is not None
+        tb = self._target_blocks(req_id)
+        if tb is None or len(tb) * self.block_size < n - 1:
+            return None
+        state = self._reqs.setdefault(req_id, _DraftState())
+        seen = state.seen
+        c, limit = 0, min(len(seen), n - 1)
+        while c < limit and seen[c] == history[c]:
+            c += 1
+        if not self._ensure_blocks(state, n + k - 1):
+            return None
+        if c < n - 1:
+            copies.append((tb, state.block_ids, c, n - 1))
+        state.seen = list(history[:n])
+        return (state, [history[n - 1]], n - 1)
+
     def _forward(self, chunks: list[tuple[_DraftState, list[int], int]]) -> torch.Tensor:
         """One forward over ``(state, tokens, start position)`` chunks; returns each
         chunk's next-token logits (``[len(chunks), V]``, in chunk order). Multi-row
@@ -263,10 +402,17 @@ class DraftModelProposer:
         active: list[tuple[int, _DraftState, int]] = []  # index, state, k
         chunks: list[tuple[_DraftState, list[int], int]] = []
         catch_up: list[tuple[_DraftState, list[int], int]] = []  # no proposal this call
+        copies: list[tuple[Sequence[int], list[int], int, int]] = []  # from the target
         for i, (req_id, history, k) in enumerate(zip(req_ids, token_ids, num_tokens, strict=True)):
             n = len(history)
             k = min(k, self.max_model_len - n)
             if k <= 0:
+                continue
+            if self._target_flat is not None:  # the target's KV: copy, never prefill
+                entry = self._from_target(req_id, history, n, k, copies)
+                if entry is not None:
+                    chunks.append(entry)
+                    active.append((i, entry[0], k))
                 continue
             if req_id not in self._reqs:  # its first token's step: defer the prefill
                 self._reqs[req_id] = _DraftState()
@@ -292,10 +438,14 @@ class DraftModelProposer:
             chunks.append((state, tail, c))
             active.append((i, state, k))
         self.last_catch_up_time = 0.0
+        if copies:
+            self._copy_from_target(copies)
         if catch_up:  # its own forward, timed: a one-off cost, not a proposal's
             t0 = time.perf_counter()
             self._forward(catch_up)
             self.last_catch_up_time = time.perf_counter() - t0
+            self._prefill_time = 0.8 * self._prefill_time + self.last_catch_up_time
+            self._prefill_tokens = 0.8 * self._prefill_tokens + sum(len(c[1]) for c in catch_up)
         if not chunks:
             return out
         logits = self._forward(chunks)
@@ -316,3 +466,25 @@ class DraftModelProposer:
             if i in qs:
                 self._q[req_id] = (list(out[i]), torch.stack(qs[i]))
         return out
+
+
+def same_norm_weights(draft: Any, target: Any) -> bool:
+    """Whether ``draft`` and ``target`` carry the same checkpoint (at any precision):
+    the same layer count and equal RMSNorm weights in every layer and at the end
+    (norms stay unquantized in GGUF files; two different checkpoints of one shape do
+    not share them). Then the target's K/V are what the draft would compute, up to
+    its weights' rounding."""
+    dl, tl = getattr(draft, "layers", None), getattr(target, "layers", None)
+    if dl is None or tl is None or len(dl) != len(tl):
+        return False
+    pairs = [(draft.norm, target.norm)]
+    for a, b in zip(dl, tl, strict=True):
+        pairs.append((a.input_layernorm, b.input_layernorm))
+        pairs.append((a.post_attention_layernorm, b.post_attention_layernorm))
+    for a, b in pairs:
+        if a.shape != b.shape:
+            return False
+        x, y = a.detach().float(), b.detach().float()
+        if not torch.allclose(x, y, rtol=1e-2, atol=1e-2 * float(y.abs().max()) + 1e-6):
+            return False
+    return True

@@ -13,17 +13,21 @@ does not pay. Per pure decode step (no prompt tokens) of ``B`` requests::
     gain(B) = (tokens / cost over spec steps) / (B / cost over plain steps)
 
 both as exponentially decayed sums per batch-size bucket (exact sizes up to 8, then
-powers of two). Plain steps are rare while speculating, so every ``PROBE_EVERY``-th
+powers of two); a step's cost counts at most ``CLIP`` times its side's mean cost per
+token (a process descheduled on a loaded machine makes single steps many times
+slower, and one such step among a bucket's two plain probes or six spec steps would
+flip its decision). Plain steps are rare while speculating, so every ``PROBE_EVERY``-th
 spec step of a bucket is followed by a *probe*: one step with no proposals. Once a
 bucket has ``MIN_SPEC`` spec and ``MIN_PLAIN`` plain measurements and its gain is
 below 1, speculation is off for that bucket; after ``retry`` more steps it gets a
 trial of ``MIN_SPEC`` spec steps again (measured afresh), and each failed trial doubles
 ``retry`` (up to ``MAX_RETRY``). The monitor also reports a measured draft-forward
 cost (time per proposing forward over a plain step of the bucket) that the
-controller plans with instead of its weight-bytes estimate. One-off costs of
-speculation (a draft model's catch-up prefill of a new request) are charged to the
-spec side with no tokens (:meth:`charge`), so a batch size where they are not earned
-back turns speculation off too.
+controller plans with instead of its weight-bytes estimate. One-off costs (a draft
+model's catch-up prefill of a new request) are not mixed into these rates: a decayed
+window of a few steps would charge a cost that the request's whole output pays off;
+:class:`~kvserve.spec_decode.decoder.SpecDecoder` weighs each catch-up against the
+remaining output with :meth:`plain_step_time` and :meth:`last_gain` instead.
 
 Rules for callers: :meth:`record` once per step with that step's numbers (an
 injected clock makes it deterministic in tests); ask :meth:`allow` before proposing
@@ -40,6 +44,8 @@ MIN_PLAIN = 2  # plain steps measured before a bucket's gain is trusted
 PROBE_EVERY = 24  # spec steps between two plain probes
 RETRY = 48  # steps a bucket stays off before its first retrial
 MAX_RETRY = 768
+CLIP = 3.0  # a step's cost per token counts at most this many times its side's mean
+CLIP_AFTER = 2  # ... once the side has this many measurements
 
 
 def bucket_of(batch: int) -> int:
@@ -56,6 +62,10 @@ class _Rate:
     n: int = 0
 
     def add(self, tokens: float, cost: float) -> None:
+        if self.n >= CLIP_AFTER and self.tokens > 0 and tokens > 0:
+            # a step many times slower per token than this side's mean is the machine
+            # (the process descheduled on a loaded host), not speculation: clip it
+            cost = min(cost, CLIP * tokens * self.cost / self.tokens)
         self.tokens = DECAY * self.tokens + tokens
         self.cost = DECAY * self.cost + cost
         self.n += 1
@@ -75,6 +85,8 @@ class _Bucket:
     trial: bool = False  # measuring a retrial: decide after MIN_SPEC spec steps
     draft_forward: float = 0.0  # decayed time per proposing forward
     draft_forward_w: float = 0.0
+
+    last_gain: float | None = None  # the last gain measured when trusted (kept in trials)
 
     @property
     def trusted(self) -> bool:
@@ -99,6 +111,22 @@ class GainMonitor:
         if bk is None or not bk.trusted or bk.plain.rate <= 0:
             return None
         return bk.spec.rate / bk.plain.rate
+
+    def last_gain(self, batch: int) -> float | None:
+        """The current gain if measured, else the last one measured (a retrial
+        measures afresh), else None."""
+        g = self.gain(batch)
+        if g is not None:
+            return g
+        bk = self._buckets.get(bucket_of(batch))
+        return bk.last_gain if bk is not None else None
+
+    def plain_step_time(self, batch: int) -> float | None:
+        """Measured seconds of a plain step of ``batch`` decodes (None: none yet)."""
+        bk = self._buckets.get(bucket_of(batch))
+        if bk is None or bk.plain.n < 1 or bk.plain.rate <= 0:
+            return None
+        return bucket_of(batch) / bk.plain.rate
 
     def draft_forward_cost(self, batch: int) -> float | None:
         """Measured time of one proposing forward over a plain step of ``batch``
@@ -130,12 +158,6 @@ class GainMonitor:
             return False  # a probe: the next step runs without drafts
         return True
 
-    def charge(self, batch: int, seconds: float) -> None:
-        """Add a one-off cost of speculation (a draft model's catch-up prefill) to the
-        spec side of ``batch``'s bucket, with no tokens: it decays like a step's."""
-        if seconds > 0:
-            self._get(batch).spec.cost += seconds
-
     def record(
         self,
         batch: int,
@@ -164,6 +186,7 @@ class GainMonitor:
         if bk.off_steps > 0 or not bk.trusted:
             return
         g = bk.spec.rate / bk.plain.rate if bk.plain.rate > 0 else 1.0
+        bk.last_gain = g
         if g < 1.0:
             bk.retry = min(MAX_RETRY, bk.retry * 2) if bk.trial else bk.retry
             bk.off_steps = bk.retry

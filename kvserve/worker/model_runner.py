@@ -143,6 +143,7 @@ class ModelRunner:
         self.spec_decoder: SpecDecoder | None = None
         if speculative_config is not None:
             self.spec_decoder = build_spec_decoder(speculative_config, loaded, cache_config)
+            self.spec_decoder.attach_target(self.kv_cache, self._target_block_ids)
         if compile:
             self.compiled = CompiledDecode(
                 self.model,
@@ -229,6 +230,11 @@ class ModelRunner:
         if self.structured is not None:
             out.failed = self.structured.take_failures()
         return out
+
+    def _target_block_ids(self, req_id: str) -> list[int] | None:
+        """A request's block table now (the draft model copies its K/V rows)."""
+        state = self.input_batch.requests.get(req_id)
+        return state.block_ids if state is not None else None
 
     def _propose(self, req_ids: list[str], out: ModelRunnerOutput) -> None:
         """Draft tokens for the next step of the requests that sampled this step."""

@@ -123,3 +123,71 @@ def test_sampled_requests_get_sampled_drafts_with_their_distributions():
     assert again.propose(["s"], [history], [3], [hot])[0] == s_drafts
     p.drop("s")
     assert "s" not in p._q
+
+
+def stand_in_target(loaded, histories: dict[str, list[int]]) -> DraftModelProposer:
+    """A stand-in for the target's cache: a proposer whose KV holds every history's
+    rows (computed by the model itself, one request id per history)."""
+    t = DraftModelProposer(loaded, num_blocks=80, block_size=4, max_model_len=256)
+    ids, hists = list(histories), list(histories.values())
+    t.propose(ids, hists, [1] * len(ids))
+    for _ in range(max(cdiv(len(h), CATCH_UP_CHUNK) for h in hists) + 1):
+        if all(t.propose(ids, hists, [1] * len(ids))):
+            return t
+    raise AssertionError("the stand-in target never caught up")
+
+
+def test_target_kv_copy_replaces_the_catch_up_and_proposes_the_same_drafts():
+    loaded = tiny_loaded()
+    p = DraftModelProposer(loaded, num_blocks=64, block_size=4, max_model_len=128)
+    rng = random.Random(2)
+    histories = {"a": [(5 * i) % 50 for i in range(23)], "b": [5, 5, 1]}
+    free_before = len(p._free)
+    calls: list[int] = []
+    forward = p._forward
+    p._forward = lambda chunks: calls.append(sum(len(c[1]) for c in chunks)) or forward(chunks)
+    for _ in range(5):
+        # the target's KV of this round: every position before each history's last token
+        t = stand_in_target(loaded, histories)
+        assert p.attach_target(t.kv_cache, lambda r, t=t: t._reqs[r].block_ids)
+        ids = list(histories)
+        ks = [rng.randint(1, 4) for _ in ids]
+        calls.clear()
+        got = p.propose(ids, [histories[r] for r in ids], ks)  # no deferral, no prefill
+        assert calls[0] == len(ids)  # the first forward: each request's last token alone
+        for r, k, drafts in zip(ids, ks, got, strict=True):
+            assert drafts == greedy_from_scratch(loaded, histories[r], k)
+            m = rng.randint(0, len(drafts))  # accepted drafts, then a different token
+            histories[r] = (
+                histories[r] + drafts[:m] + [(drafts[m] + 1) % 50 if m < len(drafts) else 4]
+            )
+    assert p.kv_rows_copied > 0 and p.last_catch_up_time == 0.0
+    p.drop("a")
+    p.drop("b")
+    assert len(p._free) == free_before
+
+
+def test_target_kv_is_used_only_for_the_same_checkpoint_and_layout():
+    from kvserve.spec_decode.draft_model import same_norm_weights
+
+    loaded = tiny_loaded()
+    other = tiny_loaded()
+    with torch.no_grad():
+        for layer in other.model.layers:
+            layer.input_layernorm.mul_(-1.0)  # another checkpoint of the same shape
+    assert same_norm_weights(loaded.model, loaded.model)
+    assert not same_norm_weights(other.model, loaded.model)
+    p = DraftModelProposer(loaded, num_blocks=16, block_size=4, max_model_len=64)
+    target_cache = torch.zeros_like(p.kv_cache)
+    p.same_weights = False
+    assert not p.attach_target(target_cache, lambda r: None) and not p.uses_target_kv
+    p.same_weights = True
+    p.share_target_kv = False  # the config turned it off
+    assert not p.attach_target(target_cache, lambda r: None)
+    p.share_target_kv = True
+    assert not p.attach_target(target_cache.to(torch.bfloat16), lambda r: None)  # dtype
+    assert not p.attach_target(target_cache[..., :4].contiguous(), lambda r: None)  # shape
+    assert p.attach_target(target_cache, lambda r: None) and p.uses_target_kv
+    # a request whose target block table is unknown gets no proposal, and no blocks
+    free = len(p._free)
+    assert p.propose(["z"], [[1, 2, 3]], [2]) == [[]] and len(p._free) == free

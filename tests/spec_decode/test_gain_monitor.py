@@ -149,17 +149,97 @@ def test_steps_with_prompt_work_are_not_measured():
     assert dec.gain.gain(1) is None and not dec.gain.is_off(1)
 
 
-def test_one_off_catch_up_costs_count_against_speculation():
+class CatchingUp(FakeProposer):
+    """A draft-model-like proposer: ``lag[r]`` tokens to prefill before ``r`` can
+    propose, at ``per_token`` seconds each (measured once ``per_token`` is set)."""
+
+    def __init__(self, clock: Clock, cost: float, lag: dict[str, int], per_token):
+        super().__init__(clock, cost, step_cost=0.1)
+        self.lag, self.per_token = lag, per_token
+        self.asked: list[list[int]] = []
+
+    def catch_up_tokens(self, req_id, history):
+        return self.lag.get(req_id, 0)
+
+    def prefill_seconds_per_token(self):
+        return self.per_token
+
+    def propose(self, req_ids, token_ids, num_tokens, states=None):
+        self.asked.append(list(num_tokens))
+        return super().propose(req_ids, token_ids, num_tokens, states)
+
+
+def state(max_tokens: int, outputs: int):
+    from kvserve.request import SamplingParams
+    from kvserve.worker.sampler import SamplingRequestState
+
+    st = SamplingRequestState(SamplingParams(temperature=0.0, max_tokens=max_tokens), [1], [])
+    st.output_token_ids = [2] * outputs
+    return st
+
+
+def test_a_catch_up_starts_only_where_the_remaining_output_pays_for_it():
+    clock = Clock()
+    # 300 tokens to prefill at 0.01 s: 3 s, i.e. 3 plain steps of 1 s
+    prop = CatchingUp(clock, cost=0.03, lag={"short": 300, "long": 300, "ready": 0}, per_token=0.01)
+    dec = decoder(clock, prop)
+    reqs = ["short", "long", "ready"]
+    sts = [state(100, 90), state(1000, 10), state(100, 90)]
+    # no plain step measured yet: catch-ups wait (the next plain step measures it)
+    dec.propose(reqs, [[0, 1]] * 3, sts)
+    assert prop.asked[-1][0] == 0 and prop.asked[-1][1] == 0 and prop.asked[-1][2] > 0
+    for _ in range(3):  # plain steps of 3 decodes, 1 s each
+        dec.gain.record(
+            3, tokens=3, target_time=1.0, propose_time=0.0, num_forwards=0, verified=False
+        )
+    assert abs(dec.gain.plain_step_time(3) - 1.0) < 1e-9
+    # gain estimate (nothing measured at any batch size): the cost model, > 1 here
+    assert dec._expected_gain(3, 3) > 1.2
+    plan = [3, 3, 3]
+    dec._refuse_unpaid_catch_ups(reqs, [[0, 1]] * 3, sts, plan)
+    # short: 10 tokens left save at most 10 * 1/3 s < 1.5 * 3 s; long: 990 tokens do
+    assert plan[0] == 0 and plan[1] == 3 and plan[2] == 3
+    # a measured gain below 1 (also from a smaller bucket) refuses every catch-up
+    bk = dec.gain._get(2)
+    bk.last_gain = 0.9
+    plan = [3, 3, 3]
+    dec._refuse_unpaid_catch_ups(reqs, [[0, 1]] * 3, sts, plan)
+    assert plan == [0, 0, 3]  # the caught-up request still proposes
+    # the prefill cost not measured yet: the first chunk goes ahead and measures it
+    prop.per_token = None
+    plan = [3, 3, 3]
+    dec._refuse_unpaid_catch_ups(reqs, [[0, 1]] * 3, sts, plan)
+    assert plan == [3, 3, 3]
+
+
+def test_catch_up_costs_are_not_mixed_into_the_measured_gain():
     clock = Clock()
 
-    class CatchingUp(FakeProposer):
+    class Costly(FakeProposer):
         def propose(self, req_ids, token_ids, num_tokens, states=None):
             self.last_catch_up_time = 4.0  # a new request's draft prefill every call
             self.clock.now += 4.0
             return super().propose(req_ids, token_ids, num_tokens, states)
 
-    dec = decoder(clock, CatchingUp(clock, cost=0.03))
+    dec = decoder(clock, Costly(clock, cost=0.03))
     simulate(dec, clock, 12, batch=2, accept=3)
-    assert dec.gain.is_off(2)  # it pays per step, not with the catch-up on top
+    g = dec.gain.gain(2)
+    assert g is not None and g > 1.5  # the steps pay; catch-ups are judged per request
     # the proposal forwards alone are what the controller's depth plan is charged
     assert abs(dec.gain.draft_forward_cost(2) - 3 * 0.03) < 1e-9  # one call of 3 forwards
+
+
+def test_one_descheduled_step_does_not_turn_a_paying_bucket_off():
+    clock = Clock()
+    dec = decoder(clock, FakeProposer(clock, cost=0.03))
+    simulate(dec, clock, 10, batch=1, accept=3)
+    assert not dec.gain.is_off(1) and dec.gain.gain(1) > 1.5
+    # one spec step 30x slower (the process was not running): clipped, still on
+    dec.gain.record(1, tokens=4, target_time=40.0, propose_time=0.1, num_forwards=1, verified=True)
+    assert not dec.gain.is_off(1) and dec.gain.gain(1) > 1.0
+    # a real slowdown, step after step, still turns it off
+    for _ in range(30):
+        dec.gain.record(
+            1, tokens=4, target_time=8.0, propose_time=0.1, num_forwards=1, verified=True
+        )
+    assert dec.gain.is_off(1)

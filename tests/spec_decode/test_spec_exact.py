@@ -104,23 +104,31 @@ def test_stop_token_inside_accepted_drafts_ends_the_request(loaded_model, single
     assert spec_outs == base and all(len(v) == 7 for v in spec_outs.values())
 
 
-def test_draft_model_speculation_is_exact_with_its_own_kv_cache(loaded_model, greedy_reference):
+@pytest.mark.parametrize("share_target_kv", [True, False])
+def test_draft_model_speculation_is_exact_with_its_own_kv_cache(
+    loaded_model, greedy_reference, share_target_kv
+):
     # the default model as its own draft (the only model the tests may load): every
     # greedy draft is accepted, and the output is the reference token for token.
     # Fixed k: a draft as large as the target never pays, so the gain monitor would
-    # (rightly) stop it before it is exercised.
+    # (rightly) stop it before it is exercised. Both ways of filling the draft's KV:
+    # rows copied from the target's cache (the same checkpoint) or its own prefill.
     spec = {
         "method": "draft_model",
         "model": "smollm2-135m-instruct",
         "num_speculative_tokens": 3,
         "draft_dtype": "float32",
         "adaptive": False,
+        "share_target_kv": share_target_kv,
     }
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outs, engine = run(loaded_model, {"num_kv_blocks": 128}, spec, params)
     assert outs == greedy_reference
     stats = engine.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.acceptance_rate > 0.9
+    proposer = engine.runner.spec_decoder.proposer
+    assert proposer.uses_target_kv == share_target_kv
+    assert (proposer.kv_rows_copied > 0) == share_target_kv
 
 
 def test_sampled_draft_model_drafts_are_verified_against_their_distribution(loaded_model):
