@@ -113,8 +113,15 @@ class CompiledDecode:
         self.num_calls += 1
         return self._fn(input_ids, positions, kv_caches, static)
 
-    def warm_up(self, kv_caches: list[torch.Tensor], kv_segment_size: int) -> float:
-        """Compile every bucket now, on dummy rows only; returns the seconds it took."""
+    def warm_up(
+        self,
+        kv_caches: list[torch.Tensor],
+        kv_segment_size: int,
+        model_dtype: torch.dtype | None = None,
+        kv_8bit: bool = False,
+    ) -> float:
+        """Compile every bucket now, on dummy rows only; returns the seconds it took.
+        An 8-bit cache (``kv_8bit``) needs ``model_dtype`` (its codes are not it)."""
         t0 = time.perf_counter()
         sizes = self.buckets or (1, 2, 3)
         with torch.inference_mode():
@@ -126,8 +133,9 @@ class CompiledDecode:
                     block_size=self.block_size,
                     kv_segment_size=kv_segment_size,
                     backend="native",
-                    kv_dtype=kv_caches[0].dtype,
+                    kv_dtype=model_dtype if kv_8bit and model_dtype else kv_caches[0].dtype,
                     kernels=self.model.kernels,
+                    kv_8bit=kv_8bit,
                 )
                 ids = torch.zeros(num_rows, dtype=torch.long)
                 positions = torch.zeros(num_rows, dtype=torch.long)

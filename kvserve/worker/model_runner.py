@@ -85,12 +85,6 @@ class ModelRunner:
                 f"(block 0 is the null block) (for example: kv_cache_memory_gib=1.0)"
             )
         self.num_kv_blocks: int = num_blocks
-        if self.kv_format.is_8bit and compile:
-            raise ValueError(
-                f"invalid kv_cache_dtype={self.kv_format.name!r} with compile=True: compiled "
-                "decode graphs read float KV caches only (for example: --kv-cache-dtype "
-                "int8 without --compile)"
-            )
         self.kv_cache = allocate_kv_cache(
             self.model, num_blocks, self.block_size, loaded.dtype, self.device, self.kv_format
         )
@@ -152,7 +146,9 @@ class ModelRunner:
                 block_size=self.block_size,
                 attention_backend=self.attention_backend,
             )
-            self.compiled.warm_up(self.kv_caches, self.kv_segment_size)
+            self.compiled.warm_up(
+                self.kv_caches, self.kv_segment_size, loaded.dtype, self.kv_format.is_8bit
+            )
 
     def set_kv_connector(self, connector: KVConnectorWorker) -> None:
         """Use ``connector``'s worker side around every step (disaggregation)."""

@@ -50,9 +50,44 @@ def test_float_kv_dtype_must_match_the_model_dtype():
         LLM(dtype="bfloat16", kv_cache_dtype="float32", kv_cache_memory_gib=0.01)
 
 
-def test_compile_with_8bit_kv_is_refused():
-    with pytest.raises(ValueError, match="kv_cache_dtype='int8' with compile=True"):
-        LLM(dtype="bfloat16", kv_cache_dtype="int8", compile=True, kv_cache_memory_gib=0.01)
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_name", ["int8", "fp8_e4m3"])
+def test_compile_with_8bit_kv_reads_the_cache_in_place(kv_name, tmp_path, monkeypatch):
+    """--compile with an 8-bit cache: compiled decode steps give the eager 8-bit
+    engine's greedy tokens, through the one in-place operator (the compiled code calls
+    kvserve.kv8_write_and_attend and never copies a layer's cache)."""
+    from kvserve.model.loader import load_tokenizer
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold compile
+    tok = load_tokenizer("smollm2-135m-instruct")
+    common = dict(
+        dtype="float32",
+        kv_cache_dtype=kv_name,
+        max_model_len=256,
+        scheduler_policy="separated",
+        max_num_seqs=2,
+        num_seqs_buckets=(1, 2),
+        max_num_batched_tokens=128,
+        num_batched_tokens_buckets=(64, 128),
+        max_step_ms=0,
+        num_kv_blocks=64,
+    )
+    prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):")]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    eager = LLM(**common).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    llm = LLM(compile=True, **common)
+    compiled = llm.engine.runner.compiled  # type: ignore[attr-defined]
+    assert compiled is not None
+    warm = compiled.num_calls
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert compiled.num_calls > warm, "decode steps ran through the compiled graphs"
+    for a, b in zip(eager, outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    llm.engine.check_no_leaks()
+    code = "\n".join(p.read_text() for p in tmp_path.rglob("*.py"))
+    assert "def call(" in code and "kvserve.kv8_write_and_attend" in code
+    layer_cache = llm.engine.runner.kv_caches[0]  # type: ignore[attr-defined]
+    assert f"{layer_cache.numel()}L" not in code, "a compiled kernel copies a layer's cache"
 
 
 @pytest.fixture(scope="module")

@@ -242,7 +242,8 @@ class KV8Kernel:
         the same row stride) into ``slots`` [T] int64 (-1 = skip) of an 8-bit layer
         cache (contiguous). No bounds checks."""
         t, hk, d = k.shape
-        if k.stride(0) != v.stride(0) or k.stride(1) != d or v.stride(1) != d or k.stride(2) != 1:
+        one_stride = t <= 1 or k.stride(0) == v.stride(0)  # one row: its stride is moot
+        if not one_stride or k.stride(1) != d or v.stride(1) != d or k.stride(2) != 1:
             raise ValueError("k and v need contiguous heads and one row stride")
         rc = self._write(
             k.data_ptr(),
@@ -362,10 +363,68 @@ def kv8_paged_attention(
     nb = meta.native
     if nb is None:
         raise RuntimeError("an 8-bit KV cache needs the native attention backend")
+    if torch.compiler.is_compiling():  # one opaque operator that writes the cache in place
+        return kv8_write_and_attend_op(
+            q, k, v, kv_cache, meta.slot_mapping, nb.seqs, nb.block_tables,
+            meta.kv_segment_size, scale,
+        )  # fmt: skip
+    return _write_and_attend(
+        q, k, v, kv_cache, meta.slot_mapping, nb.seqs, nb.block_tables, meta.kv_segment_size, scale
+    )
+
+
+def _write_and_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    seqs: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_segment_size: int,
+    scale: float,
+) -> torch.Tensor:
     kernel = get_kv8_kernel()
-    if k.stride(1) != k.shape[-1] or k.stride(0) != v.stride(0):
+    d, rows = k.shape[-1], k.shape[0]
+    heads = (k.stride(1), k.stride(2), v.stride(1), v.stride(2)) == (d, 1, d, 1)
+    if not heads or (rows > 1 and k.stride(0) != v.stride(0)):
         k, v = k.contiguous(), v.contiguous()
-    kernel.write(k, v, kv_cache, meta.slot_mapping)
+    kernel.write(k, v, kv_cache, slots)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    return kernel.attention(q, kv_cache, nb.seqs, nb.block_tables, meta.kv_segment_size, scale)
+    return kernel.attention(q, kv_cache, seqs, block_tables, kv_segment_size, scale)
+
+
+@torch.library.custom_op("kvserve::kv8_write_and_attend", mutates_args=("kv_cache",))
+def kv8_write_and_attend_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    seqs: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_segment_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`kv8_paged_attention` as one ``torch.library`` operator, for compiled
+    decode steps: quantize the step's K/V [T, Hk, D] into ``slots`` [T] (-1 = skip) of
+    the 8-bit ``kv_cache`` in place, then attend over it where it lies (one operator,
+    like ``kvserve::write_kv_and_attend`` for float caches, so inductor never copies
+    the cache). q [T, H, D] -> [T, H, D]."""
+    return _write_and_attend(q, k, v, kv_cache, slots, seqs, block_tables, kv_segment_size, scale)
+
+
+@kv8_write_and_attend_op.register_fake
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    seqs: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_segment_size: int,
+    scale: float,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)
