@@ -31,26 +31,9 @@ at a time (a forward of their own, timed in ``last_catch_up_time``), and it is
 proposed for once it lags by at most ``STEADY_GAP`` tokens (so the proposing
 forwards, which the gain monitor charges, never carry a prefill chunk).
 
-**The target's KV instead of a catch-up** (:meth:`attach_target`). A draft with the
-same weights as the target at lower precision (the shipped 4-bit file drafting for
-its bfloat16 target) has the target's architecture, so the catch-up, which costs as
-much compute as the target's own prefill (a 250-token prompt: about 30 target decode
-steps here, more than 96 output tokens earn back), is replaced by a copy of the
-target's K/V rows into the draft's blocks::
-
-    history  [ .............................. | t ]   t: sampled this step, no KV yet
-    target KV valid for every position before t (all a sampling request's earlier
-    tokens were computed: its prefill, its accepted drafts)
-    draft:   copy rows [c, n-1) from the target's blocks, then forward t alone
-
-so each proposal's first forward is one row per request and a new request needs no
-prefill at all (none is deferred). The draft then attends to the target's K/V for
-the history, its own for its drafts: acceptance, not exactness, depends on it (the
-verifier is exact for any proposal). It is used when the runner attaches its cache
-and the draft matches: same layer count, KV heads, head size, block size and cache
-dtype (an 8-bit target cache does not match), and the same norm weights in every
-layer (the same checkpoint, not just the same shape); ``share_target_kv: false`` in
-the config turns it off. Rules for callers: as
+**The target's KV instead of a catch-up** (:meth:`attach_target`): a draft with the
+target's checkpoint at lower precision copies the target's K/V rows instead of
+prefilling (:mod:`kvserve.spec_decode.target_kv`). Rules for callers: as
 :class:`~kvserve.spec_decode.protocol.Proposer`; :meth:`attach_target`'s block lookup
 must return the request's current block table (positions before its last token).
 """
@@ -69,6 +52,7 @@ from kvserve.model.attention import SeqSpec, build_attention_metadata, resolve_a
 from kvserve.model.kv_cache_tensor import allocate_kv_cache, kv_cache_bytes_per_block
 from kvserve.seeding import splitmix64
 from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.spec_decode.target_kv import caches_match, copy_rows, flat_rows, same_norm_weights
 from kvserve.worker.sampler import (
     Sampler,
     SamplingRequestState,
@@ -188,23 +172,14 @@ class DraftModelProposer:
         (see the module docstring); ``block_ids_of(req_id)``: the request's target
         block table at propose time (None: unknown, then that request gets no
         proposal). Returns whether the target's KV is used."""
-        mine = self.kv_cache
-        ok = (
+        if not (
             self.share_target_kv
             and self.same_weights is not False
-            and kv_cache.dim() == mine.dim() == 6
-            and kv_cache.dtype == mine.dtype
-            and kv_cache.device == mine.device
-            and kv_cache.shape[:3] == mine.shape[:3]
-            and kv_cache.shape[4:] == mine.shape[4:]
-            and kv_cache.is_contiguous()
-            and mine.is_contiguous()
-        )
-        if not ok:
+            and caches_match(kv_cache, self.kv_cache)
+        ):
             self._target_flat = self._target_blocks = None
             return False
-        L, two, hk, nb, bs, d = kv_cache.shape
-        self._target_flat = kv_cache.view(L, two, hk, nb * bs, d)
+        self._target_flat = flat_rows(kv_cache)
         self._target_blocks = block_ids_of
         return True
 
@@ -217,22 +192,9 @@ class DraftModelProposer:
         ``tb`` into the draft's ``db``, for each ``(tb, db, start, end)``, in one
         gather and one scatter over all layers."""
         assert self._target_flat is not None
-        bs = self.block_size
-        src: list[int] = []
-        dst: list[int] = []
-        for tb, db, start, end in copies:
-            for p in range(start, end):
-                b, o = divmod(p, bs)
-                src.append(tb[b] * bs + o)
-                dst.append(db[b] * bs + o)
-        if not src:
-            return
-        L, two, hk, nb, _, d = self.kv_cache.shape
-        flat = self.kv_cache.view(L, two, hk, nb * bs, d)
-        dev = self.device
-        rows = self._target_flat.index_select(3, torch.tensor(src, dtype=torch.long, device=dev))
-        flat.index_copy_(3, torch.tensor(dst, dtype=torch.long, device=dev), rows)
-        self.kv_rows_copied += len(src)
+        self.kv_rows_copied += copy_rows(
+            self._target_flat, self.kv_cache, copies, self.block_size, self.device
+        )
 
     # -- blocks -------------------------------------------------------------------
     def _ensure_blocks(self, state: _DraftState, num_tokens: int) -> bool:
@@ -466,25 +428,3 @@ class DraftModelProposer:
             if i in qs:
                 self._q[req_id] = (list(out[i]), torch.stack(qs[i]))
         return out
-
-
-def same_norm_weights(draft: Any, target: Any) -> bool:
-    """Whether ``draft`` and ``target`` carry the same checkpoint (at any precision):
-    the same layer count and equal RMSNorm weights in every layer and at the end
-    (norms stay unquantized in GGUF files; two different checkpoints of one shape do
-    not share them). Then the target's K/V are what the draft would compute, up to
-    its weights' rounding."""
-    dl, tl = getattr(draft, "layers", None), getattr(target, "layers", None)
-    if dl is None or tl is None or len(dl) != len(tl):
-        return False
-    pairs = [(draft.norm, target.norm)]
-    for a, b in zip(dl, tl, strict=True):
-        pairs.append((a.input_layernorm, b.input_layernorm))
-        pairs.append((a.post_attention_layernorm, b.post_attention_layernorm))
-    for a, b in pairs:
-        if a.shape != b.shape:
-            return False
-        x, y = a.detach().float(), b.detach().float()
-        if not torch.allclose(x, y, rtol=1e-2, atol=1e-2 * float(y.abs().max()) + 1e-6):
-            return False
-    return True

@@ -168,7 +168,7 @@ def test_target_kv_copy_replaces_the_catch_up_and_proposes_the_same_drafts():
 
 
 def test_target_kv_is_used_only_for_the_same_checkpoint_and_layout():
-    from kvserve.spec_decode.draft_model import same_norm_weights
+    from kvserve.spec_decode.target_kv import same_norm_weights
 
     loaded = tiny_loaded()
     other = tiny_loaded()
