@@ -269,6 +269,7 @@ void pack_v_pairs(const Args& a, const int64_t* bt, int h, int64_t keys, uint32_
 // AMD CPUs with AVX512_BF16, KVSERVE_BF16_DOT=fma|dp overrides). Keep the two in
 // step: tests/model/test_attention_invariance.py compares them bit for bit.
 constexpr int64_t kPartMax = 512;
+constexpr int kPfKeys = 8;  // K rows prefetched this many keys ahead in the score loop
 
 inline int64_t part_end(int seg, int64_t p0) {  // as paged_attention.cpp
   int64_t e = (p0 / kPartMax + 1) * kPartMax;
@@ -309,8 +310,7 @@ void run_task_inv(const Args& a, int seg, const Task& t, const uint32_t* vp) {
   alignas(64) float qt[kDp ? 1 : D][L];
   alignas(64) uint32_t qp[kDp ? D / 2 : 1][L];
   alignas(64) float obuf[D][L];
-  alignas(64) float sbuf[kPartMax][L];
-  alignas(64) uint32_t pp[kDp ? kPartMax / 2 + 1 : 1][L];
+  alignas(64) float sbuf[kPartMax][L];  // scores, then P (P in key pairs for kDp)
   alignas(64) int32_t lim_arr[L];
   alignas(64) float pbuf[D][L];  // the part's own P.V
   alignas(64) float mxa[L], la[L], mna[L], csa[L], cpa[L];
@@ -352,11 +352,17 @@ void run_task_inv(const Args& a, int seg, const Task& t, const uint32_t* vp) {
     const int n = static_cast<int>(p1 - p0);
     row_ptrs<T>(a, bt, 0, t.h, p0, n, kptr);
     if constexpr (!kDp) row_ptrs<T>(a, bt, 1, t.h, p0, n, vptr);
-    // 1. scores, KB keys at a time (rows past n point at key 0 of the part: unused)
+    // 1. scores, KB keys at a time (rows past n point at key 0 of the part: unused),
+    // and the part's max per row (the max of the same values in any order)
+    vec vmax = neg_inf;
     for (int k0 = 0; k0 < n; k0 += KB) {
       const int nk = std::min(KB, n - k0);
       const T* kr[KB];
       for (int kk = 0; kk < KB; ++kk) kr[kk] = kptr[k0 + (kk < nk ? kk : 0)];
+      if (k0 + kPfKeys < n) {  // K a few keys ahead (blocks are scattered)
+        const char* nx = reinterpret_cast<const char*>(kptr[k0 + kPfKeys]);
+        for (int o = 0; o < static_cast<int>(D * sizeof(T)); o += 64) _mm_prefetch(nx + o, _MM_HINT_T0);
+      }
       vec h01[KB], g2[KB], sc[KB];
       for (int q4 = 0; q4 < 4; ++q4) {
         vec P[KB][4];
@@ -391,22 +397,53 @@ void run_task_inv(const Args& a, int seg, const Task& t, const uint32_t* vp) {
           else sc[kk] = V::add(h01[kk], V::add(g2[kk], G));
         }
       }
-      for (int kk = 0; kk < nk; ++kk)
-        V::store(sbuf[k0 + kk], V::visible(lim, static_cast<int32_t>(p0 + k0 + kk), V::mul(sc[kk], scale)));
+      if (nk == KB) {
+        for (int kk = 0; kk < KB; ++kk) {
+          const vec x = V::visible(lim, static_cast<int32_t>(p0 + k0 + kk), V::mul(sc[kk], scale));
+          V::store(sbuf[k0 + kk], x);
+          vmax = V::max(vmax, x);
+        }
+      } else {
+        for (int kk = 0; kk < nk; ++kk) {
+          const vec x = V::visible(lim, static_cast<int32_t>(p0 + k0 + kk), V::mul(sc[kk], scale));
+          V::store(sbuf[k0 + kk], x);
+          vmax = V::max(vmax, x);
+        }
+      }
     }
-    // 2. the part's own softmax per row (against the part's max) and its sum; rows
-    // that see no key of the part are left as they are (the paged kernel skips them)
-    vec vmax = neg_inf;
-    for (int k = 0; k < n; ++k) vmax = V::max(vmax, V::load(sbuf[k]));
+    // 2. the part's own softmax per row (against the part's max) and its sum: keys in
+    // 16 key-offset lanes (key k of the part in lane k % 16, as the paged kernel's
+    // vector over the part's row), keys past n as -inf (they add exact zeros); rows
+    // that see no key of the part are left as they are (the paged kernel skips them).
+    // The dot variant writes the probabilities as bf16 key pairs in place: pair kk
+    // over score row kk (rows 2kk, 2kk + 1 are read first).
+    const int n16 = (n + 15) / 16 * 16;
+    for (int k = n; k < n16; ++k) V::store(sbuf[k], neg_inf);
     const __mmask16 active = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(static_cast<int32_t>(p0)));
     V::store(mna, vmax);
     vec vs[16];
     for (int r = 0; r < 16; ++r) vs[r] = V::zero();
-    for (int k = 0; k < n; ++k) {
-      const vec x = V::load(sbuf[k]);
-      const vec e = V::finite_or_zero(x, kvs::exp512(_mm512_sub_ps(x, vmax)));
-      vs[k % 16] = V::add(vs[k % 16], e);
-      V::store(sbuf[k], e);
+    [[maybe_unused]] uint32_t(*pp)[L] = reinterpret_cast<uint32_t(*)[L]>(sbuf);
+    for (int k16 = 0; k16 < n16; k16 += 16) {
+      for (int i = 0; i < 16; i += 2) {
+        const vec x0 = V::load(sbuf[k16 + i]), x1 = V::load(sbuf[k16 + i + 1]);
+        const vec e0 = V::finite_or_zero(x0, kvs::exp512(_mm512_sub_ps(x0, vmax)));
+        const vec e1 = V::finite_or_zero(x1, kvs::exp512(_mm512_sub_ps(x1, vmax)));
+        vs[i] = V::add(vs[i], e0);
+        vs[i + 1] = V::add(vs[i + 1], e1);
+        if constexpr (kDp) {
+#if defined(KVS_PF_HAVE_DP)
+          // lane 2m <- x[m], lane 2m + 1 <- y[m] for the 32 bf16 of cvtne2ps_pbh(y, x)
+          const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+          const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);
+          _mm512_store_si512(pp[(k16 + i) / 2], _mm512_permutexvar_epi16(interleave, (__m512i)pair));
+#endif
+        } else {
+          V::store(sbuf[k16 + i], e0);
+          V::store(sbuf[k16 + i + 1], e1);
+        }
+      }
     }
     vec lpart;
     {  // GCC's _mm512_reduce_add_ps tree over the 16 key-offset lanes
@@ -418,15 +455,7 @@ void run_task_inv(const Args& a, int seg, const Task& t, const uint32_t* vp) {
     // 3. the part's P . V in key order, from zero
     if constexpr (kDp) {
 #if defined(KVS_PF_HAVE_DP)
-      const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                  23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
       const int npairs = (n + 1) / 2;
-      for (int kk = 0; kk < npairs; ++kk) {
-        const vec e0 = V::load(sbuf[2 * kk]);
-        const vec e1 = 2 * kk + 1 < n ? V::load(sbuf[2 * kk + 1]) : V::zero();
-        const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);
-        _mm512_store_si512(pp[kk], _mm512_permutexvar_epi16(interleave, (__m512i)pair));
-      }
       const uint32_t* vc = vp + (p0 / 2) * D;
       for (int d0 = 0; d0 < D; d0 += DB) {
         vec acc[DB];
