@@ -152,6 +152,13 @@ def fused_decode_enabled() -> bool:
     return value == "1"
 
 
+# Multi-row chunks the fused step takes (speculative verifications): at most this many
+# rows per chunk and in the whole step; longer chunks keep the layer loop, whose
+# prefill kernels are faster for them (same arithmetic within the invariance reach).
+FUSED_MAX_CHUNK = 16
+FUSED_MAX_ROWS = 32
+
+
 class FusedDecode:
     """All decoder layers of a decode-only step in one native call; see the module
     docstring. Made by :meth:`build` (None where the model's weights or kernels do not
@@ -197,10 +204,19 @@ class FusedDecode:
             return None
 
     def supports(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        """Decode rows only (no prefill, no cascade split), float KV caches in the model
-        dtype, one per layer."""
+        """Decode rows, and short chunks the paged kernel computes whole (a speculative
+        verification's k + 1 rows within the invariance reach: the layer loop gives
+        them the paged kernel's arithmetic too, :func:`attend_invariant`), at most
+        ``FUSED_MAX_ROWS`` rows in all; no cascade split, no chunk for the prefill
+        kernels; float KV caches in the model dtype, one per layer."""
         nb = meta.native
-        if nb is None or nb.prefills or nb.cascade is not None:
+        if nb is None or nb.cascade is not None:
+            return False
+        if nb.prefills and not (
+            meta.num_tokens <= FUSED_MAX_ROWS
+            and all(p.whole and p.seq.num_rows <= FUSED_MAX_CHUNK for p in nb.prefills)
+            and (nb.prefill_seqs is None or nb.prefill_seqs.shape[0] == 0)
+        ):
             return False
         if len(kv_caches) != len(self._layers):
             return False

@@ -47,7 +47,7 @@ RECENT_SAMPLES = 512
 # A step of short prompts beside decodes may last at least this many times its
 # decodes' predicted time (StepBudget.short_ms): prompts keep half of it.
 SHORT_DECODE_FACTOR = 2.0
-# Predicted-vs-measured pairs kept for :meth:`CostModel.error_summary`.
+# Predicted-vs-measured pairs kept in ``CostModel.errors`` (the most recent).
 ERROR_HISTORY = 4096
 
 Features = tuple[float, float, float, float, float]
@@ -253,27 +253,6 @@ class CostModel:
         self.coef = fit_coefficients(samples)
         self.scale = 1.0
 
-    def error_summary(self) -> dict[str, float | int]:
-        """Relative prediction errors ``(predicted - measured) / measured`` of the
-        recorded steps: count, median and p90/p99 of the absolute error, mean signed
-        error, and the share within 15 %."""
-        errs = sorted(abs(p - m) / m for p, m in self.errors)
-        if not errs:
-            return {"steps": 0}
-        signed = [(p - m) / m for p, m in self.errors]
-
-        def pct(q: float) -> float:
-            return errs[min(len(errs) - 1, int(q * len(errs)))]
-
-        return {
-            "steps": len(errs),
-            "median_abs_error": pct(0.5),
-            "p90_abs_error": pct(0.9),
-            "p99_abs_error": pct(0.99),
-            "mean_signed_error": sum(signed) / len(signed),
-            "within_15pct": sum(1 for e in errs if e <= 0.15) / len(errs),
-        }
-
     def describe(self) -> str:
         c = self.coef
         return (
@@ -315,11 +294,6 @@ class StepBudget:
     @property
     def predicted_ms(self) -> float:
         return self.model.predict_rows_ms(self.rows) if self.rows else 0.0
-
-    @property
-    def remaining_ms(self) -> float:
-        """Time left to ``target_ms``."""
-        return self._left(self.target_ms)
 
     def _left(self, target: float) -> float:
         overhead = 0.0 if self.rows else self.model.scale * self.model.coef[0]

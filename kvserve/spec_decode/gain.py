@@ -138,10 +138,6 @@ class GainMonitor:
         per_forward = bk.draft_forward / bk.draft_forward_w
         return per_forward / plain_step if plain_step > 0 else None
 
-    def is_off(self, batch: int) -> bool:
-        bk = self._buckets.get(bucket_of(batch))
-        return bk is not None and bk.off_steps > 0
-
     def allow(self, batch: int) -> bool:
         """Whether to propose for a next step of ``batch`` decodes. Counts the call:
         an off bucket counts down to its retrial, a speculating one to its probe."""

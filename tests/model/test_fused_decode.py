@@ -1,7 +1,7 @@
 """The fused decode step (``kvs_decode_layers``, kvserve/model/llama_native.py) against
 the Python layer loop it replaces: the same hidden states and the same KV writes,
-bitwise, on the default Q4_1 model in both dtypes, at 1 and several rows; prefill
-steps and 8-bit caches keep the loop; the switch turns it off."""
+bitwise, on the default Q4_1 model in both dtypes, at 1 and several rows and with a
+speculative verification's chunk; prefill steps and 8-bit caches keep the loop; the switch turns it off."""
 
 from __future__ import annotations
 
@@ -108,6 +108,40 @@ def test_prefill_and_8bit_cache_keep_the_loop(quant) -> None:  # type: ignore[no
     assert not fused.supports(decode, caches[:-1])  # one cache per layer
     int8 = [torch.zeros(c.shape[:-1] + (c.shape[-1] + 4,), dtype=torch.int8) for c in caches]
     assert not fused.supports(decode, int8)
+
+
+def test_verification_chunk_is_the_python_loop(quant) -> None:  # type: ignore[no-untyped-def]
+    """A speculative verification's rows (a short chunk over cached KV within the
+    invariance reach, beside a decode row) take the fused step, bitwise the loop."""
+    model, dtype = quant.model, quant.dtype
+    fused = model._fused_decode
+    lens = [20, 33]
+    kv, caches, tables = _prefilled(model, dtype, lens)
+    specs = [SeqSpec(0, 5, 5, lens[0], tables[0]), SeqSpec(5, 1, 1, lens[1], tables[1])]
+
+    def meta(reach: int):  # type: ignore[no-untyped-def]
+        return build_attention_metadata(
+            specs, num_tokens=6, block_size=BS, kv_segment_size=64, kv_dtype=dtype,
+            invariant_max_context=reach,
+        )  # fmt: skip
+
+    assert not fused.supports(meta(0), caches)  # outside the reach: the prefill kernels
+    m = meta(4096)
+    assert fused.supports(m, caches)
+    ids = torch.tensor([101, 102, 103, 104, 105, 300])
+    pos = torch.tensor([20, 21, 22, 23, 24, 33])
+    kv_before = kv.clone()
+    with torch.inference_mode():
+        out_fused = model(ids, pos, caches, m)
+        kv_fused = kv.clone()
+        kv.copy_(kv_before)
+        model._fused_decode = None
+        try:
+            out_loop = model(ids, pos, caches, meta(4096))
+        finally:
+            model._fused_decode = fused
+    assert torch.equal(out_fused, out_loop)
+    assert torch.equal(kv_fused, kv) and not torch.equal(kv_fused, kv_before)
 
 
 def test_switch_turns_it_off(quant, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

@@ -5,7 +5,7 @@
 // layer (argument marshalling, tensor allocation, ctypes dispatch: about 1.5 ms of a
 // 30-layer step at one row).
 //
-// Per layer (quantized weights, float KV cache, every row a decode row):
+// Per layer (quantized weights, float KV cache, decode rows and whole short chunks):
 //   y = add_rms_norm(residual, pending, ln1)      (pending: the last layer's down output)
 //   qkv = linear_quant(y, Wqkv) ; rope_and_cache(qkv) ; attn = paged_attention(q)
 //   o = linear_quant(attn, Wo) ; y = add_rms_norm(residual, o, ln2)
@@ -59,7 +59,8 @@ extern "C" {
 // embedding on entry, the stream before the final norm on return); positions, slots
 // [rows] int64 (slot -1: not written); cos/sin fp32 [max_pos, D/2] covering positions;
 // seqs [num_seqs, 5] and block_tables [num_seqs, max_blocks] as kvs_paged_attention's,
-// every seq one decode row (no prefill, no cascade); scratch buffers in dtype: y
+// each seq a decode row or a short chunk the paged kernel computes whole (prior_only
+// 0: a speculative verification; no cascade); scratch buffers in dtype: y
 // [rows, hidden], qkv [rows, (H + 2 Hk) D], attn [rows, H D], o [rows, hidden], act
 // [rows, inter], down [rows, hidden]. Returns 0, or the first failing kernel's code
 // plus 100 * (its position in the layer, 1-8).

@@ -40,10 +40,6 @@ class QuantFormat:
         """Bytes of one 16-column x 32-k block in the panel layout."""
         return self.bits * 64 + 32 + (32 if self.has_min else 0)
 
-    @property
-    def bytes_per_weight(self) -> float:
-        return self.block_bytes / (PANEL * BLOCK)
-
 
 Q4_1 = QuantFormat("q4_1", 0, 4, 0, True)
 Q4_0 = QuantFormat("q4_0", 1, 4, 8, False)

@@ -49,10 +49,6 @@ class KQuantFormat(QuantFormat):
         """Bytes of one 16-column x 256-k tile: values, sub-block scales, D (and M)."""
         return 8 * self.block_bytes + 256 + (64 if self.has_min else 32)
 
-    @property
-    def bytes_per_weight(self) -> float:
-        return self.tile_bytes / (PANEL * SUPER)
-
 
 KQ4 = KQuantFormat("kq4", 16, 4, 0, True, planes=0, sub=32)
 KQ5 = KQuantFormat("kq5", 17, 5, 0, True, planes=1, sub=32)
