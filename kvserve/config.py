@@ -175,6 +175,9 @@ class SchedulerConfig:
       chunks are all short prompts, it is filled only up to this target (a long
       prompt's chunk in the step lifts it to ``max_step_ms``). Values above
       ``max_step_ms`` act as ``max_step_ms``.
+    - ``step_cost_cache``: ``"auto"`` (reuse the cost model's fit persisted for this
+      machine and model after a short check), ``"refresh"`` (calibrate, store) or
+      ``"off"`` (calibrate, store nothing); ``kvserve.worker.step_cost``.
     - ``scheduler_policy``: ``"mixed"`` or ``"separated"``.
     - The KV block size and prefix caching are the KV cache's (``CacheConfig``); the
       scheduler reads them from its KV cache manager.
@@ -192,6 +195,7 @@ class SchedulerConfig:
     prefill_budget_with_decodes: int = 0
     max_step_ms: float = DEFAULT_MAX_STEP_MS
     short_prompt_step_ms: float = DEFAULT_SHORT_PROMPT_STEP_MS
+    step_cost_cache: str = "auto"
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     num_seqs_buckets: tuple[int, ...] | None = None
 
@@ -246,6 +250,13 @@ class SchedulerConfig:
                 short,
                 "must be a number of milliseconds from 0 (off) to 60000",
                 "short_prompt_step_ms=100",
+            )
+        if self.step_cost_cache not in ("auto", "refresh", "off"):
+            raise config_error(
+                "step_cost_cache",
+                self.step_cost_cache,
+                "must be 'auto', 'refresh' or 'off'",
+                "step_cost_cache='refresh'",
             )
         if self.num_batched_tokens_buckets is not None:
             last = max_prefill_bucket(self.max_num_batched_tokens, self.model_len)

@@ -122,6 +122,14 @@ OPTIONS: tuple[_Option, ...] = (
         "long); a long prompt's chunk lifts the step to max_step_ms (0 = off)",
     ),
     _Option(
+        "step_cost_cache",
+        "scheduler",
+        str,
+        "the max_step_ms cost model's fit, persisted per machine and model in "
+        "~/.cache/kvserve/step_cost: auto (default: reuse it after a short check), "
+        "refresh (calibrate now and store), off (calibrate, store nothing)",
+    ),
+    _Option(
         "batch_wait_ms",
         "admission",
         float,

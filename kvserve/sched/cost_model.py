@@ -40,7 +40,7 @@ FEATURE_NAMES = (
 )
 # Online correction: weight of one step in the log-scale EWMA, and the scale's bounds.
 SCALE_ALPHA = 0.1
-SCALE_BOUNDS = (0.25, 4.0)
+SCALE_BOUNDS = (0.1, 10.0)  # a stored quiet fit on a machine up to 10x slower
 # Refit on calibration + the last RECENT_SAMPLES measured steps every REFIT_EVERY steps.
 REFIT_EVERY = 64
 RECENT_SAMPLES = 512
@@ -169,6 +169,8 @@ class CostModel:
     num_observed: int = 0
     online: bool = True
     abs_error_ewma: float = 0.0  # moving mean of |predicted - measured| / measured
+    # calibration noise: median over shapes of slowest / fastest repeat (0 = unknown)
+    spread: float = 0.0
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[Features, float]], source: str = "fitted") -> CostModel:

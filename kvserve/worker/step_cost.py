@@ -4,12 +4,19 @@ shapes, then least squares.
 
 The shapes cover each feature of the model: prefill chunks over no context and over
 long ones (the attention pairs), decode batches at short and long contexts (the
-decode KV reads, the sampled rows) and mixed steps. Every shape runs
-``CALIBRATION_REPEATS`` times (the first shape once more, untimed, to warm up).
+decode KV reads, the sampled rows) and mixed steps. One shape of each kind (prefill,
+decode, mixed) runs once untimed first (first-touch allocations, thread pools: a
+kind's first step measured 10-25 % slower), then every shape runs
+``CALIBRATION_REPEATS`` times and the fit is made on each shape's **median** time, so
+one step slowed by another process does not move it.
 
-One fit per process and model: :func:`cached_calibration` reuses it for every
-later engine on the same model, dtype, thread count, block and segment size (tests
-and ``LLM`` objects build many engines), each with its own online correction.
+Reuse, so that starts agree: a fit is kept once per process and model
+(:func:`cached_calibration`, for every later engine on the same runner
+configuration: tests and ``LLM`` objects build many), and persisted per machine,
+model and shapes (:mod:`kvserve.worker.step_cost_store`, ``step_cost_cache``): a later
+start reuses the stored fit after a short check (:func:`check_ratio`) unless the
+machine now runs clearly faster than it says (then the stored one was measured under
+load: refitted and replaced). Each engine gets its own online correction.
 
 Rules a caller must keep: call :func:`calibrate` before the engine's first step,
 while no request holds KV blocks (the shapes write into free blocks 1.. of the
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,13 +37,20 @@ import torch
 from kvserve.request import SamplingParams
 from kvserve.sched.cost_model import CostModel, Features, output_features
 from kvserve.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvserve.worker import step_cost_store
 
 if TYPE_CHECKING:  # the runner calls cached_calibration (ModelRunner.step_cost_model)
     from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_REPEATS = 2
+CALIBRATION_REPEATS = 3
+# Persist a fresh fit only when its repeats agree: median over shapes of slowest /
+# fastest repeat at most this (a machine busy with other work spreads far more).
+STEADY_SPREAD = 1.3
+# Reuse a stored fit unless the check steps run faster than this fraction of its
+# prediction (the stored fit was measured on a loaded machine).
+FASTER_THAN_STORED = 0.8
 
 
 @dataclass(frozen=True)
@@ -51,7 +66,7 @@ class Shape:
         return self.num_decodes * (self.decode_context + 1) + sum(n + c for n, c in self.prefill)
 
 
-# About 1.5 s in all for SmolLM2-135M in bf16 on 2 quiet Zen 5 cores.
+# About 0.9 s a pass for SmolLM2-135M in bf16 on 2 quiet Zen 5 cores (3 passes + warm-up).
 DEFAULT_SHAPES: tuple[Shape, ...] = (
     Shape(prefill=((128, 0),)),
     Shape(prefill=((512, 0),)),
@@ -133,11 +148,13 @@ class _Calibrator:
             finished_req_ids=finished,
         )
 
-    def run(self, shape: Shape) -> tuple[Features, float]:
+    def run(
+        self, shape: Shape, timer: Callable[[], float] = time.perf_counter
+    ) -> tuple[Features, float]:
         so = self._output(shape)
-        t0 = time.perf_counter()
+        t0 = timer()
         out = self.runner.execute_model(so)
-        ms = (time.perf_counter() - t0) * 1e3
+        ms = (timer() - t0) * 1e3
         return output_features(
             so.num_scheduled_tokens, so.cached_seq_len, out.sampled_token_ids
         ), ms
@@ -160,12 +177,32 @@ class _Calibrator:
             self.live = set()
 
 
+def _kind(shape: Shape) -> str:
+    if shape.num_decodes and shape.prefill:
+        return "mixed"
+    return "decode" if shape.num_decodes else "prefill"
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+
+
 _CACHE: dict[tuple[object, ...], CostModel] = {}
 
 
 def cached_calibration(runner: ModelRunner, *, vocab_size: int, max_model_len: int) -> CostModel:
-    """:func:`calibrate`, once per process for a model, dtype, thread count, block and
-    segment size; later calls get a fresh copy (own online state) of that fit."""
+    """The runner's step-time fit, once per process for a model, dtype, thread count,
+    block and segment size (later calls get a fresh copy with its own online state),
+    persisted across starts by ``runner.scheduler_config.step_cost_cache``:
+
+    - ``auto``: reuse the fit stored for this key (:mod:`step_cost_store`) unless
+      :func:`check_ratio` finds the machine faster than it by more than
+      ``FASTER_THAN_STORED``; otherwise (none stored, or faster) calibrate, and store
+      the new fit when its repeats agree (``STEADY_SPREAD``);
+    - ``refresh``: calibrate, store when steady; ``off``: calibrate, nothing stored.
+    """
     key = (
         runner.loaded.fingerprint,
         str(runner.loaded.dtype),
@@ -178,8 +215,113 @@ def cached_calibration(runner: ModelRunner, *, vocab_size: int, max_model_len: i
     )
     model = _CACHE.get(key)
     if model is None:
-        model = _CACHE[key] = calibrate(runner, vocab_size=vocab_size, max_model_len=max_model_len)
-    return CostModel(model.coef, calibration=list(model.calibration), source=model.source)
+        mode = getattr(runner.scheduler_config, "step_cost_cache", "auto")
+        model = _CACHE[key] = persisted_calibration(
+            runner, vocab_size=vocab_size, max_model_len=max_model_len, mode=mode
+        )
+    copy = CostModel(model.coef, calibration=list(model.calibration), source=model.source)
+    copy.spread = model.spread
+    return copy
+
+
+def persisted_calibration(
+    runner: ModelRunner,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    mode: str = "auto",
+    shapes: tuple[Shape, ...] = DEFAULT_SHAPES,
+    timer: Callable[[], float] = time.perf_counter,
+) -> CostModel:
+    """One fit for ``runner`` under cache ``mode`` (see :func:`cached_calibration`)."""
+    if mode not in step_cost_store.CACHE_MODES:
+        raise ValueError(
+            f"invalid step_cost_cache={mode!r}: must be one of "
+            f"{', '.join(step_cost_store.CACHE_MODES)} (for example: step_cost_cache='auto')"
+        )
+    store_key = step_cost_store.fit_key(runner, max_model_len, shapes) if mode != "off" else None
+    stored: CostModel | None = None
+    if store_key is not None and mode == "auto":
+        stored = step_cost_store.load(store_key)
+        if stored is not None:
+            ratio = check_ratio(
+                runner, stored, vocab_size=vocab_size, max_model_len=max_model_len,
+                shapes=shapes, timer=timer,
+            )  # fmt: skip
+            if ratio >= FASTER_THAN_STORED:
+                logger.info(
+                    "step-time model reused (check steps at %.2fx its prediction): %s",
+                    ratio,
+                    stored.describe(),
+                )
+                return stored
+            logger.info(
+                "stored step-time fit is slower than this machine now (check at %.2fx): refitting",
+                ratio,
+            )
+    model = calibrate(
+        runner, vocab_size=vocab_size, max_model_len=max_model_len, shapes=shapes, timer=timer
+    )
+    if store_key is None:
+        return model
+    if is_steady(model):
+        path = step_cost_store.save(store_key, model)
+        if path is not None:
+            logger.info("step-time fit stored in %s", path)
+        return model
+    logger.info(
+        "step-time fit not stored: repeats spread %.2fx (steady: <= %.2fx), %s; %s",
+        model.spread,
+        STEADY_SPREAD,
+        model.source,
+        "the stored fit stays in use" if stored is not None else "the next start calibrates again",
+    )
+    return stored if stored is not None else model
+
+
+def is_steady(model: CostModel) -> bool:
+    """Whether a fresh fit may be persisted: fitted on every shape (not the
+    reference fallback) with repeats that agree within ``STEADY_SPREAD``."""
+    return model.source == "calibrated" and 0 < model.spread <= STEADY_SPREAD
+
+
+def _fitted_shapes(
+    runner: ModelRunner, shapes: tuple[Shape, ...], max_model_len: int
+) -> list[Shape]:
+    max_tokens = (runner.num_kv_blocks - 1) * runner.block_size
+    return [s for s in (_fit_shape(s, max_tokens, max_model_len) for s in shapes) if s]
+
+
+def check_ratio(
+    runner: ModelRunner,
+    model: CostModel,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    shapes: tuple[Shape, ...] = DEFAULT_SHAPES,
+    timer: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Measured / predicted time of the cheapest shape of each kind (each run once
+    untimed, then twice, the faster counted), median over kinds: about 0.5 s. Below 1
+    the machine runs faster than ``model`` says. Also warms the runner up."""
+    fitted = _fitted_shapes(runner, shapes, max_model_len)
+    cal = _Calibrator(runner, vocab_size)
+    ratios: list[float] = []
+    try:
+        for kind in ("prefill", "decode", "mixed"):
+            of_kind = [s for s in fitted if _kind(s) == kind]
+            if not of_kind:
+                continue
+            shape = min(of_kind, key=lambda s: s.num_tokens())
+            cal.run(shape, timer)
+            times = [cal.run(shape, timer) for _ in range(2)]
+            features, ms = min(times, key=lambda t: t[1])
+            predicted = model.predict_ms(features)
+            if predicted > 0 and ms > 0:
+                ratios.append(ms / predicted)
+    finally:
+        cal.close()
+    return _median(ratios) if ratios else 1.0
 
 
 def calibrate(
@@ -190,49 +332,63 @@ def calibrate(
     shapes: tuple[Shape, ...] = DEFAULT_SHAPES,
     repeats: int = CALIBRATION_REPEATS,
     max_seconds: float = CALIBRATION_MAX_S,
+    timer: Callable[[], float] = time.perf_counter,
 ) -> CostModel:
-    """Time ``shapes`` on ``runner`` and fit a :class:`CostModel` (see the module
-    docstring for the rules). Raises RuntimeError when no shape fits the cache.
+    """Time ``shapes`` on ``runner`` and fit a :class:`CostModel` on each shape's
+    median time (see the module docstring for the rules); ``spread`` on the result is
+    the median over shapes of slowest / fastest repeat. Raises RuntimeError when no
+    shape fits the cache. ``timer`` (seconds) is for tests.
 
-    At most ``max_seconds`` are spent (checked between steps); when that leaves fewer
-    samples than shapes, the result is :meth:`CostModel.reference` scaled by the
-    median measured / predicted ratio, corrected online like a fitted one."""
-    max_tokens = (runner.num_kv_blocks - 1) * runner.block_size
-    fitted = [s for s in (_fit_shape(s, max_tokens, max_model_len) for s in shapes) if s]
+    At most ``max_seconds`` are spent (checked between steps); when that leaves a shape
+    untimed, the result is :meth:`CostModel.reference` scaled by the median measured /
+    predicted ratio, corrected online like a fitted one."""
+    fitted = _fitted_shapes(runner, shapes, max_model_len)
     if not fitted:
         raise RuntimeError(
             f"step-time calibration: no shape fits {runner.num_kv_blocks} KV blocks; give the "
             "KV cache more memory or start with max_step_ms=0"
         )
     cal = _Calibrator(runner, vocab_size)
-    t0 = time.perf_counter()
-    samples: list[tuple[Features, float]] = []
+    t0 = timer()
+    times: list[list[float]] = [[] for _ in fitted]
+    features: list[Features | None] = [None] * len(fitted)
+    warm_up: list[tuple[Features, float]] = []
     try:
-        cal.run(fitted[0])  # warm-up: first-touch allocations, thread pools
+        warmed: set[str] = set()
+        for shape in fitted:  # warm-up: the first step of each kind, not fitted
+            if _kind(shape) not in warmed:
+                warmed.add(_kind(shape))
+                warm_up.append(cal.run(shape, timer))
         for _ in range(repeats):
-            for shape in fitted:
-                if time.perf_counter() - t0 > max_seconds:
+            for i, shape in enumerate(fitted):
+                if timer() - t0 > max_seconds:
                     break
-                samples.append(cal.run(shape))
+                features[i], ms = cal.run(shape, timer)
+                times[i].append(ms)
     finally:
         cal.close()
-    if len(samples) >= len(fitted):
+    samples = [(f, _median(t)) for f, t in zip(features, times, strict=True) if f is not None]
+    spreads = [max(t) / min(t) for t in times if len(t) > 1 and min(t) > 0]
+    if len(samples) == len(fitted):
         model = CostModel.fit(samples, source="calibrated")
     else:
         model = CostModel.reference()
-        ratios = sorted(ms / model.predict_ms(f) for f, ms in samples) or [1.0]
+        scaled = samples or warm_up  # the warm-up steps' times when nothing else ran
+        ratios = sorted(ms / model.predict_ms(f) for f, ms in scaled) or [1.0]
         scale = ratios[len(ratios) // 2]
         model = CostModel(
             tuple(c * scale for c in model.coef),  # type: ignore[arg-type]
             calibration=samples,
             source=f"reference x {scale:.2f} (calibration cut at {max_seconds:.0f} s)",
         )
+    model.spread = _median(spreads) if spreads else 0.0
     fit_err = [abs(model.predict_ms(f) - ms) / ms for f, ms in samples]
     logger.info(
-        "step-time model (%d steps in %.1f s, median fit error %.0f%%): %s",
-        len(samples),
-        time.perf_counter() - t0,
-        100 * sorted(fit_err)[len(fit_err) // 2] if fit_err else float("nan"),  # none timed
+        "step-time model (%d steps in %.1f s, repeats spread %.2fx, median fit error %.0f%%): %s",
+        sum(len(t) for t in times),
+        timer() - t0,
+        model.spread,
+        100 * _median(fit_err) if fit_err else float("nan"),  # none timed
         model.describe(),
     )
     return model
