@@ -30,7 +30,7 @@ from kvserve.bench.workloads import arrival_times
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine_core import EngineCore
 from kvserve.request import SamplingParams
-from kvserve.sched.cost_model import CostModel
+from kvserve.sched.cost_model import CostModel, output_features
 from kvserve.sim.runner import UNBOUNDED_VOCAB, SimulatedModel, StandInRunner
 
 # kvserve serve's startup fit in the quiet peer run (bf16, default 4-bit weights):
@@ -93,6 +93,15 @@ def run(
         clock=lambda: now[0],
     )
     runner.engine = engine
+    # --sched-coef: the scheduler plans with another fit (a start's) than the clock's,
+    # corrected online from the virtual step times as the engine corrects its own
+    observed: list[Any] = []
+    sched_model: CostModel | None = None
+    if args.sched_coef:
+        sched_model = CostModel(tuple(args.sched_coef), source="start")  # type: ignore[arg-type]
+        sched_model.calibration = list(args.sched_calibration or [])
+        engine.scheduler.cost_model = sched_model
+        engine._observe_step = lambda model, so, out, t0: observed.append((so, out))  # type: ignore[method-assign]
     noise = random.Random(args.seed + 1)
     arrivals = arrival_times(len(prompts), args.request_rate, seed=args.seed)
     limit = args.max_concurrency or len(prompts)
@@ -122,6 +131,19 @@ def run(
             now[0] += ms / 1e3 + args.client_ms / 1e3
             rec["ms"] = ms
             steps.append(rec)
+            if sched_model is not None and observed:
+                so, out_ = observed.pop()
+                sched_model.observe(
+                    output_features(
+                        so.num_scheduled_tokens,
+                        so.cached_seq_len,
+                        out_.sampled_token_ids,
+                        so.num_scheduled_tokens_padded,
+                        so.decode_batch_size_padded,
+                    ),
+                    ms + args.client_ms,
+                )
+        observed.clear()
         for d in deltas:
             rt = times.get(d.request_id)
             if rt is None:
@@ -164,12 +186,33 @@ def main() -> int:
     ap.add_argument("--no-shuffle", action="store_true", help="JSONL: send in file order")
     ap.add_argument("--seeds", type=int, default=1, help="median over this many seeds")
     ap.add_argument("--coef", type=float, nargs=5, default=list(QUIET_BF16))
+    ap.add_argument(
+        "--sched-coef",
+        type=float,
+        nargs=5,
+        default=None,
+        help="the scheduler's model (a start's fit, corrected online on the virtual clock); "
+        "default: the clock's own, fixed",
+    )
     ap.add_argument("--noise", type=float, default=0.0, help="lognormal sigma of step times")
     ap.add_argument("--client-ms", type=float, default=1.0, help="per-step host overhead added")
     ap.add_argument("--kv-tokens", type=int, default=200_000)
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=SCHEDULER FLAGS")
     ap.add_argument("--trace", default=None, help="print the steps with decodes of this variant")
+    ap.add_argument(
+        "--sched-fit",
+        default=None,
+        help='JSON {"coef": [5 floats], "calibration": [[features, ms], ...]} (a stored '
+        "fit's file, ~/.cache/kvserve/step_cost/*.json): --sched-coef with its "
+        "calibration samples, which the online refits keep",
+    )
     args = ap.parse_args()
+    args.sched_calibration = None
+    if args.sched_fit:
+        with open(args.sched_fit) as f:
+            fit = json.load(f)
+        args.sched_coef = [float(c) for c in fit["coef"]]
+        args.sched_calibration = [(tuple(x), float(ms)) for x, ms in fit.get("calibration", [])]
     keys = (
         "output_tok_s",
         "mean_ttft_ms",
