@@ -192,3 +192,21 @@ def test_online_scale_follows_a_machine_many_times_slower():
     for _ in range(40):
         model.observe(f, 8 * before)
     assert model.predict_ms(f) > 6 * before
+
+
+def test_the_cache_mode_is_an_engine_flag():
+    import argparse
+
+    from kvserve.engine.args import (
+        add_engine_arguments,
+        build_engine_config,
+        engine_kwargs_from_args,
+    )
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    kwargs = engine_kwargs_from_args(parser.parse_args(["--step-cost-cache", "refresh"]))
+    assert build_engine_config(**kwargs).scheduler.step_cost_cache == "refresh"
+    assert build_engine_config().scheduler.step_cost_cache == "auto"
+    with pytest.raises(ValueError, match="step_cost_cache"):
+        build_engine_config(step_cost_cache="never").scheduler.resolved()
