@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvserve.request import SamplingParams
-from kvserve.sched.cost_model import CostModel, Features, output_features
+from kvserve.sched.cost_model import SCALE_BOUNDS, CostModel, Features, output_features
 from kvserve.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvserve.worker import step_cost_store
 
@@ -51,6 +51,10 @@ STEADY_SPREAD = 1.3
 # Reuse a stored fit unless the check steps run faster than this fraction of its
 # prediction (the stored fit was measured on a loaded machine).
 FASTER_THAN_STORED = 0.8
+# Above this check ratio the machine is busy at start: the reused fit's online scale
+# starts at the ratio (a quiet start, within the check's noise, starts at 1: the same
+# decisions every time).
+LOADED_AT_START = 1.5
 
 
 @dataclass(frozen=True)
@@ -199,7 +203,8 @@ def cached_calibration(runner: ModelRunner, *, vocab_size: int, max_model_len: i
 
     - ``auto``: reuse the fit stored for this key (:mod:`step_cost_store`) unless
       :func:`check_ratio` finds the machine faster than it by more than
-      ``FASTER_THAN_STORED``; otherwise (none stored, or faster) calibrate, and store
+      ``FASTER_THAN_STORED`` (a ratio above ``LOADED_AT_START`` becomes the reused
+      fit's initial online scale); otherwise (none stored, or faster) calibrate, and store
       the new fit when its repeats agree (``STEADY_SPREAD``);
     - ``refresh``: calibrate, store when steady; ``off``: calibrate, nothing stored.
     """
@@ -219,7 +224,9 @@ def cached_calibration(runner: ModelRunner, *, vocab_size: int, max_model_len: i
         model = _CACHE[key] = persisted_calibration(
             runner, vocab_size=vocab_size, max_model_len=max_model_len, mode=mode
         )
-    copy = CostModel(model.coef, calibration=list(model.calibration), source=model.source)
+    copy = CostModel(
+        model.coef, calibration=list(model.calibration), source=model.source, scale=model.scale
+    )
     copy.spread = model.spread
     return copy
 
@@ -249,9 +256,12 @@ def persisted_calibration(
                 shapes=shapes, timer=timer,
             )  # fmt: skip
             if ratio >= FASTER_THAN_STORED:
+                if ratio > LOADED_AT_START:  # busy now: start the online scale there
+                    stored.scale = min(ratio, SCALE_BOUNDS[1])
                 logger.info(
-                    "step-time model reused (check steps at %.2fx its prediction): %s",
+                    "step-time model reused (check steps at %.2fx its prediction, scale %.2f): %s",
                     ratio,
+                    stored.scale,
                     stored.describe(),
                 )
                 return stored

@@ -131,7 +131,13 @@ def test_the_persisted_fit_is_reused_across_starts(store):
     # decisions (online correction then follows the load)
     busy = ClockRunner()
     busy.slow = 2.0
-    assert _persisted(busy).coef == pytest.approx(fit.coef, rel=1e-12)
+    loaded = _persisted(busy)
+    assert loaded.coef == pytest.approx(fit.coef, rel=1e-12)
+    assert loaded.scale == pytest.approx(2.0, rel=1e-6)  # the online scale starts there
+    assert reused.scale == 1.0
+    slightly = ClockRunner()
+    slightly.slow = 1.2  # within a quiet machine's noise: exactly the stored decisions
+    assert _persisted(slightly).scale == 1.0
     # a start on a machine now clearly faster: the stored fit was measured under load
     fast = ClockRunner()
     fast.slow = 0.5
