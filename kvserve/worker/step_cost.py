@@ -208,6 +208,7 @@ def cached_calibration(runner: ModelRunner, *, vocab_size: int, max_model_len: i
       the new fit when its repeats agree (``STEADY_SPREAD``);
     - ``refresh``: calibrate, store when steady; ``off``: calibrate, nothing stored.
     """
+    mode = getattr(runner.scheduler_config, "step_cost_cache", "auto")
     key = (
         runner.loaded.fingerprint,
         str(runner.loaded.dtype),
@@ -217,10 +218,10 @@ def cached_calibration(runner: ModelRunner, *, vocab_size: int, max_model_len: i
         runner.kv_segment_size,
         runner.compiled is not None,
         max_model_len,
+        mode,
     )
     model = _CACHE.get(key)
     if model is None:
-        mode = getattr(runner.scheduler_config, "step_cost_cache", "auto")
         model = _CACHE[key] = persisted_calibration(
             runner, vocab_size=vocab_size, max_model_len=max_model_len, mode=mode
         )
