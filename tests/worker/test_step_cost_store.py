@@ -216,3 +216,20 @@ def test_the_cache_mode_is_an_engine_flag():
     assert build_engine_config().scheduler.step_cost_cache == "auto"
     with pytest.raises(ValueError, match="step_cost_cache"):
         build_engine_config(step_cost_cache="never").scheduler.resolved()
+
+
+def test_one_fit_per_process_each_engine_its_own_online_state(store, monkeypatch):
+    monkeypatch.setattr(step_cost, "_CACHE", {})
+    runner = ClockRunner()
+    first = step_cost.cached_calibration(runner, vocab_size=1000, max_model_len=4096)  # type: ignore[arg-type]
+    calls = runner.calls
+    second = step_cost.cached_calibration(runner, vocab_size=1000, max_model_len=4096)  # type: ignore[arg-type]
+    assert runner.calls == calls and second.coef == first.coef and second is not first
+    f = output_features({"a": 1}, {"a": 100}, {"a": [1]})
+    for _ in range(10):
+        first.observe(f, 5 * first.predict_ms(f))
+    assert first.scale > 2 and second.scale == 1.0
+    # another cache mode is another fit
+    runner.scheduler_config = SchedulerConfig(step_cost_cache="off")
+    step_cost.cached_calibration(runner, vocab_size=1000, max_model_len=4096)  # type: ignore[arg-type]
+    assert runner.calls > calls
