@@ -167,11 +167,14 @@ class BlockPool:
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self._num_reclaimable = 0
         # The empty blocks as maximal runs of consecutive ids (see the module doc):
-        # start -> end and end -> start (inclusive), and a max-heap of
-        # (-length, start, end) with stale entries skipped when popped.
-        self._run_end: dict[int, int] = {1: num_blocks - 1} if num_blocks > 1 else {}
-        self._run_start: dict[int, int] = {num_blocks - 1: 1} if num_blocks > 1 else {}
-        self._run_heap: list[tuple[int, int, int]] = [(-(num_blocks - 1), 1, num_blocks - 1)]
+        # start -> end and end -> start (inclusive), and a max-heap of (-length, end).
+        # A run that shrinks from its start (the common case: a request growing into
+        # it) keeps its entry, whose length is then too large: corrected when it
+        # reaches the top. Every run has an entry with at least its length; entries
+        # of runs that are gone, or longer than their run, are dropped at the top.
+        self._run_end: dict[int, int] = {1: num_blocks - 1}
+        self._run_start: dict[int, int] = {num_blocks - 1: 1}
+        self._run_heap: list[tuple[int, int]] = [(-(num_blocks - 1), num_blocks - 1)]
 
     # -- counts -----------------------------------------------------------------
     @property
@@ -283,9 +286,9 @@ class BlockPool:
     def _set_run(self, start: int, end: int) -> None:
         self._run_end[start] = end
         self._run_start[end] = start
-        heapq.heappush(self._run_heap, (start - end - 1, start, end))
+        heapq.heappush(self._run_heap, (start - end - 1, end))
         if len(self._run_heap) > 2 * len(self._run_end) + 64:  # drop the stale entries
-            self._run_heap = [(s - e - 1, s, e) for s, e in self._run_end.items()]
+            self._run_heap = [(s - e - 1, e) for s, e in self._run_end.items()]
             heapq.heapify(self._run_heap)
 
     def _add_empty(self, block_id: int) -> None:
@@ -307,6 +310,10 @@ class BlockPool:
             while start not in self._run_end:
                 start -= 1
         end = self._run_end.pop(start)
+        if block_id == start and block_id < end:  # shrinks from its start: no heap push
+            self._run_end[start + 1] = end
+            self._run_start[end] = start + 1
+            return
         del self._run_start[end]
         if start < block_id:
             self._set_run(start, block_id - 1)
@@ -320,10 +327,14 @@ class BlockPool:
         else:
             heap = self._run_heap
             while True:
-                _, start, end = heap[0]
-                if self._run_end.get(start) == end:
+                neg_len, end = heap[0]
+                run_start = self._run_start.get(end)
+                if run_start is not None and end - run_start + 1 == -neg_len:
+                    start = run_start
                     break
                 heapq.heappop(heap)
+                if run_start is not None and end - run_start + 1 < -neg_len:  # shrunk
+                    heapq.heappush(heap, (run_start - end - 1, end))
             block_id = start
             if start > 1 and self.blocks[start - 1].ref_cnt > 0:
                 block_id = start + (end - start + 1) // 2
@@ -420,7 +431,9 @@ class BlockPool:
         if not self.enable_caching and self.cached:
             fail("blocks are cached while caching is disabled")
         indexed = 0
-        heap_entries = set(self._run_heap)
+        heap_len: dict[int, int] = {}
+        for neg_len, e in self._run_heap:
+            heap_len[e] = max(heap_len.get(e, 0), -neg_len)
         for start, end in self._run_end.items():
             if self._run_start.get(end) != start or end < start:
                 fail(f"empty run [{start}, {end}] has inconsistent ends")
@@ -429,7 +442,7 @@ class BlockPool:
             for i in range(start, end + 1):
                 if not self._is_empty(i):
                     fail(f"block {i} is indexed in an empty run but is not empty")
-            if (start - end - 1, start, end) not in heap_entries:
+            if heap_len.get(end, 0) < end - start + 1:
                 fail(f"empty run [{start}, {end}] is missing from the heap")
             indexed += end - start + 1
         if len(self._run_start) != len(self._run_end):
