@@ -69,9 +69,12 @@ def time_decode(
     repeats: int = 7,
     stream_bytes: int = 512 << 20,
     clock: Callable[[], float] = time.perf_counter,
+    placement: str = "random",
 ) -> dict[str, float]:
     """Median seconds of one step (``layers`` calls) per kernel, of the stream read of
-    ``stream_bytes`` and of the page read, and the step's KV bytes."""
+    ``stream_bytes`` and of the page read, and the step's KV bytes. ``placement``:
+    ``random`` (every block anywhere) or ``runs`` (each request's blocks one run of
+    consecutive ids, as the engine's allocator lays them out)."""
     per_req = -(-context // block_size)
     num_blocks = 1 + rows * per_req
     gen = torch.Generator().manual_seed(0)
@@ -82,7 +85,10 @@ def time_decode(
         h = zeros_hugepages(*shape, dtype=dtype)
         huge.append(h.copy_(c))
     free = list(range(1, num_blocks))
-    random.Random(0).shuffle(free)
+    if placement == "random":
+        random.Random(0).shuffle(free)
+    else:
+        free.reverse()  # popped from the end: ascending
     tables = torch.tensor([[free.pop() for _ in range(per_req)] for _ in range(rows)])
     seqs = torch.tensor([[i, 1, 1, context - 1, 0] for i in range(rows)], dtype=torch.int64)
     q = torch.randn(rows, heads, head_dim, generator=gen).to(dtype)
@@ -142,6 +148,12 @@ def main() -> None:
     p.add_argument("--dtypes", default="bf16,fp32")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument(
+        "--placement",
+        choices=("random", "runs"),
+        default="random",
+        help="blocks at random, or one run of consecutive ids per request",
+    )
     p.add_argument("--lib", action="append", default=[], help="another build to compare")
     p.add_argument(
         "--clock",
@@ -171,6 +183,7 @@ def main() -> None:
                         threads=t,
                         layers=args.layers,
                         repeats=args.repeats,
+                        placement=args.placement,
                         clock=time.process_time if args.clock == "cpu" else time.perf_counter,
                     )
                     s = r["tree"]

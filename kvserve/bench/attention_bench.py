@@ -1,11 +1,17 @@
 """Decode attention per step, against the memory-bandwidth limit (``kvserve bench forward``).
 
-For each batch × context it builds paged KV caches with every request's blocks
-scattered at random (as after a while of serving) and times a decode step's
-:func:`~kvserve.model.attention.paged_attention` (KV write included) layer after
-layer. As in a served model, the layers' caches are distinct, so the step streams
-its KV from memory rather than from the CPU's caches: one cache per layer up to
-:data:`CACHE_SPAN_BYTES` in all (the layers then cycle through them, still far more
+For each batch × context × placement it builds paged KV caches and times a decode
+step's :func:`~kvserve.model.attention.paged_attention` (KV write included) layer
+after layer. The placement of the requests' blocks (:data:`PLACEMENTS`): ``engine``,
+the block tables the engine's own allocator gives them (the real scheduler and KV
+cache manager: prompts admitted together, chunked prefill, decodes growing beside
+the later prompts; :func:`kvserve.bench.kv_placement.engine_block_tables`);
+``engine-churn``, the same after an earlier generation of requests ran and was freed
+(prefix caching on: the new one also evicts cached blocks, in LRU order); ``random``,
+every block at a random place, the worst case. Each row reports the mean fraction of
+adjacent block pairs in its tables (``adjacent_blocks``). As in a served model, the
+layers' caches are distinct, so the step streams its KV from memory rather than
+from the CPU's caches: one cache per layer up to :data:`CACHE_SPAN_BYTES` in all (the layers then cycle through them, still far more
 than any last-level cache), on transparent huge pages like the engine's KV pool
 (:mod:`kvserve.model.hugepages`). The bandwidth limit is the K and V bytes the step
 must read (``layers × batch × (context + 1) × kv_heads × head_dim × 2 × element
@@ -16,7 +22,7 @@ own thread count and clock) of a huge-page buffer as large as the KV the step
 touches (its caches' bytes), so that machine load, frequency and cache residency
 affect both alike; the row's limit uses the median of its own samples and the row
 reports their spread (min, max). ``fraction = limit_ms / measured_ms``. Beside it,
-the plain read of exactly the step's scattered K/V pages in the kernel's order
+the plain read of exactly the step's K/V pages in the kernel's order
 (:meth:`PagedAttention.read_pages`, also interleaved): the access pattern's own
 limit (on AMD Zen 5 one core reads random 2 KB pieces at about half its stream
 rate, whatever the prefetching). A large tensor's ``torch.sum`` (4 KB pages) is
@@ -36,6 +42,8 @@ from typing import Any
 # KV caches the layers of one timed step cycle through, in bytes at most (one per
 # layer while they fit): well past the last-level cache of any CPU this runs on.
 CACHE_SPAN_BYTES = 1 << 30
+# Block placements a row can use (see the module doc).
+PLACEMENTS = ("engine", "engine-churn", "random")
 
 
 def read_bandwidth_gb_s(num_bytes: int = 512 << 20, repeats: int = 7) -> float:
@@ -92,20 +100,34 @@ def decode_attention_step(
     repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
     limit_reads: bool = False,
+    placement: str = "random",
 ) -> dict[str, Any]:
     """Time one decode step's attention (all layers, median of ``repeats``) for
-    ``batch`` rows of ``context``. With ``limit_reads`` (and the native kernels built)
-    every repeat is preceded by the limit's reads on the same threads and clock: the
+    ``batch`` rows of ``context``, the blocks placed as ``placement`` says (one of
+    :data:`PLACEMENTS`; ValueError otherwise). With ``limit_reads`` (and the native
+    kernels built) every repeat is preceded by the limit's reads on the same threads and clock: the
     stream read of a huge-page buffer as large as the step's caches
     (``stream_read_gb_s``: one sample per repeat) and the read of the step's own pages
     (``page_read_ms``: their median)."""
     import torch
 
+    from kvserve.bench.kv_placement import adjacent_fraction, engine_block_tables
     from kvserve.model.attention import SeqSpec, build_attention_metadata, paged_attention
     from kvserve.model.hugepages import zeros_hugepages
 
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r}: must be one of {PLACEMENTS}")
     per_req = -(-(context + 1) // block_size)
-    num_blocks = 1 + batch * per_req
+    if placement == "random":
+        num_blocks = 1 + batch * per_req
+        free = list(range(1, num_blocks))
+        random.Random(0).shuffle(free)
+        tables = [[free.pop() for _ in range(per_req)] for _ in range(batch)]
+    else:
+        tables = engine_block_tables(
+            batch, context, block_size=block_size, churn=placement == "engine-churn"
+        )
+        num_blocks = 1 + max(b for t in tables for b in t)
     gen = torch.Generator().manual_seed(0)
     cache_shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
     cache_bytes = torch.Size(cache_shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -114,9 +136,7 @@ def decode_attention_step(
     for _ in range(num_caches):
         c = zeros_hugepages(*cache_shape, dtype=dtype)
         caches.append(c.copy_(torch.randn(cache_shape, generator=gen)))
-    free = list(range(1, num_blocks))
-    random.Random(0).shuffle(free)
-    specs = [SeqSpec(i, 1, 1, context, [free.pop() for _ in range(per_req)]) for i in range(batch)]
+    specs = [SeqSpec(i, 1, 1, context, tables[i]) for i in range(batch)]
     meta = build_attention_metadata(
         specs,
         num_tokens=batch,
@@ -151,6 +171,8 @@ def decode_attention_step(
     out: dict[str, Any] = {
         "batch": batch,
         "context": context,
+        "placement": placement,
+        "adjacent_blocks": sum(adjacent_fraction(t) for t in tables) / len(tables),
         "backend": "native" if meta.native is not None else "portable",
         "step_ms": step_s * 1e3,
         "step_ms_spread": [min(times) * 1e3, max(times) * 1e3],
@@ -215,8 +237,10 @@ def run_attention_grid(
     backends: Sequence[str],
     clock: Callable[[], float] = time.perf_counter,
     repeats: int = 7,
+    placements: Sequence[str] = ("engine", "random"),
 ) -> dict[str, Any]:
-    """Every batch × context × backend (median of ``repeats`` steps), each native row
+    """Every batch × context × backend × placement (median of ``repeats`` steps; the
+    placements of one batch × context run one after the other), each native row
     against its own limit measured beside it (:func:`decode_attention_step` with
     ``limit_reads``): ``read_bandwidth_gb_s`` (median of the row's stream reads),
     ``read_bandwidth_spread`` (their min, max), ``fraction_of_bandwidth``, and
@@ -231,20 +255,22 @@ def run_attention_grid(
     for backend in backends:
         for context in contexts:
             for batch in batches:
-                r = decode_attention_step(
-                    num_layers=arch.num_layers,
-                    num_heads=arch.num_heads,
-                    num_kv_heads=arch.num_kv_heads,
-                    head_dim=arch.head_dim,
-                    dtype=dtype,
-                    batch=batch,
-                    context=context,
-                    backend=backend,
-                    repeats=repeats,
-                    clock=clock,
-                    limit_reads=True,
-                )
-                rows.append(r)
+                for placement in placements:
+                    r = decode_attention_step(
+                        num_layers=arch.num_layers,
+                        num_heads=arch.num_heads,
+                        num_kv_heads=arch.num_kv_heads,
+                        head_dim=arch.head_dim,
+                        dtype=dtype,
+                        batch=batch,
+                        context=context,
+                        backend=backend,
+                        repeats=repeats,
+                        clock=clock,
+                        limit_reads=True,
+                        placement=placement,
+                    )
+                    rows.append(r)
     samples = [x for r in rows for x in r.get("stream_read_gb_s", [])]
     bw = statistics.median(samples) if samples else torch_sum
     for r in rows:
@@ -278,7 +304,8 @@ def print_attention_table(result: dict[str, Any]) -> None:
         f"{result.get('load_average', float('nan')):.1f}):"
     )
     print(
-        f"{'backend':<10}{'batch':>6}{'context':>9}{'step ms':>10}{'KV MB':>8}"
+        f"{'backend':<10}{'placement':<14}{'adjacent':>9}{'batch':>6}{'context':>9}"
+        f"{'step ms':>10}{'KV MB':>8}"
         f"{'GB/s':>7}{'bw GB/s':>15}{'limit ms':>10}{'of limit':>10}{'of pages':>10}"
     )
     for r in result["rows"]:
@@ -287,7 +314,8 @@ def print_attention_table(result: dict[str, Any]) -> None:
         bw_s = f"{bw:.1f} [{sp[0]:.0f}-{sp[1]:.0f}]" if sp else f"{bw:.1f}"
         pages = r.get("fraction_of_page_read")
         print(
-            f"{r['backend']:<10}{r['batch']:>6}{r['context']:>9}{r['step_ms']:>10.2f}"
+            f"{r['backend']:<10}{r.get('placement', 'random'):<14}"
+            f"{r.get('adjacent_blocks', float('nan')):>9.0%}{r['batch']:>6}{r['context']:>9}{r['step_ms']:>10.2f}"
             f"{r['kv_bytes'] / 1e6:>8.1f}{r['kv_bytes'] / r['step_ms'] / 1e6:>7.1f}{bw_s:>15}"
             f"{r['limit_ms']:>10.2f}{r['fraction_of_bandwidth']:>9.0%}"
             f"{format(pages, '>9.0%') if pages is not None else '        -'}"

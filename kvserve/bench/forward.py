@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
             args.attention_contexts,
             backends,
             clock=_CLOCK,
+            placements=[p for p in args.attention_placements.split(",") if p],
         )
 
     formats = [f for f in args.weight_formats.split(",") if f]

@@ -113,6 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decode attention grid: contexts (default: 1024,4096)",
     )
     parser.add_argument(
+        "--attention-placements",
+        default="engine,random",
+        help="decode attention grid: comma-separated block placements, each a row: engine "
+        "(the engine's own allocator), engine-churn (the same after a generation of "
+        "requests was freed), random (the worst case) (default: %(default)s)",
+    )
+    parser.add_argument(
         "--attention-backends",
         default="native",
         help="decode attention grid: comma-separated native,portable, or none to skip "

@@ -5,7 +5,9 @@ Two measurements per format:
 
 - **attention**: a decode step's paged attention alone (all layers, the step's KV
   write included) at each ``--attention-batches`` × ``--attention-contexts``, on
-  caches with every request's blocks scattered at random, one cache per layer up to
+  caches with the requests' blocks where the engine's allocator puts them
+  (``placement="engine"``, :func:`kvserve.bench.kv_placement.engine_block_tables`;
+  ``"random"``: every block anywhere, the worst case), one cache per layer up to
   :data:`CACHE_SPAN_BYTES` (so the KV streams from memory). The formats are timed
   interleaved, one step of each per round, so a noisy machine slows them alike; the
   ratio to the bfloat16 (float) row is the figure to read.
@@ -41,6 +43,20 @@ def _caches(fmt: Any, shape: tuple[int, ...], model_dtype: Any, count: int, gen:
     return out
 
 
+def _tables(placement: str, batch: int, context: int, block_size: int) -> list[list[int]]:
+    """Block tables of ``batch`` requests of ``context + 1`` tokens, placed as named."""
+    from kvserve.bench.kv_placement import engine_block_tables
+
+    if placement == "engine":
+        return engine_block_tables(batch, context, block_size=block_size)
+    if placement != "random":
+        raise ValueError(f"placement={placement!r}: must be 'engine' or 'random'")
+    per_req = -(-(context + 1) // block_size)
+    free = list(range(1, 1 + batch * per_req))
+    random.Random(0).shuffle(free)
+    return [[free.pop() for _ in range(per_req)] for _ in range(batch)]
+
+
 def attention_rows(
     arch: Any,
     model_dtype: Any,
@@ -51,9 +67,11 @@ def attention_rows(
     rounds: int = 7,
     block_size: int = 16,
     clock: Callable[[], float] = time.perf_counter,
+    placement: str = "engine",
 ) -> list[dict[str, Any]]:
     """Median decode-attention step per format (interleaved rounds) for each batch and
-    context; ``vs_first``: the first format's step time over this one's."""
+    context; ``vs_first``: the first format's step time over this one's. ``placement``:
+    ``engine`` or ``random`` (see the module doc)."""
     import torch
 
     from kvserve.model.attention import SeqSpec, build_attention_metadata, paged_attention
@@ -64,14 +82,9 @@ def attention_rows(
     rows: list[dict[str, Any]] = []
     for context in contexts:
         for batch in batches:
-            per_req = -(-(context + 1) // block_size)
-            num_blocks = 1 + batch * per_req
-            free = list(range(1, num_blocks))
-            random.Random(0).shuffle(free)
-            specs = [
-                SeqSpec(i, 1, 1, context, [free.pop() for _ in range(per_req)])
-                for i in range(batch)
-            ]
+            tables = _tables(placement, batch, context, block_size)
+            num_blocks = 1 + max(b for t in tables for b in t)
+            specs = [SeqSpec(i, 1, 1, context, tables[i]) for i in range(batch)]
             gen = torch.Generator().manual_seed(0)
             q = torch.randn(batch, h, d, generator=gen).to(model_dtype)
             k = torch.randn(batch, hk, d, generator=gen).to(model_dtype)
@@ -116,6 +129,7 @@ def attention_rows(
                         "kv_format": fmt.name,
                         "batch": batch,
                         "context": context,
+                        "placement": placement,
                         "step_ms": step * 1e3,
                         "vs_first": first / step,
                         "kv_mb": kv_bytes / 1e6,

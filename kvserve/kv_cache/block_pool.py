@@ -18,10 +18,28 @@ Blocks without a hash are put at the front when freed, so they are reused before
 cached block; cached blocks go to the back, and a request frees its blocks tail
 first, so the end of a chain is evicted before its start. Popping a cached block to
 reuse it evicts it: its hash leaves the cache map.
+
+Allocation order (contiguity: the decode kernel streams a run of consecutive block
+ids as one piece of memory per KV head, see kvserve/model/kv_cache_tensor.py):
+
+1. Empty blocks are always taken before any cached block (as above), but WHICH empty
+   block is the pool's choice, so it keeps each request's blocks in runs of
+   consecutive ids. The empty blocks are indexed as maximal runs of consecutive ids
+   (``_run_end``/``_run_start``, and a lazy max-heap by length). For the block after
+   ``after`` (the request's current last block): id ``after + 1`` when that block is
+   empty; otherwise a new run, at the start of the longest empty run, or at its middle
+   when the block before that run is held (some request may be growing into it: it
+   keeps half the gap). Cost: O(1) for ``after + 1``, O(log runs) for a new run or a
+   freed block (heap push).
+2. Cached blocks are evicted strictly in free-queue (LRU) order, never out of order
+   for contiguity: an allocation of ``n`` blocks evicts exactly the ``n - empty``
+   front ones it evicted before, and only hands them out sorted by id (a chain freed
+   tail first is then handed out ascending again).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Iterator
 
 from kvserve.config import check_int
@@ -148,6 +166,15 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self._num_reclaimable = 0
+        # The empty blocks as maximal runs of consecutive ids (see the module doc):
+        # start -> end and end -> start (inclusive), and a max-heap of (-length, end).
+        # A run that shrinks from its start (the common case: a request growing into
+        # it) keeps its entry, whose length is then too large: corrected when it
+        # reaches the top. Every run has an entry with at least its length; entries
+        # of runs that are gone, or longer than their run, are dropped at the top.
+        self._run_end: dict[int, int] = {1: num_blocks - 1}
+        self._run_start: dict[int, int] = {num_blocks - 1: 1}
+        self._run_heap: list[tuple[int, int]] = [(-(num_blocks - 1), num_blocks - 1)]
 
     # -- counts -----------------------------------------------------------------
     @property
@@ -207,29 +234,114 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.is_null:
                     raise RuntimeError("the null block cannot be held")
-                self.free_queue.remove(block)
                 if block.block_hash is not None:
                     self._num_reclaimable -= 1
+                else:
+                    self._remove_empty(block.block_id)
+                self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop ``num_blocks`` blocks from the front of the free queue, ref_cnt 1 each.
-
-        A popped cached block is evicted (its hash leaves the map). The caller must
-        have checked ``num_free_blocks`` first; asking for more raises RuntimeError.
+    def get_new_blocks(
+        self, num_blocks: int, after: KVCacheBlock | None = None
+    ) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` free blocks, ref_cnt 1 each, in the order the request
+        will use them (``after``: the block they follow in its table, None when they
+        start it). Empty blocks first, chosen for contiguity; then cached blocks in
+        LRU order, each evicted (its hash leaves the map), handed out sorted by id
+        (see the module doc). The caller must have checked ``num_free_blocks`` first;
+        asking for more raises RuntimeError.
         """
         if num_blocks > self.free_queue.num_free_blocks:
             raise RuntimeError(
                 f"cannot allocate {num_blocks} blocks: only {self.free_queue.num_free_blocks} free"
             )
         out = []
-        for _ in range(num_blocks):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None:
-                self._evict(block)
+        prev = after
+        num_empty = min(num_blocks, self.num_empty_blocks)
+        for _ in range(num_empty):
+            block = self._take_empty(prev)
             block.ref_cnt = 1
             out.append(block)
+            prev = block
+        evicted = []
+        for _ in range(num_blocks - num_empty):
+            block = self.free_queue.popleft()
+            if block.block_hash is None:  # cannot happen: the empty ones are taken above
+                raise RuntimeError(f"empty {block} behind the cached blocks in the free queue")
+            self._evict(block)
+            block.ref_cnt = 1
+            evicted.append(block)
+        evicted.sort(key=lambda b: b.block_id)
+        out.extend(evicted)
         return out
+
+    # -- the index of empty runs ------------------------------------------------------
+    def _is_empty(self, block_id: int) -> bool:
+        """Whether ``block_id`` is a real block that is free and holds no cached content."""
+        if block_id <= 0 or block_id >= self.num_blocks:
+            return False
+        b = self.blocks[block_id]
+        return b.ref_cnt == 0 and b.block_hash is None and b.prev_free is not None
+
+    def _set_run(self, start: int, end: int) -> None:
+        self._run_end[start] = end
+        self._run_start[end] = start
+        heapq.heappush(self._run_heap, (start - end - 1, end))
+        if len(self._run_heap) > 2 * len(self._run_end) + 64:  # drop the stale entries
+            self._run_heap = [(s - e - 1, e) for s, e in self._run_end.items()]
+            heapq.heapify(self._run_heap)
+
+    def _add_empty(self, block_id: int) -> None:
+        """Index ``block_id``, which just became empty, merging it with its neighbours' runs."""
+        start = end = block_id
+        if self._is_empty(block_id - 1):
+            start = self._run_start.pop(block_id - 1)
+            del self._run_end[start]
+        if self._is_empty(block_id + 1):
+            end = self._run_end.pop(block_id + 1)
+            del self._run_start[end]
+        self._set_run(start, end)
+
+    def _remove_empty(self, block_id: int, start: int | None = None) -> None:
+        """Take ``block_id`` out of its run (``start``: the run's first id, when known;
+        otherwise found by walking left, which only a hit on an empty block needs)."""
+        if start is None:
+            start = block_id
+            while start not in self._run_end:
+                start -= 1
+        end = self._run_end.pop(start)
+        if block_id == start and block_id < end:  # shrinks from its start: no heap push
+            self._run_end[start + 1] = end
+            self._run_start[end] = start + 1
+            return
+        del self._run_start[end]
+        if start < block_id:
+            self._set_run(start, block_id - 1)
+        if block_id < end:
+            self._set_run(block_id + 1, end)
+
+    def _take_empty(self, after: KVCacheBlock | None) -> KVCacheBlock:
+        """Remove and return the empty block that should follow ``after`` (module doc)."""
+        if after is not None and after.block_id + 1 in self._run_end:
+            block_id, start = after.block_id + 1, after.block_id + 1  # a run starts there
+        else:
+            heap = self._run_heap
+            while True:
+                neg_len, end = heap[0]
+                run_start = self._run_start.get(end)
+                if run_start is not None and end - run_start + 1 == -neg_len:
+                    start = run_start
+                    break
+                heapq.heappop(heap)
+                if run_start is not None and end - run_start + 1 < -neg_len:  # shrunk
+                    heapq.heappush(heap, (run_start - end - 1, end))
+            block_id = start
+            if start > 1 and self.blocks[start - 1].ref_cnt > 0:
+                block_id = start + (end - start + 1) // 2
+        self._remove_empty(block_id, start)
+        block = self.blocks[block_id]
+        self.free_queue.remove(block)
+        return block
 
     def _evict(self, block: KVCacheBlock) -> None:
         assert block.block_hash is not None
@@ -252,6 +364,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)
+                    self._add_empty(block.block_id)
                 else:
                     self.free_queue.append(block)
                     self._num_reclaimable += 1
@@ -264,6 +377,8 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
             block.token_ids = None
+            if block.prev_free is not None:  # free (every block is, here): now empty
+                self._add_empty(block.block_id)
         self.cached.clear()
         self._num_reclaimable = 0
         return True
@@ -315,3 +430,22 @@ class BlockPool:
             fail(f"reclaimable count {self._num_reclaimable} != actual {num_reclaimable}")
         if not self.enable_caching and self.cached:
             fail("blocks are cached while caching is disabled")
+        indexed = 0
+        heap_len: dict[int, int] = {}
+        for neg_len, e in self._run_heap:
+            heap_len[e] = max(heap_len.get(e, 0), -neg_len)
+        for start, end in self._run_end.items():
+            if self._run_start.get(end) != start or end < start:
+                fail(f"empty run [{start}, {end}] has inconsistent ends")
+            if self._is_empty(start - 1) or self._is_empty(end + 1):
+                fail(f"empty run [{start}, {end}] is not maximal")
+            for i in range(start, end + 1):
+                if not self._is_empty(i):
+                    fail(f"block {i} is indexed in an empty run but is not empty")
+            if heap_len.get(end, 0) < end - start + 1:
+                fail(f"empty run [{start}, {end}] is missing from the heap")
+            indexed += end - start + 1
+        if len(self._run_start) != len(self._run_end):
+            fail("the empty runs' start and end maps disagree")
+        if indexed != self.num_empty_blocks:
+            fail(f"{indexed} blocks indexed in empty runs but {self.num_empty_blocks} are empty")

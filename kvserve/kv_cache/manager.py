@@ -256,7 +256,7 @@ class KVCacheManager:
         if hits:
             pool.touch(hits)
             held.extend(hits)
-        new_blocks = pool.get_new_blocks(num_new_blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks, held[-1] if held else None)
         held.extend(new_blocks)
         return KVCacheBlocks(tuple(new_blocks))
 
@@ -293,7 +293,7 @@ class KVCacheManager:
         held = list(shared)
         copies: list[tuple[int, int]] = []
         if rest:
-            (new,) = pool.get_new_blocks(1)
+            (new,) = pool.get_new_blocks(1, shared[-1] if shared else None)
             held.append(new)
             copies.append((blocks[num_full].block_id, new.block_id))
         self.req_to_blocks[child.req_id] = held

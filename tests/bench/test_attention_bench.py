@@ -90,9 +90,31 @@ def test_limit_reads_sit_beside_every_repeat() -> None:
 
     arch = SimpleNamespace(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     g = ab.run_attention_grid(arch, torch.float32, [1, 2], [40], ["native"], repeats=3)
+    assert [(r["batch"], r["placement"]) for r in g["rows"]] == [
+        (1, "engine"),
+        (1, "random"),
+        (2, "engine"),
+        (2, "random"),
+    ]
     for row in g["rows"]:
         lo, hi = row["read_bandwidth_spread"]
         assert lo <= row["read_bandwidth_gb_s"] <= hi
         assert row["limit_ms"] == row["kv_bytes"] / (row["read_bandwidth_gb_s"] * 1e9) * 1e3
         assert row["fraction_of_page_read"] == row["page_read_ms"] / row["step_ms"]
-    assert len(g["stream_read_gb_s"]) == 6
+    assert len(g["stream_read_gb_s"]) == 12
+
+
+def test_placements_engine_contiguous_random_scattered() -> None:
+    """The engine rows use the real allocator's tables (one run per request here),
+    the random row scatters them; an unknown placement is refused."""
+    import pytest
+
+    eng = _step(batch=4, context=300, placement="engine")
+    rnd = _step(batch=4, context=300, placement="random")
+    churn = _step(batch=4, context=300, placement="engine-churn")
+    assert eng["placement"] == "engine" and eng["adjacent_blocks"] >= 0.9
+    assert churn["adjacent_blocks"] >= 0.5
+    assert rnd["adjacent_blocks"] < 0.3
+    assert eng["kv_bytes"] == rnd["kv_bytes"]  # the same work, placed differently
+    with pytest.raises(ValueError, match="placement"):
+        _step(placement="sorted")
