@@ -20,7 +20,8 @@ re-scanned the whole history every step: 0.26 ms per call measured inside the en
 (a 420-token history, one thread; the interpreter and numpy run cold after the
 forward), about 3 % of a verification step of the default model at one stream. The
 index costs ``max_n`` dict entries per history token (a few MB for an 8k-token
-request), dropped with the request.
+request), dropped with the request; a ``prompt_lookup_max`` above ``INDEX_MAX_N``
+searches every call instead.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
 
 # An n-gram's tokens packed into one int key: the last token in the low bits.
 _SHIFT = 32
+# Above this prompt_lookup_max the index would keep that many dict entries per history
+# token (and build them for the whole prompt at once): such configs search instead.
+INDEX_MAX_N = 8
 
 
 class _Index:
@@ -85,6 +89,7 @@ class NgramProposer:
             )
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+        self.indexed = prompt_lookup_max <= INDEX_MAX_N  # else ngram_lookup per call
         self._idx: dict[str, _Index] = {}
 
     def _index(self, req_id: str, token_ids: Sequence[int]) -> _Index:
@@ -140,8 +145,11 @@ class NgramProposer:
         for req_id, tokens, k in zip(req_ids, token_ids, num_tokens, strict=True):
             if k <= 0:
                 out.append([])
-                continue
-            out.append(self._lookup(self._index(req_id, tokens), k))
+            elif self.indexed:
+                out.append(self._lookup(self._index(req_id, tokens), k))
+            else:
+                history = np.asarray(tokens[0 : len(tokens)], dtype=np.int64)
+                out.append(ngram_lookup(history, self.min_n, self.max_n, k))
         return out
 
     def draft_probs(self, req_id: str, drafts: Sequence[int]) -> None:

@@ -9,7 +9,7 @@ from kvserve.engine.args import build_engine_config
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.controller import PROBE_EVERY, SpecController
 from kvserve.spec_decode.decoder import History, SpecDecoder
-from kvserve.spec_decode.ngram import NgramProposer, ngram_lookup
+from kvserve.spec_decode.ngram import INDEX_MAX_N, NgramProposer, ngram_lookup
 
 
 def lookup(tokens: list[int], lo: int = 1, hi: int = 4, k: int = 3) -> list[int]:
@@ -53,8 +53,9 @@ def test_ngram_index_proposes_what_the_search_rule_proposes():
     rng = np.random.default_rng(7)
     for trial in range(300):
         lo = int(rng.integers(1, 4))
-        hi = int(rng.integers(lo, 7))
+        hi = int(rng.integers(lo, 11))  # above INDEX_MAX_N: the search path
         p = NgramProposer(lo, hi)
+        assert p.indexed == (hi <= INDEX_MAX_N)
         vocab = int(rng.integers(1, 5))
         offset = int(rng.choice([0, 70_000, 4_000_000_000]))
         hist = [int(t) + offset for t in rng.integers(0, vocab, int(rng.integers(0, 12)))]
