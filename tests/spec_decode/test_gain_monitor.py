@@ -243,3 +243,29 @@ def test_one_descheduled_step_does_not_turn_a_paying_bucket_off():
             1, tokens=4, target_time=8.0, propose_time=0.1, num_forwards=1, verified=True
         )
     assert dec.gain._get(1).off_steps > 0
+
+
+def test_probes_are_sparse_where_the_gain_is_large_and_frequent_where_it_is_marginal():
+    clock = Clock()
+    dec = decoder(clock, FakeProposer(clock, cost=0.03))
+    verified = simulate(dec, clock, 400, batch=4, accept=3)
+    assert dec.gain.gain(4) > gain_mod.CONFIDENT_GAIN
+    plain = verified[40:].count(False)
+    assert 0 < plain <= len(verified[40:]) // (2 * gain_mod.PROBE_EVERY)  # half as many, or fewer
+    # marginal: each draft row costs a fifth of a step, one draft a step accepted
+    clock = Clock()
+    dec = decoder(clock, FakeProposer(clock, cost=0.0))
+    reqs = ["a"]
+    drafts: dict[str, list[int]] = {}
+    verified = []
+    for _ in range(400):
+        dec.begin_step(sched_out(reqs, drafts))
+        clock.now += 1.0 + 0.2 * sum(len(d) for d in drafts.values())
+        for r, d in drafts.items():
+            dec.observe(r, len(d), min(1, len(d)))
+        verified.append(bool(drafts))
+        drafts = dec.propose(reqs, [[0, 1, 2]])
+    g = dec.gain.gain(1)
+    assert g is not None and 1.0 < g < gain_mod.CONFIDENT_GAIN
+    plain = verified[40:].count(False)
+    assert plain >= len(verified[40:]) // (gain_mod.PROBE_EVERY + 1) - 1

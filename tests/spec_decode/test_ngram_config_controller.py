@@ -9,7 +9,7 @@ from kvserve.engine.args import build_engine_config
 from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.controller import PROBE_EVERY, SpecController
 from kvserve.spec_decode.decoder import History, SpecDecoder
-from kvserve.spec_decode.ngram import NgramProposer, ngram_lookup
+from kvserve.spec_decode.ngram import INDEX_MAX_N, NgramProposer, ngram_lookup
 
 
 def lookup(tokens: list[int], lo: int = 1, hi: int = 4, k: int = 3) -> list[int]:
@@ -40,6 +40,39 @@ def test_ngram_proposer_keeps_histories_across_steps_and_rebuilds_on_change():
     assert p.propose(["a"], [[9, 8, 9]], [1]) == [[8]]
     p.drop("a")
     assert p.propose(["a", "b"], [[1, 2], [3, 3]], [1, 0]) == [[], []]
+    assert p._idx.keys() == {"a"}  # nothing kept for a request asked for no tokens
+    p.drop("a")
+    assert not p._idx
+
+
+def test_ngram_index_proposes_what_the_search_rule_proposes():
+    """The proposer's incremental index against :func:`ngram_lookup` (the rule as a
+    search) on random histories over small vocabularies, grown by 1-5 tokens a call
+    as verification steps grow them, with ids beyond 16 bits; a new request now and
+    then (the old one dropped)."""
+    rng = np.random.default_rng(7)
+    for trial in range(300):
+        lo = int(rng.integers(1, 4))
+        hi = int(rng.integers(lo, 11))  # above INDEX_MAX_N: the search path
+        p = NgramProposer(lo, hi)
+        assert p.indexed == (hi <= INDEX_MAX_N)
+        vocab = int(rng.integers(1, 5))
+        offset = int(rng.choice([0, 70_000, 4_000_000_000]))
+        hist = [int(t) + offset for t in rng.integers(0, vocab, int(rng.integers(0, 12)))]
+        req = 0
+        for _ in range(25):
+            k = int(rng.integers(0, 6))
+            expect = lookup(hist, lo, hi, k)
+            assert p.propose([f"r{req}"], [History(hist[:3], hist[3:])], [k]) == [expect], (
+                trial, hist, lo, hi, k,
+            )  # fmt: skip
+            if rng.random() < 0.05:  # the request finished; another one
+                p.drop(f"r{req}")
+                req += 1
+                hist = [int(t) + offset for t in rng.integers(0, vocab, 6)]
+            else:
+                grown = rng.integers(0, vocab, int(rng.integers(1, 6)))
+                hist = hist + [int(t) + offset for t in grown]
 
 
 def test_history_reads_prompt_then_outputs():
