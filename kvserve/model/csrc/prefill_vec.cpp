@@ -277,6 +277,13 @@ void pack_v_pairs(const Args& a, const int64_t* bt, int h, int64_t keys, uint32_
 // (32 for Q.K, 32 for P.V) run at about one per cycle in P.V and ~1.25 cycles in Q.K
 // (15 adds of the lane tree, the broadcast loads), plus ~14 vector ops of exp512 per
 // 16 (row, key) pairs: within ~25 % of that arithmetic's issue-rate floor.
+// Measured again (session 5, same CPU, knock-out builds, one thread, 2,048 tokens):
+// ~92-97 cycles per 16 rows x 1 key against a floor of ~75 (64 vdpbf16ps + exp512's
+// 10 FMA-unit ops); Q.K ~44 of them (the same loop alone in a small function: ~36),
+// exp ~14, P.V ~31 (1 vdpbf16ps per cycle). The exponentials run 8 keys in lockstep
+// (one Horner chain alone left the units waiting on its latency), and wholly visible
+// parts skip the mask; fusing the softmax into P.V's first head dims, unrolling the
+// quads or moving Q.K into a function of its own measured no better.
 constexpr int64_t kPartMax = 512;
 constexpr int kPfKeys = 8;  // K rows prefetched this many keys ahead in the score loop
 
