@@ -64,6 +64,7 @@ using kvs::to_f32;
 typedef uint32_t u32a __attribute__((may_alias));
 
 constexpr int kKC = 64;  // keys per softmax chunk, at absolute multiples of 64
+constexpr int kInvTiles = 4;  // row tiles per invariant task (run_task_inv)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Args {
@@ -368,8 +369,8 @@ constexpr int inv_dim(int dv, int lane) {
 // The tiles of one task: up to kInvTiles row tiles of one (seq, KV head), walked part
 // by part together (each tile's parts as it would walk them alone), so a part's K and
 // V rows are read from cache by every tile in turn instead of each tile streaming the
-// whole context. A tile's arithmetic does not depend on the others.
-constexpr int kInvTiles = 4;
+// whole context. A tile's arithmetic does not depend on the others. (kInvTiles: at
+// the top, run_all uses it on every ISA.)
 
 template <typename T, int D, bool kDp>
 void run_task_inv(const Args& a, int seg, const Task* tasks, int ntiles, const uint32_t* vp) {
