@@ -93,3 +93,16 @@ def test_prior_only_equal_paged(dtype, total, n, seed) -> None:
     got, got_lse = _inv(kv, table, rows, [(0, n, start)], 512, prior_only=1)
     want, want_lse = _paged(kv, table, rows, [(0, n, start)], 512, prior_only=1)
     assert torch.equal(_bits(got), _bits(want)) and torch.equal(got_lse, want_lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seg", [0, 512])
+def test_wholly_visible_parts_equal_paged(dtype, seg) -> None:
+    """Rows past a long prior context: parts every lane of a tile sees whole (the
+    kernel's unmasked form) and the masked last part, against the paged kernel."""
+    total, start, n = 1200, 1100, 96
+    kv, table, q = _setup(dtype, total, 7)
+    rows = q[start : start + n].contiguous()
+    got, got_lse = _inv(kv, table, rows, [(0, n, start)], seg)
+    want, want_lse = _paged(kv, table, rows, [(j, 1, start + j) for j in range(n)], seg)
+    assert torch.equal(_bits(got), _bits(want)) and torch.equal(got_lse, want_lse)

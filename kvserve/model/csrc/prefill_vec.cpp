@@ -64,6 +64,7 @@ using kvs::to_f32;
 typedef uint32_t u32a __attribute__((may_alias));
 
 constexpr int kKC = 64;  // keys per softmax chunk, at absolute multiples of 64
+constexpr int kInvTiles = 4;  // row tiles per invariant task (run_task_inv)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Args {
@@ -277,6 +278,13 @@ void pack_v_pairs(const Args& a, const int64_t* bt, int h, int64_t keys, uint32_
 // (32 for Q.K, 32 for P.V) run at about one per cycle in P.V and ~1.25 cycles in Q.K
 // (15 adds of the lane tree, the broadcast loads), plus ~14 vector ops of exp512 per
 // 16 (row, key) pairs: within ~25 % of that arithmetic's issue-rate floor.
+// Measured again (session 5, same CPU, knock-out builds, one thread, 2,048 tokens):
+// ~92-97 cycles per 16 rows x 1 key against a floor of ~75 (64 vdpbf16ps + exp512's
+// 10 FMA-unit ops); Q.K ~44 of them (the same loop alone in a small function: ~36),
+// exp ~14, P.V ~31 (1 vdpbf16ps per cycle). The exponentials run 8 keys in lockstep
+// (one Horner chain alone left the units waiting on its latency), and wholly visible
+// parts skip the mask; fusing the softmax into P.V's first head dims, unrolling the
+// quads or moving Q.K into a function of its own measured no better.
 constexpr int64_t kPartMax = 512;
 constexpr int kPfKeys = 8;  // K rows prefetched this many keys ahead in the score loop
 
@@ -284,6 +292,60 @@ inline int64_t part_end(int seg, int64_t p0) {  // as paged_attention.cpp
   int64_t e = (p0 / kPartMax + 1) * kPartMax;
   if (seg > 0) e = std::min<int64_t>(e, (p0 / seg + 1) * seg);
   return e;
+}
+
+// exp512(x) of kvs_common.h where x <= 0 (or NaN: -87 there as well), the lanes not in
+// `keep` zero: bitwise maskz_mov(keep, exp512(x)). (Its upper clamp at 88 never acts
+// on x <= 0, and the zeroing is folded into the last instruction.)
+inline __m512 exp512_nonpos_maskz(__mmask16 keep, __m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+// exp512_nonpos_maskz of N vectors in lockstep (in place): each lane's arithmetic is
+// that of one call; the N independent chains interleaved give the scheduler work that
+// a single Horner chain (one step ready per ~4 cycles) does not.
+template <int N>
+inline void exp512_nonpos_maskz_n(const __mmask16* keep, __m512* x) {
+  __m512 nn[N], p[N];
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) x[i] = _mm512_max_ps(x[i], _mm512_set1_ps(-87.0f));
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i)
+    nn[i] = _mm512_roundscale_ps(_mm512_mul_ps(x[i], _mm512_set1_ps(1.4426950408889634f)),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) x[i] = _mm512_fnmadd_ps(nn[i], _mm512_set1_ps(0.693145751953125f), x[i]);
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) x[i] = _mm512_fnmadd_ps(nn[i], _mm512_set1_ps(1.428606765330187e-06f), x[i]);
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 5040.0f), x[i], _mm512_set1_ps(1.0f / 720.0f));
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], x[i], _mm512_set1_ps(1.0f / 120.0f));
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], x[i], _mm512_set1_ps(1.0f / 24.0f));
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], x[i], _mm512_set1_ps(1.0f / 6.0f));
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], x[i], _mm512_set1_ps(0.5f));
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], x[i], _mm512_set1_ps(1.0f));
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], x[i], _mm512_set1_ps(1.0f));
+#pragma GCC unroll 16
+  for (int i = 0; i < N; ++i) x[i] = _mm512_maskz_scalef_ps(keep[i], p[i], nn[i]);
 }
 
 inline bool inv_bf16_dot() {  // as paged_attention.cpp's use_bf16_dot
@@ -307,8 +369,8 @@ constexpr int inv_dim(int dv, int lane) {
 // The tiles of one task: up to kInvTiles row tiles of one (seq, KV head), walked part
 // by part together (each tile's parts as it would walk them alone), so a part's K and
 // V rows are read from cache by every tile in turn instead of each tile streaming the
-// whole context. A tile's arithmetic does not depend on the others.
-constexpr int kInvTiles = 4;
+// whole context. A tile's arithmetic does not depend on the others. (kInvTiles: at
+// the top, run_all uses it on every ISA.)
 
 template <typename T, int D, bool kDp>
 void run_task_inv(const Args& a, int seg, const Task* tasks, int ntiles, const uint32_t* vp) {
@@ -327,7 +389,7 @@ void run_task_inv(const Args& a, int seg, const Task* tasks, int ntiles, const u
   alignas(64) float OBUF[kInvTiles][D][L];
   alignas(64) int32_t LIM[kInvTiles][L];
   alignas(64) float MXA[kInvTiles][L], LA[kInvTiles][L];
-  int64_t MAXLIM[kInvTiles];
+  int64_t MAXLIM[kInvTiles], MINLIM[kInvTiles];
   alignas(64) float sbuf[kPartMax][L];  // scores, then P (P in key pairs for kDp)
   alignas(64) float pbuf[D][L];  // the part's own P.V
   alignas(64) float mna[L], csa[L], cpa[L];
@@ -340,7 +402,7 @@ void run_task_inv(const Args& a, int seg, const Task* tasks, int ntiles, const u
     auto& qt = QT[ti];
     auto& qp = QP[ti];
     auto& lim_arr = LIM[ti];
-    int64_t max_lim = 0;
+    int64_t max_lim = 0, min_lim = std::numeric_limits<int64_t>::max();
     for (int m = 0; m < L; ++m) {
       if (m < m_hi) {
         const int64_t r = t.r0 + m, j = r / g;
@@ -363,11 +425,13 @@ void run_task_inv(const Args& a, int seg, const Task* tasks, int ntiles, const u
         }
         lim_arr[m] = 0;
       }
+      min_lim = std::min<int64_t>(min_lim, lim_arr[m]);
       MXA[ti][m] = kNegInf;
       LA[ti][m] = 0.f;
     }
     for (int d = 0; d < D; ++d) V::store(OBUF[ti][d], V::zero());
     MAXLIM[ti] = max_lim;
+    MINLIM[ti] = min_lim;
     max_all = std::max(max_all, max_lim);
   }
   const vec scale = V::set1(a.scale);
@@ -394,6 +458,8 @@ void run_task_inv(const Args& a, int seg, const Task* tasks, int ntiles, const u
     // 1. scores, KB keys at a time (rows past n point at key 0 of the part: unused),
     // and the part's max per row (the max of the same values in any order)
     vec vmax = neg_inf;
+    // whole groups of KB keys, each visible to all 16 lanes (visible() would keep x)
+    const bool all_visible = MINLIM[ti] >= p1 && n % KB == 0;
     for (int k0 = 0; k0 < n; k0 += KB) {
       const int nk = std::min(KB, n - k0);
       const T* kr[KB];
@@ -405,18 +471,25 @@ void run_task_inv(const Args& a, int seg, const Task* tasks, int ntiles, const u
       vec h01[KB], g2[KB], sc[KB];
       for (int q4 = 0; q4 < 4; ++q4) {
         vec P[KB][4];
-        for (int li = 0; li < 4; ++li) {
-          const int ln = 4 * q4 + li;
-          if constexpr (kDp) {
+        if constexpr (kDp) {
 #if defined(KVS_PF_HAVE_DP)
-            for (int kk = 0; kk < KB; ++kk) P[kk][li] = V::zero();
-            for (int j = 0; j < D / 32; ++j) {
+          // pair j of every (key, lane) chain before pair j + 1: a chain's next
+          // vdpbf16ps comes 16 instructions after its last (its latency hidden)
+          for (int kk = 0; kk < KB; ++kk)
+            for (int li = 0; li < 4; ++li) P[kk][li] = V::zero();
+          for (int j = 0; j < D / 32; ++j) {
+            for (int li = 0; li < 4; ++li) {
+              const int ln = 4 * q4 + li;
               const __m512bh qv = (__m512bh)_mm512_load_si512(qp[16 * j + ln]);
               for (int kk = 0; kk < KB; ++kk)
                 P[kk][li] = dp_bcast(P[kk][li], qv, reinterpret_cast<const u32a*>(kr[kk]) + 16 * j + ln);
             }
+          }
 #endif
-          } else {
+        }
+        for (int li = 0; li < 4 && !kDp; ++li) {
+          const int ln = 4 * q4 + li;
+          {
             {
               const vec qv = V::load(qt[inv_dim<T>(0, ln)]);
               for (int kk = 0; kk < KB; ++kk) P[kk][li] = V::mul(V::bcast(kr[kk] + inv_dim<T>(0, ln)), qv);
@@ -436,7 +509,13 @@ void run_task_inv(const Args& a, int seg, const Task* tasks, int ntiles, const u
           else sc[kk] = V::add(h01[kk], V::add(g2[kk], G));
         }
       }
-      if (nk == KB) {
+      if (all_visible) {  // every key of the part visible to every lane: no mask
+        for (int kk = 0; kk < KB; ++kk) {
+          const vec x = V::mul(sc[kk], scale);
+          V::store(sbuf[k0 + kk], x);
+          vmax = V::max(vmax, x);
+        }
+      } else if (nk == KB) {
         for (int kk = 0; kk < KB; ++kk) {
           const vec x = V::visible(lim, static_cast<int32_t>(p0 + k0 + kk), V::mul(sc[kk], scale));
           V::store(sbuf[k0 + kk], x);
@@ -463,24 +542,33 @@ void run_task_inv(const Args& a, int seg, const Task* tasks, int ntiles, const u
     vec vs[16];
     for (int r = 0; r < 16; ++r) vs[r] = V::zero();
     [[maybe_unused]] uint32_t(*pp)[L] = reinterpret_cast<uint32_t(*)[L]>(sbuf);
+    // NE keys' exponentials in lockstep: a single Horner chain leaves the FMA units
+    // waiting on its latency (measured: 3-4 % of the kernel's time at 2,048 tokens)
+    constexpr int NE = 8;
     for (int k16 = 0; k16 < n16; k16 += 16) {
-      for (int i = 0; i < 16; i += 2) {
-        const vec x0 = V::load(sbuf[k16 + i]), x1 = V::load(sbuf[k16 + i + 1]);
-        const vec e0 = V::finite_or_zero(x0, kvs::exp512(_mm512_sub_ps(x0, vmax)));
-        const vec e1 = V::finite_or_zero(x1, kvs::exp512(_mm512_sub_ps(x1, vmax)));
-        vs[i] = V::add(vs[i], e0);
-        vs[i + 1] = V::add(vs[i + 1], e1);
-        if constexpr (kDp) {
+      for (int i = 0; i < 16; i += NE) {
+        vec e[NE];
+        __mmask16 keep[NE];
+        for (int u = 0; u < NE; ++u) {
+          const vec x = V::load(sbuf[k16 + i + u]);
+          keep[u] = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
+          e[u] = _mm512_sub_ps(x, vmax);
+        }
+        exp512_nonpos_maskz_n<NE>(keep, e);
+        for (int u = 0; u < NE; ++u) vs[i + u] = V::add(vs[i + u], e[u]);
+        for (int u = 0; u < NE; u += 2) {
+          if constexpr (kDp) {
 #if defined(KVS_PF_HAVE_DP)
-          // lane 2m <- x[m], lane 2m + 1 <- y[m] for the 32 bf16 of cvtne2ps_pbh(y, x)
-          const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-          const __m512bh pair = _mm512_cvtne2ps_pbh(e1, e0);
-          _mm512_store_si512(pp[(k16 + i) / 2], _mm512_permutexvar_epi16(interleave, (__m512i)pair));
+            // lane 2m <- x[m], lane 2m + 1 <- y[m] for the 32 bf16 of cvtne2ps_pbh(y, x)
+            const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            const __m512bh pair = _mm512_cvtne2ps_pbh(e[u + 1], e[u]);
+            _mm512_store_si512(pp[(k16 + i + u) / 2], _mm512_permutexvar_epi16(interleave, (__m512i)pair));
 #endif
-        } else {
-          V::store(sbuf[k16 + i], e0);
-          V::store(sbuf[k16 + i + 1], e1);
+          } else {
+            V::store(sbuf[k16 + i + u], e[u]);
+            V::store(sbuf[k16 + i + u + 1], e[u + 1]);
+          }
         }
       }
     }
