@@ -171,7 +171,8 @@ class SchedulerConfig:
       model (a test's scheduler, an injected runner) uses the token bounds only.
     - ``short_prompt_step_ms``: number >= 0 (0 = off: ``max_step_ms`` for every
       prompt). Mixed policy under ``max_step_ms``: a prompt whose whole remaining work
-      is predicted to take at most this long is a short prompt; while a step's prompt
+      is predicted to take at most twice this long (``cost_model.LONG_PROMPT_FACTOR``)
+      is a short prompt; while a step's prompt
       chunks are all short prompts, it is filled only up to this target (a long
       prompt's chunk in the step lifts it to ``max_step_ms``). Values above
       ``max_step_ms`` act as ``max_step_ms``.

@@ -47,6 +47,11 @@ RECENT_SAMPLES = 512
 # A step of short prompts beside decodes may last at least this many times its
 # decodes' predicted time (StepBudget.short_ms): prompts keep half of it.
 SHORT_DECODE_FACTOR = 2.0
+# A prompt counts as long (its chunk lifts the step to the full target) only when its
+# remaining work is predicted above this many times the short target: a prompt near the
+# line (the online scale moves predictions by 10-20 %) takes two short steps instead of
+# lifting a step, and every stream's wait, to the full target.
+LONG_PROMPT_FACTOR = 2.0
 # Predicted-vs-measured pairs kept in ``CostModel.errors`` (the most recent).
 ERROR_HISTORY = 4096
 
@@ -274,8 +279,8 @@ class StepBudget:
     short when the whole of its remaining work (its remaining tokens at its context,
     one sampled row; the caller decides from where: the scheduler counts from its
     prefix-cache hit, so a long prompt's last chunk stays long) is predicted to take at
-    most ``short_target_ms``: a short prompt
-    waits at most a short step if it does not fit, while a long one would pay every
+    most ``LONG_PROMPT_FACTOR`` times the short target: a short prompt
+    waits at most a short step or two if it does not fit, while a long one would pay every
     step's decode time again per chunk, so only a long prompt's chunk lifts the step
     to ``target_ms`` (then later chunks of the step, short or not, may fill it).
 
@@ -315,10 +320,12 @@ class StepBudget:
 
     def is_short(self, context: int, remaining: int | None) -> bool:
         """Whether a prompt with ``remaining`` tokens left at ``context`` is short: its
-        work fits :attr:`short_ms` (None: unknown, counted long)."""
+        work fits ``LONG_PROMPT_FACTOR`` times :attr:`short_ms` (None: unknown, counted
+        long). A short prompt's chunks still fill only up to :attr:`short_ms`, so one
+        between the two takes two short steps."""
         if remaining is None or remaining <= 0 or self.short_target_ms >= self.target_ms:
             return False
-        return self.model.chunk_ms(remaining, context, True) <= self.short_ms
+        return self.model.chunk_ms(remaining, context, True) <= LONG_PROMPT_FACTOR * self.short_ms
 
     def add(
         self,

@@ -344,7 +344,7 @@ def test_budget_classifies_short_and_long_prompts():
     b = model.budget(300.0, 40.0)
     assert b.short_target_ms == 40.0
     assert b.is_short(0, 64) and not b.is_short(0, 1000) and not b.is_short(0, None)
-    assert not b.is_short(20_000, 64)  # the same tokens over a long context cost more
+    assert not b.is_short(80_000, 64)  # the same tokens over a long context cost more
     b.add(1, 10, prompt=False)
     b.add(64, 0, prompt=True, short=True)
     assert not b.has_long_prompt
@@ -356,6 +356,20 @@ def test_budget_classifies_short_and_long_prompts():
     assert model.budget(300.0).short_target_ms == 300.0
     assert model.budget(100.0, 400.0).short_target_ms == 100.0
     assert not model.budget(300.0, 0.0).is_short(0, 64)
+
+
+def test_a_prompt_near_the_short_line_stays_short_when_predictions_move():
+    """A prompt predicted a little over the short target (the online scale moved by
+    10-20 %) stays short: it must not lift its step, and every stream's wait, to the
+    full target; one over twice the short target is long."""
+    model = CostModel(TRUE)
+    b = model.budget(300.0, 40.0)
+    n = next(n for n in range(1, 4096) if model.chunk_ms(n, 1024, True) > 40.0 * 1.2)
+    assert b.is_short(1024, n)  # 20 % over the short target
+    b.add(n // 2, 1024, prompt=True, short=b.is_short(1024, n))
+    assert not b.has_long_prompt
+    m = next(m for m in range(n, 1 << 16) if model.chunk_ms(m, 1024, True) > 40.0 * 2.05)
+    assert not b.is_short(1024, m)
 
 
 def test_config_validates_short_prompt_step_ms():
