@@ -30,7 +30,12 @@ from kvserve.bench.workloads import arrival_times
 from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.engine_core import EngineCore
 from kvserve.request import SamplingParams
-from kvserve.sched.cost_model import CostModel, output_features
+from kvserve.sched.cost_model import (
+    CostModel,
+    output_rows,
+    prompt_features,
+    step_features,
+)
 from kvserve.sim.runner import UNBOUNDED_VOCAB, SimulatedModel, StandInRunner
 
 # kvserve serve's startup fit in the quiet peer run (bf16, default 4-bit weights):
@@ -133,16 +138,14 @@ def run(
             steps.append(rec)
             if sched_model is not None and observed:
                 so, out_ = observed.pop()
-                sched_model.observe(
-                    output_features(
-                        so.num_scheduled_tokens,
-                        so.cached_seq_len,
-                        out_.sampled_token_ids,
-                        so.num_scheduled_tokens_padded,
-                        so.decode_batch_size_padded,
-                    ),
-                    ms + args.client_ms,
+                rows = output_rows(
+                    so.num_scheduled_tokens,
+                    so.cached_seq_len,
+                    out_.sampled_token_ids,
+                    so.num_scheduled_tokens_padded,
+                    so.decode_batch_size_padded,
                 )
+                sched_model.observe(step_features(rows), ms + args.client_ms, prompt_features(rows))
         observed.clear()
         for d in deltas:
             rt = times.get(d.request_id)

@@ -43,7 +43,7 @@ from kvserve.request import (
     SamplingParams,
 )
 from kvserve.sched import make_scheduler
-from kvserve.sched.cost_model import CostModel, output_features
+from kvserve.sched.cost_model import CostModel, output_rows, prompt_features, step_features
 from kvserve.sched.output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from kvserve.structured.compiler import GrammarCompiler
 
@@ -318,14 +318,14 @@ class EngineCore:
     ) -> None:
         """Feed the step's measured time (schedule + execute + update) to the cost model."""
         ms = (time.perf_counter() - t0) * 1e3
-        features = output_features(
+        rows = output_rows(
             so.num_scheduled_tokens,
             so.cached_seq_len,
             out.sampled_token_ids,
             so.num_scheduled_tokens_padded,
             so.decode_batch_size_padded,
         )
-        predicted = model.observe(features, ms)
+        predicted = model.observe(step_features(rows), ms, prompt_features(rows))
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "step %s: %d tokens, predicted %.1f ms, measured %.1f ms",

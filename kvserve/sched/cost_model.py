@@ -20,6 +20,14 @@ measured / predicted (an exponentially weighted mean in log space) and, every
 ``REFIT_EVERY`` steps, the coefficients are refitted on the calibration samples plus
 the most recent measured steps (``scale`` back to 1).
 
+Prompt rows (``n > 1``) carry a second factor, ``prompt_scale``, on top of ``scale``:
+the calibration times prompt chunks and decodes in separate shapes, and on a server a
+chunk over a long cached context beside many decodes ran 1.3-1.9x its fitted time
+while decode-only steps stayed within a few per cent. One shared factor cannot fix
+both: the decode-only steps between two prompt waves pulled it back to 1. So a step's
+log error moves each factor by the share of the prediction it owns (decode-only
+steps move only ``scale``), and ``prompt_scale`` survives refits.
+
 Nothing here measures time or imports torch: the engine passes measured durations in.
 """
 
@@ -41,6 +49,10 @@ FEATURE_NAMES = (
 # Online correction: weight of one step in the log-scale EWMA, and the scale's bounds.
 SCALE_ALPHA = 0.1
 SCALE_BOUNDS = (0.1, 10.0)  # a stored quiet fit on a machine up to 10x slower
+# The prompt rows' own factor (CostModel.prompt_scale): steps with prompt chunks are
+# rarer than decode-only ones, so it learns faster; bounded relative to ``scale``.
+PROMPT_SCALE_ALPHA = 0.25
+PROMPT_SCALE_BOUNDS = (0.25, 4.0)
 # Refit on calibration + the last RECENT_SAMPLES measured steps every REFIT_EVERY steps.
 REFIT_EVERY = 64
 RECENT_SAMPLES = 512
@@ -66,6 +78,18 @@ def row_features(num_new: int, context: int, samples: bool) -> Features:
         return (0.0, 1.0, 0.0, float(context + 1), 1.0 if samples else 0.0)
     pairs = num_new * context + num_new * (num_new + 1) / 2
     return (0.0, float(num_new), float(pairs), 0.0, 1.0 if samples else 0.0)
+
+
+def prompt_features(rows: Iterable[tuple[int, int, bool]]) -> Features:
+    """The part of :func:`step_features` that belongs to prompt rows (``n > 1``), without
+    the per-step overhead: what :attr:`CostModel.prompt_scale` multiplies."""
+    acc = [0.0] * NUM_FEATURES
+    for n, c, s in rows:
+        if n > 1:
+            f = row_features(n, c, s)
+            for i in range(1, NUM_FEATURES):
+                acc[i] += f[i]
+    return (0.0, acc[1], acc[2], acc[3], acc[4])
 
 
 def step_features(rows: Iterable[tuple[int, int, bool]]) -> Features:
@@ -174,6 +198,7 @@ class CostModel:
     num_observed: int = 0
     online: bool = True
     abs_error_ewma: float = 0.0  # moving mean of |predicted - measured| / measured
+    prompt_scale: float = 1.0  # extra factor of prompt rows (n > 1); see the module doc
     # calibration noise: median over shapes of slowest / fastest repeat (0 = unknown)
     spread: float = 0.0
 
@@ -193,24 +218,32 @@ class CostModel:
     def raw_ms(self, features: Sequence[float]) -> float:
         return _dot(self.coef, features)
 
-    def predict_ms(self, features: Sequence[float]) -> float:
-        """Predicted milliseconds of a step with these features (scale applied)."""
-        return self.scale * self.raw_ms(features)
+    def predict_ms(self, features: Sequence[float], prompt: Sequence[float] | None = None) -> float:
+        """Predicted milliseconds of a step with these features (scale applied);
+        ``prompt``, the part of ``features`` that is prompt rows (:func:`prompt_features`),
+        also gets :attr:`prompt_scale` (None: the step is counted as decodes only)."""
+        raw = self.raw_ms(features)
+        if prompt is not None and self.prompt_scale != 1.0:
+            raw += (self.prompt_scale - 1.0) * self.raw_ms(prompt)
+        return self.scale * raw
 
     def predict_rows_ms(self, rows: Iterable[tuple[int, int, bool]]) -> float:
-        return self.predict_ms(step_features(rows))
+        rows = list(rows)
+        return self.predict_ms(step_features(rows), prompt_features(rows))
 
     def chunk_ms(self, num_new: int, context: int, samples: bool = False) -> float:
         """Predicted extra milliseconds of adding one row to a step (no overhead)."""
-        return self.predict_ms(row_features(num_new, context, samples))
+        ms = self.predict_ms(row_features(num_new, context, samples))
+        return ms * self.prompt_scale if num_new > 1 else ms
 
     def max_chunk(self, time_ms: float, context: int, limit: int) -> int:
         """The most new tokens (<= ``limit``) of a prompt at ``context`` whose row costs at
         most ``time_ms`` (ignoring the one sampled row of a last chunk); 0 when none."""
         if limit <= 0 or time_ms <= 0:
             return 0
-        a = self.scale * self.coef[2] / 2  # pairs: n*c + n(n+1)/2
-        b = self.scale * (self.coef[1] + self.coef[2] * (context + 0.5))
+        k = self.scale * self.prompt_scale
+        a = k * self.coef[2] / 2  # pairs: n*c + n(n+1)/2
+        b = k * (self.coef[1] + self.coef[2] * (context + 0.5))
         if a <= 0:
             n = limit if b <= 0 else int(time_ms / b)
         else:
@@ -227,13 +260,18 @@ class CostModel:
         return StepBudget(self, target_ms, short_target_ms)
 
     # ------------------------------------------------------------------ online correction
-    def observe(self, features: Features, measured_ms: float) -> float:
+    def observe(
+        self, features: Features, measured_ms: float, prompt: Features | None = None
+    ) -> float:
         """Record one executed step; returns the prediction it had (before correcting).
 
-        Moves ``scale`` toward ``measured / predicted`` and refits every
-        ``REFIT_EVERY`` steps (when ``online``). Steps with no tokens, or a time that is
-        not positive, are ignored (returns 0)."""
-        predicted = self.predict_ms(features)
+        ``prompt`` is the prompt rows' part of ``features`` (:func:`prompt_features`;
+        None: counted as decodes only). The log error ``log(measured / predicted)``
+        moves ``scale`` by the decode part's share of the prediction and
+        :attr:`prompt_scale` by the prompt part's (when ``online``), and the model
+        refits every ``REFIT_EVERY`` steps. Steps with no tokens, or a time that is not
+        positive, are ignored (returns 0)."""
+        predicted = self.predict_ms(features, prompt)
         if features[1] <= 0 or not measured_ms > 0 or predicted <= 0:
             return 0.0
         self.errors.append((predicted, measured_ms))
@@ -246,14 +284,21 @@ class CostModel:
         self.num_observed += 1
         self.recent.append((features, measured_ms))
         log_ratio = math.log(measured_ms / predicted)
-        scale = self.scale * math.exp(SCALE_ALPHA * log_ratio)
+        share = 0.0
+        if prompt is not None:
+            share = min(1.0, self.scale * self.prompt_scale * self.raw_ms(prompt) / predicted)
+            ps = self.prompt_scale * math.exp(PROMPT_SCALE_ALPHA * share * log_ratio)
+            self.prompt_scale = min(max(ps, PROMPT_SCALE_BOUNDS[0]), PROMPT_SCALE_BOUNDS[1])
+        scale = self.scale * math.exp(SCALE_ALPHA * (1.0 - share) * log_ratio)
         self.scale = min(max(scale, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
         if self.num_observed % REFIT_EVERY == 0:
             self.refit()
         return predicted
 
     def refit(self) -> None:
-        """Refit on the calibration samples plus the recent measured steps (scale 1)."""
+        """Refit on the calibration samples plus the recent measured steps (scale 1;
+        :attr:`prompt_scale` is kept: the refit's features do not separate prompt rows,
+        and the next prompt steps correct it)."""
         samples = list(self.calibration) + list(self.recent)
         if len(samples) < NUM_FEATURES:
             return
@@ -361,16 +406,17 @@ class StepBudget:
         return n
 
 
-def output_features(
+def output_rows(
     num_scheduled_tokens: Mapping[str, int],
     cached_seq_len: Mapping[str, int],
     sampled_token_ids: Mapping[str, list[int]],
     num_scheduled_tokens_padded: Mapping[str, int] | None = None,
     decode_batch_size_padded: int | None = None,
-) -> Features:
-    """Features of an executed step from its SchedulerOutput's fields and the runner's
-    sampled tokens: padded chunk sizes where given (padding is computed), and a
-    padded decode batch's dummy rows as decode rows over no context."""
+) -> list[tuple[int, int, bool]]:
+    """The ``(num_new, context, samples)`` rows of an executed step from its
+    SchedulerOutput's fields and the runner's sampled tokens: padded chunk sizes where
+    given (padding is computed), and a padded decode batch's dummy rows as decode rows
+    over no context."""
     padded = num_scheduled_tokens_padded or {}
     rows = [
         (max(n, padded.get(r, n)), cached_seq_len.get(r, 0), bool(sampled_token_ids.get(r)))
@@ -379,4 +425,23 @@ def output_features(
     if decode_batch_size_padded:
         num_decodes = sum(1 for n, _, _ in rows if n == 1)
         rows += [(1, 0, False)] * max(0, decode_batch_size_padded - num_decodes)
-    return step_features(rows)
+    return rows
+
+
+def output_features(
+    num_scheduled_tokens: Mapping[str, int],
+    cached_seq_len: Mapping[str, int],
+    sampled_token_ids: Mapping[str, list[int]],
+    num_scheduled_tokens_padded: Mapping[str, int] | None = None,
+    decode_batch_size_padded: int | None = None,
+) -> Features:
+    """:func:`step_features` of :func:`output_rows` (same arguments)."""
+    return step_features(
+        output_rows(
+            num_scheduled_tokens,
+            cached_seq_len,
+            sampled_token_ids,
+            num_scheduled_tokens_padded,
+            decode_batch_size_padded,
+        )
+    )

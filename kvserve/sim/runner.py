@@ -28,7 +28,7 @@ from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig, check_int
 from kvserve.engine.engine_core import EngineCore
 from kvserve.kv_cache.manager import cdiv
 from kvserve.request import Request, RequestError, SamplingParams
-from kvserve.sched.cost_model import CostModel, output_features
+from kvserve.sched.cost_model import CostModel, output_rows
 from kvserve.sched.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from kvserve.sim.workload import VOCAB_SIZE, WorkloadRequest
 
@@ -224,8 +224,8 @@ class StandInRunner:
         out = stand_in_execute(scheduler_output, self.requests)
         so = scheduler_output
         self.record["predicted_ms"] = _round(
-            self.cost_model.predict_ms(
-                output_features(
+            self.cost_model.predict_rows_ms(
+                output_rows(
                     so.num_scheduled_tokens,
                     so.cached_seq_len,
                     out.sampled_token_ids,

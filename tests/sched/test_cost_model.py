@@ -15,6 +15,8 @@ from kvserve.sched.cost_model import (
     CostModel,
     fit_coefficients,
     output_features,
+    output_rows,
+    prompt_features,
     row_features,
     step_features,
 )
@@ -132,6 +134,62 @@ def test_online_correction_moves_toward_measured_times():
     p = ref.predict_ms(f)
     ref.observe(f, 10 * p)
     assert ref.predict_ms(f) == p and len(ref.errors) == 1
+
+
+def test_prompt_rows_get_their_own_online_factor():
+    """Prompt chunks beside decodes run 1.8x their fitted time while decode-only steps
+    run as fitted (the server's shared-prefix trace): the prompt factor learns it
+    within a few prompt steps and keeps it across the decode-only steps between two
+    waves, which leave the decode predictions exact. One shared scale (prompt=None)
+    would swing between the two and be wrong for both."""
+    decodes = [(1, 1100, True)] * 12
+    dec_f = step_features(decodes)
+    mixed_rows = [*decodes, (64, 1024, True)]
+    mixed_f, mixed_p = step_features(mixed_rows), prompt_features(mixed_rows)
+
+    def truth(f, p):  # the prompt part costs 1.8x the fit, the rest as fitted
+        return CostModel(TRUE).raw_ms(f) + 0.8 * CostModel(TRUE).raw_ms(p)
+
+    for split in (True, False):
+        model = CostModel.fit(synthetic_samples(TRUE))
+        errs: list[tuple[float, float]] = []
+        for _wave in range(3):
+            for _ in range(6):
+                pred = model.observe(mixed_f, truth(mixed_f, mixed_p), mixed_p if split else None)
+                errs.append((pred, truth(mixed_f, mixed_p)))
+            for _ in range(40):
+                model.observe(dec_f, truth(dec_f, (0.0,) * 5), prompt_features(decodes))
+        mixed_err = abs(model.predict_rows_ms(mixed_rows) - truth(mixed_f, mixed_p)) / truth(
+            mixed_f, mixed_p
+        )
+        late = [abs(p - m) / m for p, m in errs[-6:]]
+        if split:
+            assert model.prompt_scale > 1.1  # (refits take up part of it)
+            dec_err = abs(
+                model.predict_ms(dec_f, prompt_features(decodes)) - truth(dec_f, (0.0,) * 5)
+            )
+            assert dec_err / truth(dec_f, (0.0,) * 5) < 0.05
+            assert mixed_err < 0.1 and max(late) < 0.15
+            # the scheduler's questions see it: a chunk costs prompt_scale times more
+            assert model.chunk_ms(64, 1024, True) == pytest.approx(
+                model.prompt_scale
+                * CostModel(model.coef, scale=model.scale).chunk_ms(64, 1024, True)
+            )
+            n = model.max_chunk(30.0, 1024, 4096)
+            assert model.chunk_ms(n, 1024) <= 30.0 < model.chunk_ms(n + 1, 1024)
+        else:
+            assert model.prompt_scale == 1.0
+            assert max(late) > 0.2  # the shared scale is wrong at every new wave
+    # a refit keeps the prompt factor; a decode row (n == 1) never gets it
+    model.prompt_scale = 1.5
+    model.refit()
+    assert model.prompt_scale == 1.5 and model.scale == 1.0
+    assert model.chunk_ms(1, 100, True) == model.predict_ms(row_features(1, 100, True))
+    rows = output_rows({"a": 3, "b": 1}, {"a": 0, "b": 7}, {"b": [5]}, {"a": 8}, 4)
+    assert step_features(rows) == output_features(
+        {"a": 3, "b": 1}, {"a": 0, "b": 7}, {"b": [5]}, {"a": 8}, 4
+    )
+    assert prompt_features(rows) == (0.0, 8.0, 36.0, 0.0, 0.0)
 
 
 # ---------------------------------------------------------------- scheduler integration
