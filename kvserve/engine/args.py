@@ -118,7 +118,7 @@ OPTIONS: tuple[_Option, ...] = (
         "scheduler",
         float,
         "mixed policy under max_step_ms: target milliseconds of a step that decodes while "
-        "its prompt work is only short prompts (each predicted to finish within this "
+        "its prompt work is only short prompts (each predicted to finish within twice this "
         "long); a long prompt's chunk lifts the step to max_step_ms (0 = off)",
     ),
     _Option(
