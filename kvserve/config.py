@@ -179,6 +179,11 @@ class SchedulerConfig:
     - ``step_cost_cache``: ``"auto"`` (reuse the cost model's fit persisted for this
       machine and model after a short check), ``"refresh"`` (calibrate, store) or
       ``"off"`` (calibrate, store nothing); ``kvserve.worker.step_cost``.
+    - ``step_trace``: a file path, or ``""`` (off). Under ``max_step_ms`` the engine
+      appends one JSON line per executed step to it (wall time, measured and predicted
+      ms, the online factors, every row's new tokens and context): the step log that
+      ``docs/step-budget.md`` reads. The file is opened per step, so it can be moved
+      or removed while the engine runs.
     - ``scheduler_policy``: ``"mixed"`` or ``"separated"``.
     - The KV block size and prefix caching are the KV cache's (``CacheConfig``); the
       scheduler reads them from its KV cache manager.
@@ -197,6 +202,7 @@ class SchedulerConfig:
     max_step_ms: float = DEFAULT_MAX_STEP_MS
     short_prompt_step_ms: float = DEFAULT_SHORT_PROMPT_STEP_MS
     step_cost_cache: str = "auto"
+    step_trace: str = ""
     num_batched_tokens_buckets: tuple[int, ...] | None = None
     num_seqs_buckets: tuple[int, ...] | None = None
 

@@ -130,6 +130,13 @@ OPTIONS: tuple[_Option, ...] = (
         "refresh (calibrate now and store), off (calibrate, store nothing)",
     ),
     _Option(
+        "step_trace",
+        "scheduler",
+        str,
+        "append one JSON line per step to this file under max_step_ms (measured and "
+        "predicted ms, online factors, each row's new tokens and context); off when empty",
+    ),
+    _Option(
         "batch_wait_ms",
         "admission",
         float,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -325,7 +326,16 @@ class EngineCore:
             so.num_scheduled_tokens_padded,
             so.decode_batch_size_padded,
         )
-        predicted = model.observe(step_features(rows), ms, prompt_features(rows))
+        spec = so.scheduled_spec_decode_tokens  # verification rows are decodes
+        prompt_rows = output_rows(
+            {r: n for r, n in so.num_scheduled_tokens.items() if r not in spec},
+            so.cached_seq_len,
+            out.sampled_token_ids,
+            so.num_scheduled_tokens_padded,
+        )
+        predicted = model.observe(step_features(rows), ms, prompt_features(prompt_rows))
+        if self.config.scheduler.step_trace:
+            self._trace_step(so, ms, predicted, model)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "step %s: %d tokens, predicted %.1f ms, measured %.1f ms",
@@ -334,6 +344,26 @@ class EngineCore:
                 predicted,
                 ms,
             )
+
+    def _trace_step(
+        self, so: SchedulerOutput, ms: float, predicted: float, model: CostModel
+    ) -> None:
+        """Append the step's JSON line to ``step_trace`` (an unwritable path is logged
+        once per step at warning level and never fails the step)."""
+        line = {
+            "t": round(time.time(), 6),
+            "phase": so.phase,
+            "measured_ms": round(ms, 3),
+            "predicted_ms": round(predicted, 3),
+            "scale": round(model.scale, 4),
+            "prompt_scale": round(model.prompt_scale, 4),
+            "rows": [[n, so.cached_seq_len.get(r, 0)] for r, n in so.num_scheduled_tokens.items()],
+        }
+        try:
+            with open(self.config.scheduler.step_trace, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(line) + "\n")
+        except OSError as e:
+            logger.warning("step trace not written: %s", e)
 
     def poll_kv_transfer(self) -> list[RequestDelta]:
         """Apply finished KV transfers (free sent blocks, resume loaded requests) and

@@ -81,8 +81,10 @@ def row_features(num_new: int, context: int, samples: bool) -> Features:
 
 
 def prompt_features(rows: Iterable[tuple[int, int, bool]]) -> Features:
-    """The part of :func:`step_features` that belongs to prompt rows (``n > 1``), without
-    the per-step overhead: what :attr:`CostModel.prompt_scale` multiplies."""
+    """The features of a step's prompt-chunk rows, without the per-step overhead: what
+    :attr:`CostModel.prompt_scale` multiplies. Pass only prompt chunks (a speculative
+    verification row also has ``n > 1`` but is a decode: leave it out); a chunk of one
+    token counts as a decode row and is skipped here."""
     acc = [0.0] * NUM_FEATURES
     for n, c, s in rows:
         if n > 1:
@@ -227,9 +229,17 @@ class CostModel:
             raw += (self.prompt_scale - 1.0) * self.raw_ms(prompt)
         return self.scale * raw
 
-    def predict_rows_ms(self, rows: Iterable[tuple[int, int, bool]]) -> float:
+    def predict_rows_ms(
+        self,
+        rows: Iterable[tuple[int, int, bool]],
+        prompt_rows: Iterable[tuple[int, int, bool]] | None = None,
+    ) -> float:
+        """Predicted milliseconds of a step of ``rows``, of which ``prompt_rows`` are
+        prompt chunks (None: every row with ``n > 1``)."""
         rows = list(rows)
-        return self.predict_ms(step_features(rows), prompt_features(rows))
+        return self.predict_ms(
+            step_features(rows), prompt_features(rows if prompt_rows is None else prompt_rows)
+        )
 
     def chunk_ms(self, num_new: int, context: int, samples: bool = False) -> float:
         """Predicted extra milliseconds of adding one row to a step (no overhead)."""
@@ -340,12 +350,13 @@ class StepBudget:
         self.target_ms = target_ms
         self.short_target_ms = min(short_target_ms, target_ms) if short_target_ms > 0 else target_ms
         self.rows: list[tuple[int, int, bool]] = []
+        self.prompt_rows: list[tuple[int, int, bool]] = []  # rows added with prompt=True
         self.num_prompt_tokens = 0
         self.has_long_prompt = False  # a long prompt's chunk is in the step
 
     @property
     def predicted_ms(self) -> float:
-        return self.model.predict_rows_ms(self.rows) if self.rows else 0.0
+        return self.model.predict_rows_ms(self.rows, self.prompt_rows) if self.rows else 0.0
 
     def _left(self, target: float) -> float:
         overhead = 0.0 if self.rows else self.model.scale * self.model.coef[0]
@@ -360,7 +371,7 @@ class StepBudget:
         if self.short_target_ms >= self.target_ms:
             return self.target_ms
         decode_rows = [r for r in self.rows if r[0] == 1]
-        decode_ms = self.model.predict_rows_ms(decode_rows) if decode_rows else 0.0
+        decode_ms = self.model.predict_rows_ms(decode_rows, ()) if decode_rows else 0.0
         return min(self.target_ms, max(self.short_target_ms, SHORT_DECODE_FACTOR * decode_ms))
 
     def is_short(self, context: int, remaining: int | None) -> bool:
@@ -386,6 +397,7 @@ class StepBudget:
         ``target_ms``."""
         self.rows.append((num_new, context, samples))
         if prompt:
+            self.prompt_rows.append((num_new, context, samples))
             self.num_prompt_tokens += num_new
             if not short:
                 self.has_long_prompt = True
