@@ -158,7 +158,7 @@ def run(
                 in_flight.discard(d.request_id)
         if len(steps) > 200_000:
             raise RuntimeError("too many steps")
-    out = stream_figures(list(times.values()), now[0])
+    out: dict[str, Any] = dict(stream_figures(list(times.values()), now[0]))
     with_dec = [s["ms"] for s in steps if any(n == 1 for n in s["num_scheduled_tokens"].values())]
     out["steps"] = len(steps)
     total = sum(len(p) for p, _ in prompts)
