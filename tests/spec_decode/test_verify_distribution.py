@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from kvserve.request import SamplingParams
-from kvserve.spec_decode.verify import draft_states, num_accepted, rejection_sample
+from kvserve.spec_decode import verify
+from kvserve.spec_decode.verify import draft_states, draw, num_accepted, rejection_sample
 from kvserve.worker.sampler import Sampler, SamplingRequestState
 
 V = 6
@@ -205,3 +206,29 @@ def test_seeded_verification_is_reproducible():
         for _ in range(3)
     ]
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_draw_follows_unnormalised_weights_and_never_draws_a_zero():
+    """The correction / bonus draw (inverse CDF) is exact in distribution, skips zero
+    weights, and is reproducible from its generator."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.tensor([0.0, 3.0, 0.0, 1.0, 2.0, 0.5, 1.5, 2.0, 0.0])  # sum 10, zeros inside and last
+    counts = [0] * w.shape[0]
+    for _ in range(6000):
+        counts[draw(w, gen)] += 1
+    assert counts[0] == counts[2] == counts[8] == 0
+    keep = w > 0
+    kept = [c for c, k in zip(counts, keep.tolist(), strict=True) if k]
+    assert chi_square(kept, w[keep] / w.sum()) < CRITICAL_DF5
+    a = [draw(w, torch.Generator().manual_seed(4)) for _ in range(3)]
+    b = [draw(w, torch.Generator().manual_seed(4)) for _ in range(3)]
+    assert a == b
+
+
+def test_draw_at_the_top_of_the_range_takes_the_last_nonzero_weight(monkeypatch):
+    """A uniform number whose product with the total rounds up to the total must not
+    fall off the end (nor onto trailing zero weights)."""
+    monkeypatch.setattr(
+        verify.torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64)
+    )
+    assert draw(torch.tensor([0.2, 0.0, 0.7, 0.1, 0.0, 0.0])) == 3
