@@ -25,7 +25,7 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check kvserve tests benchmarks
 	$(VENV)/bin/ruff format --check kvserve tests benchmarks
-	$(VENV)/bin/mypy --follow-imports=silent kvserve
+	$(VENV)/bin/mypy --follow-imports=silent kvserve benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache

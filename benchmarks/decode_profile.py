@@ -68,7 +68,8 @@ def main() -> None:
 
         return wrapper
 
-    sched, runner = engine.scheduler, engine.runner
+    sched = engine.scheduler
+    runner: Any = engine.runner  # the ModelRunner (the engine types it by its protocol)
     model = runner.model
     sched.schedule = timed("schedule", sched.schedule)  # type: ignore[method-assign]
     sched.update_from_output = timed("update_from_output", sched.update_from_output)  # type: ignore[method-assign]

@@ -19,6 +19,7 @@ import random
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -74,11 +75,11 @@ for context in contexts:
                 lib.write(k, v, c, meta.slot_mapping)
                 lib.attention(q, c, meta.native.seqs, meta.native.block_tables, 512, d**-0.5)
 
-    variants = [("bf16", None, setups[0])]
+    variants: list[tuple[str, Any, Any]] = [("bf16", None, setups[0])]
     for fmt_i, fmt in ((1, "int8"), (2, "fp8")):
         for ln in libs:
             variants.append((f"{fmt}-{ln}", libs[ln], setups[fmt_i]))
-    times = {vn: [] for vn, _, _ in variants}
+    times: dict[str, list[float]] = {vn: [] for vn, _, _ in variants}
     with torch.inference_mode():
         for _vn, lib, (_, c, m) in variants:
             step(lib, c, m)

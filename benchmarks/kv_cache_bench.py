@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from kvserve.config import HashAlgo
 from kvserve.kv_cache import KVCacheManager, hash_block_tokens
 from kvserve.request import Request, SamplingParams
 
@@ -48,14 +49,15 @@ def main() -> None:
         return [[tag * 1_000_003 + i * 7 + j for j in range(plen)] for i in range(nreq)]
 
     results: dict[str, dict[str, float]] = {}
-    for algo in ("sha256", "builtin"):
+    algos: tuple[HashAlgo, ...] = ("sha256", "builtin")
+    for algo in algos:
 
-        def new_manager(algo: str = algo) -> KVCacheManager:
+        def new_manager(algo: HashAlgo = algo) -> KVCacheManager:
             return KVCacheManager(
                 num_blocks, bs, plen + 16, hash_algo=algo, model_fingerprint="bench"
             )
 
-        def hashing_only(algo: str = algo) -> tuple[float, int]:
+        def hashing_only(algo: HashAlgo = algo) -> tuple[float, int]:
             toks = prompts(0)
             t0 = time.perf_counter()
             for p in toks:

@@ -46,7 +46,9 @@ def wrap(obj: Any, name: str, label: str) -> None:
     setattr(obj, name, timed)
 
 
-def run_once(engine: EngineCore, prompts: list[list[int]], params: SamplingParams, tag: str):
+def run_once(
+    engine: EngineCore, prompts: list[list[int]], params: SamplingParams, tag: str
+) -> tuple[float, float, float]:
     t0 = time.perf_counter()
     c0 = time.process_time()
     first: dict[str, float] = {}
@@ -109,12 +111,12 @@ def main() -> None:
         common["batch_invariant"] = bool(args.batch_invariant)
     base = EngineCore(build_engine_config(**common), loaded=loaded)
     spec_engine = EngineCore(build_engine_config(speculative_config=spec, **common), loaded=loaded)
-    runner = spec_engine.runner
+    runner: Any = spec_engine.runner  # the ModelRunner (the engine types it by its protocol)
     sd = runner.spec_decoder
     assert sd is not None
     prop = sd.proposer
     wrap(prop, "propose", "draft.propose")
-    fwd = getattr(prop, "_forward", None)
+    fwd: Any = getattr(prop, "_forward", None)
 
     def draft_forward(chunks: Any) -> Any:
         n = sum(len(c[1]) for c in chunks)
@@ -142,13 +144,13 @@ def main() -> None:
     wrap(runner, "_sample_verify", "runner._sample_verify")
     wrap(runner, "_sample", "runner._sample")
     rng = random.Random(0)
-    results: dict[tuple[int, str], list[tuple[float, float]]] = defaultdict(list)
+    results: dict[tuple[int, str], list[tuple[float, float, float]]] = defaultdict(list)
     conc = [int(c) for c in args.concurrency.split(",")]
     stats0 = spec_engine.scheduler.spec_stats.snapshot()
     for rep in range(args.reps):
         for c in conc:
             sessions = build_spec_sessions("spec-edit", c, args.input_len, args.max_tokens, 1, rng)
-            prompts = [
+            texts = [
                 tok.apply_chat_template(
                     [{"role": "user", "content": s.turns[0].user_text}],
                     add_generation_prompt=True,
@@ -156,7 +158,7 @@ def main() -> None:
                 )
                 for s in sessions
             ]
-            prompts = [tok.encode(p, add_special_tokens=False) for p in prompts]
+            prompts = [list(tok.encode(str(p), add_special_tokens=False)) for p in texts]
             params = SamplingParams(
                 temperature=args.temperature,
                 seed=1000 + rep,

@@ -69,14 +69,15 @@ def main() -> None:
         "spec": EngineCore(build_engine_config(speculative_config=spec, **common), loaded=loaded),
     }
     for mode, eng in engines.items():
-        r = eng.runner
+        r: Any = eng.runner
         wrap(r, "_sample", f"{mode}.sample")
         wrap(eng.scheduler, "schedule", f"{mode}.schedule")
         wrap(eng.scheduler, "update_from_output", f"{mode}.update")
         if mode == "spec":
             wrap(r, "_sample_verify", "spec.sample_verify")
             wrap(r, "_propose", "spec.propose")
-    model = engines["base"].runner.model
+    base_runner: Any = engines["base"].runner  # the ModelRunner
+    model = base_runner.model
     forward, logits = model.forward, model.compute_logits
 
     def timed_forward(*args: Any, **kw: Any) -> Any:

@@ -86,7 +86,8 @@ def main() -> None:
     )
     engine = EngineCore(config)
     acc: dict[str, float] = defaultdict(float)
-    sched, runner, batch = engine.scheduler, engine.runner, engine.runner.input_batch
+    runner: Any = engine.runner  # the ModelRunner (the engine types it by its protocol)
+    sched, batch = engine.scheduler, runner.input_batch
     sched.schedule = _timed(acc, "schedule", sched.schedule)  # type: ignore[method-assign]
     sched.update_from_output = _timed(  # type: ignore[method-assign]
         acc, "update_from_output", sched.update_from_output
@@ -124,7 +125,7 @@ def main() -> None:
         for p in PARTS:
             per_step[p].append(acc.get(p, 0.0))
     total = statistics.median(totals)
-    dtype = str(engine.loaded.dtype).removeprefix("torch.")
+    dtype = str(getattr(engine.loaded, "dtype", "?")).removeprefix("torch.")
     print(
         f"{args.num_requests} running decodes, prompt {args.prompt_len}, dtype={dtype}, "
         f"temperature={args.temperature}, top_p={args.top_p}, "
