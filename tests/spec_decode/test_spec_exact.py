@@ -33,7 +33,9 @@ CONFIGS = {
         "max_num_seqs": 4,
         "num_seqs_buckets": (1, 2, 4),
     },
-    "preempting": {"num_kv_blocks": 16, "max_num_batched_tokens": 64},
+    # max_step_ms=0: steps sized by tokens alone, so preemption does not depend on the
+    # machine's fitted step cost
+    "preempting": {"num_kv_blocks": 16, "max_num_batched_tokens": 64, "max_step_ms": 0},
     "fixed_k_no_cache": {"enable_prefix_caching": False},
 }
 
