@@ -807,24 +807,29 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf, i
       mpart[m] = m_new;
       const __m512 mn = _mm512_set1_ps(m_new);
       __m512 vsum = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+      bf16_t* prow = pb + m * PS;  // kDp: the probabilities go to P.V as bf16 only
+#endif
       for (int j = 0; j < n; j += 16) {
         const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
         const __m512 x = _mm512_mask_loadu_ps(neg_inf, k, row + j);
         const __mmask16 fin = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
         const __m512 e = _mm512_maskz_mov_ps(fin, exp512(_mm512_sub_ps(x, mn)));
-        _mm512_storeu_ps(row + j, e);  // lanes past n are scratch (zero)
+#if defined(__AVX512BF16__)
+        if constexpr (kDp) {  // lanes past n are zero
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j), (__m256i)_mm512_cvtneps_pbh(e));
+        } else
+#endif
+        {
+          _mm512_storeu_ps(row + j, e);  // lanes past n are scratch (zero)
+        }
         vsum = _mm512_add_ps(vsum, e);
       }
       lpart[m] = _mm512_reduce_add_ps(vsum);
       std::fill(accp + m * D, accp + (m + 1) * D, 0.f);
 #if defined(__AVX512BF16__)
-      if constexpr (kDp) {  // bf16 probabilities, zero past n (one more zero vector)
-        bf16_t* prow = pb + m * PS;
-        for (int j = 0; j < n; j += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + j)));
+      if constexpr (kDp)  // zero past n (one more zero vector: the odd key's V partner)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + (n + 15) / 16 * 16), _mm256_setzero_si256());
-      }
 #endif
     }
     // 3. accp = P . V, V rows read once per MB queries
