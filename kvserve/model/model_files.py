@@ -105,11 +105,9 @@ def write_gguf_metadata(gguf_path: Path, out_dir: Path) -> None:
 def gguf_architecture(gguf_path: Path) -> str:
     """``general.architecture`` of a GGUF file; ValueError when it cannot be read."""
     try:
-        from gguf import GGUFReader
+        from kvserve.model.quant.gguf_file import read_gguf
 
-        reader = GGUFReader(str(gguf_path))
-        field_ = reader.fields["general.architecture"]
-        return bytes(field_.parts[field_.data[0]]).decode()
+        return read_gguf(gguf_path).string("general.architecture")
     except Exception as e:  # noqa: BLE001 - any parse failure is "unreadable"
         raise ValueError(
             f"cannot read GGUF file {str(gguf_path)!r}: {e}. Pass a valid GGUF file of "

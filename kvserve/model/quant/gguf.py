@@ -114,18 +114,18 @@ def read_tensors(
     other quantized type) as float32 dequantized by the gguf package. ``kernel`` (the
     backend's ``quant_linear``) repacks K-quant super-blocks in C; None: in NumPy (same bytes).
     """
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
-    arch_field = reader.fields["general.architecture"]
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-    for t in reader.tensors:
+    from kvserve.model.quant.gguf_file import read_gguf
+
+    gf = read_gguf(path)
+    arch = gf.string("general.architecture")
+    for t in gf.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
         type_name = t.tensor_type.name
-        shape = [int(s) for s in reversed(t.shape.tolist())]  # GGUF lists ne0 (k) first
+        shape = [int(s) for s in reversed(t.shape)]  # GGUF lists ne0 (k) first
         value: torch.Tensor | QuantWeight
         if type_name in ("F32", "F16", "BF16"):
             arr = np.asarray(t.data)
