@@ -8,8 +8,9 @@ Two forms of one computation:
   with SiLU*mul, down linear). Every step shape, KV format and weight format.
 - :class:`FusedDecode`: the same loop as one call of ``kvs_decode_layers``
   (``csrc/decode_step.cpp``) for the steps it supports (:meth:`FusedDecode.supports`:
-  decode rows only, a float KV cache, every linear a one-part quantized weight with the
-  fused SiLU). It runs the same kernels in the same order on the same arguments, so its
+  decode rows only, a float KV cache, every linear a one-part quantized weight (gate_up
+  with the fused SiLU) or packed float panels in the model dtype, at a row count where
+  the layer loop runs those panels too). It runs the same kernels in the same order on the same arguments, so its
   output is bitwise that of :func:`forward_native` (tested); it saves the Python work
   between the calls (~270 ctypes calls a step for a 30-layer model).
   ``KVSERVE_FUSED_DECODE=0`` turns it off (read when the model is prepared).
@@ -29,6 +30,7 @@ from kvserve.model.attention import AttentionMetadata, native_attention
 from kvserve.model.kernels._ctypes import DTYPE_CODES, F32, I32, I64, PTR, CFunction
 from kvserve.model.kernels.backend import KernelBackend
 from kvserve.model.kernels.kv8 import is_kv8, kv8_paged_attention
+from kvserve.model.linear import NATIVE_BF16_MAX_M, NATIVE_F32_MAX_M, FastLinear
 from kvserve.model.quant.kernel import K_CODES
 from kvserve.model.quant.linear import QuantLinear
 
@@ -36,6 +38,9 @@ if TYPE_CHECKING:
     from kvserve.model.llama import LlamaForCausalLM, _LayerOps
 
 FUSED_DECODE_ENV_VAR = "KVSERVE_FUSED_DECODE"
+
+# a layer word's format code for packed float panels (csrc/decode_step.cpp's kDenseFmt)
+DENSE_FMT = -1
 
 # one layer's words for kvs_decode_layers (csrc/decode_step.cpp's struct Layer)
 LAYER_FIELDS = (
@@ -73,6 +78,7 @@ _PARAMS = [
     ("o", PTR),
     ("act", PTR),
     ("down", PTR),
+    ("gu", PTR),
     ("nthreads", I32),
 ]
 
@@ -166,7 +172,13 @@ class FusedDecode:
     built (``prepare`` builds a new one)."""
 
     def __init__(
-        self, model: LlamaForCausalLM, library: Path, layers: list[list[int]], dtype: torch.dtype
+        self,
+        model: LlamaForCausalLM,
+        library: Path,
+        layers: list[list[int]],
+        dtype: torch.dtype,
+        dense_rows: int | None = None,
+        dense_gate_up: bool = False,
     ) -> None:
         c = model.config
         self._fn = _decode_fn(str(library))
@@ -179,27 +191,38 @@ class FusedDecode:
         self._h, self._hk, self._d = c.num_heads, c.num_kv_heads, c.head_dim
         self._hidden, self._eps = c.hidden_size, c.rms_norm_eps
         self._inter = c.intermediate_size
+        # dense panels: the most rows at which FastLinear runs them outside batch-invariant
+        # mode (None: every linear quantized); whether a gate_up is dense (gu scratch)
+        self._dense_rows = dense_rows
+        self._dense_gate_up = dense_gate_up
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kernels: KernelBackend) -> FusedDecode | None:
         """The fused step for ``model``'s layer ops, or None: the switch is off, the
         library lacks a family it needs, the model has per-head q/k norms, or a layer
-        has a linear that is not a one-part quantized weight (gate_up with fused SiLU)."""
+        has a linear that is neither a one-part quantized weight (gate_up with fused SiLU)
+        nor packed float panels in the model dtype."""
         if not fused_decode_enabled() or kernels.library is None or model.config.qk_norm:
             return None
-        if kernels.norms is None or kernels.attention is None or kernels.quant_linear is None:
+        if kernels.norms is None or kernels.attention is None:
             return None
         dtype = model.embed_tokens.dtype
         if dtype not in DTYPE_CODES or not model._ops:
             return None
         layers = []
+        dense_rows: int | None = None
+        dense_gate_up = False
         for ops in model._ops:
-            words = _layer_words(ops, dtype)
-            if words is None:
+            found = _layer_words(ops, dtype)
+            if found is None:
                 return None
+            words, rows, gu_dense = found
             layers.append(words)
+            if rows is not None:
+                dense_rows = rows if dense_rows is None else min(dense_rows, rows)
+            dense_gate_up |= gu_dense
         try:
-            return cls(model, kernels.library, layers, dtype)
+            return cls(model, kernels.library, layers, dtype, dense_rows, dense_gate_up)
         except (OSError, AttributeError):  # an older library without the symbol
             return None
 
@@ -220,6 +243,12 @@ class FusedDecode:
             return False
         if len(kv_caches) != len(self._layers):
             return False
+        if (
+            self._dense_rows is not None
+            and meta.num_tokens > self._dense_rows
+            and not self._model.batch_invariant  # its linears run the panels at every M
+        ):
+            return False  # the loop's dense linears take another kernel at these rows
         kv = kv_caches[0]
         return kv.dtype == self.dtype and not is_kv8(kv)
 
@@ -258,6 +287,7 @@ class FusedDecode:
         qkv = empty(rows, (h + 2 * hk) * d, dtype=dt)
         attn = empty(rows, h * d, dtype=dt)
         act = empty(rows, self._inter, dtype=dt)
+        gu = empty(rows, 2 * self._inter, dtype=dt) if self._dense_gate_up else None
         kv0 = kv_caches[0]
         positions = positions.contiguous()
         slots, seqs, tables = meta.slot_mapping, nb.seqs, nb.block_tables
@@ -271,38 +301,59 @@ class FusedDecode:
             max_blocks=tables.shape[1], seg=meta.kv_segment_size, scale=self._model.scale,
             dtype=self._dt, y=y.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
             o=o.data_ptr(), act=act.data_ptr(), down=down.data_ptr(),
-            nthreads=torch.get_num_threads(),
+            gu=None if gu is None else gu.data_ptr(), nthreads=torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"kvs_decode_layers returned {rc}")
         return residual
 
 
-def _layer_words(ops: _LayerOps, dtype: torch.dtype) -> list[int] | None:
-    """One layer's words (LAYER_FIELDS without ``kv``), or None where a linear is not a
-    one-part native quantized weight or gate_up lacks the fused SiLU."""
-    lins = (ops.qkv, ops.o, ops.gate_up, ops.down)
-    if not all(isinstance(x, QuantLinear) and x.native_one_part for x in lins):
-        return None
-    for x in lins:  # csrc/linear_quant.cpp formats only: no K-quant, no act-order gather
-        assert isinstance(x, QuantLinear)
-        if x.parts[0].fmt.code >= K_CODES or x.parts[0].in_perm is not None:
+def _linear_words(
+    lin: object, dtype: torch.dtype, gate_up: bool
+) -> tuple[list[int], int | None] | None:
+    """A linear's words (weight, format code, bias) and, for packed float panels, the
+    most rows at which :meth:`FastLinear.eager` runs them outside batch-invariant mode
+    (None for a quantized weight: one kernel at every row count); None where the fused
+    step cannot call what the layer loop calls."""
+    if isinstance(lin, QuantLinear):
+        if not lin.native_one_part:
             return None
-    qkv, o, gu, dn = (x for x in lins if isinstance(x, QuantLinear))
-    if not gu.fused_silu_capable:
+        part = lin.parts[0]  # csrc/linear_quant.cpp formats only: no K-quant, no act-order gather
+        if part.fmt.code >= K_CODES or part.in_perm is not None:
+            return None
+        if gate_up and not lin.fused_silu_capable:
+            return None
+        bias = 0 if lin.bias is None else lin.bias.data_ptr()
+        return [part.data.data_ptr(), part.fmt.code, bias], None
+    if isinstance(lin, FastLinear) and lin.panels is not None and lin.panels.dtype == dtype:
+        # the bias eager() passes with these panels: fp32 [N] (float32), padded fp32 (bfloat16)
+        b = lin.bias if dtype == torch.float32 else lin.panel_bias
+        if b is not None and (b.dtype != torch.float32 or not b.is_contiguous()):
+            return None
+        rows = NATIVE_F32_MAX_M if dtype == torch.float32 else NATIVE_BF16_MAX_M
+        bias = 0 if b is None else b.data_ptr()
+        return [lin.panels.data_ptr(), DENSE_FMT, bias], rows
+    return None
+
+
+def _layer_words(ops: _LayerOps, dtype: torch.dtype) -> tuple[list[int], int | None, bool] | None:
+    """One layer's words (LAYER_FIELDS without ``kv``), the most rows its dense linears
+    allow (None: all quantized) and whether gate_up is dense; None where a linear is
+    neither a one-part native quantized weight (gate_up: with the fused SiLU) nor packed
+    float panels in ``dtype``."""
+    found = [
+        _linear_words(lin, dtype, gate_up=lin is ops.gate_up)
+        for lin in (ops.qkv, ops.o, ops.gate_up, ops.down)
+    ]
+    if any(f is None for f in found):
         return None
     for norm in (ops.input_layernorm, ops.post_attention_layernorm):
         if norm.dtype != dtype or not norm.is_contiguous():
             return None
-
-    def bias(lin: QuantLinear) -> int:
-        return 0 if lin.bias is None else lin.bias.data_ptr()
-
-    def w(lin: QuantLinear) -> list[int]:
-        p = lin.parts[0]
-        return [p.data.data_ptr(), p.fmt.code, bias(lin)]
-
-    return [
-        ops.input_layernorm.data_ptr(), *w(qkv), *w(o),
-        ops.post_attention_layernorm.data_ptr(), *w(gu), *w(dn),
+    (qkv, _), (o, _), (gu, gu_rows), (dn, _) = (f for f in found if f is not None)
+    limits = [r for f in found if f is not None for r in [f[1]] if r is not None]
+    words = [
+        ops.input_layernorm.data_ptr(), *qkv, *o,
+        ops.post_attention_layernorm.data_ptr(), *gu, *dn,
     ]  # fmt: skip
+    return words, (min(limits) if limits else None), gu_rows is not None

@@ -1,7 +1,9 @@
 """The fused decode step (``kvs_decode_layers``, kvserve/model/llama_native.py) against
 the Python layer loop it replaces: the same hidden states and the same KV writes,
-bitwise, on the default Q4_1 model in both dtypes, at 1 and several rows and with a
-speculative verification's chunk; prefill steps and 8-bit caches keep the loop; the switch turns it off."""
+bitwise, on the default Q4_1 model in both dtypes and on its float weights (packed
+panels), at 1 and several rows and with a speculative verification's chunk; prefill
+steps, 8-bit caches, float linears without panels and rows past the panels keep the
+loop; the switch turns it off."""
 
 from __future__ import annotations
 
@@ -155,7 +157,94 @@ def test_switch_turns_it_off(quant, monkeypatch: pytest.MonkeyPatch) -> None:  #
     assert FusedDecode.build(model, model.kernels) is not None
 
 
-def test_float_weights_keep_the_loop(loaded_model) -> None:  # type: ignore[no-untyped-def]
-    """Dequantized (float) linears are not what the step calls: no fused step."""
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def dense(request, loaded_model):  # type: ignore[no-untyped-def]
+    """The default model with float weights (``quantization="none"``): packed panels."""
+    from kvserve.model.loader import DEFAULT_MODEL_NAME, load_model
+
+    if request.param == "float32":
+        loaded = loaded_model  # the session's fp32 float model
+    else:
+        loaded = load_model(DEFAULT_MODEL_NAME, dtype="bfloat16", quantization="none")
+    if loaded.model._fused_decode is None:
+        pytest.skip("no native panels for this dtype here")
+    return loaded
+
+
+@pytest.mark.parametrize("lens", [[23], [17, 40, 9]])
+def test_dense_step_is_the_python_loop(dense, lens: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """Float weights run their packed panels (kvs_linear_f32/bf16, then kvs_silu_mul
+    for gate_up) inside the fused step: bitwise the loop, same KV writes."""
+    model, dtype = dense.model, dense.dtype
+    kv, caches, tables = _prefilled(model, dtype, lens)
+    meta = _decode_meta(lens, tables, dtype)
+    fused = model._fused_decode
+    assert fused is not None and fused.supports(meta, caches)
+    ids = torch.tensor([101 + 7 * j for j in range(len(lens))])
+    pos = torch.tensor(lens)
+    kv_before = kv.clone()
+    with torch.inference_mode():
+        out_fused = model(ids, pos, caches, meta)
+        kv_fused = kv.clone()
+        kv.copy_(kv_before)
+        model._fused_decode = None
+        try:
+            out_loop = model(ids, pos, caches, meta)
+        finally:
+            model._fused_decode = fused
+    assert torch.equal(out_fused, out_loop)
+    assert torch.equal(kv_fused, kv) and not torch.equal(kv_fused, kv_before)
+
+
+def test_dense_rows_past_the_panels_keep_the_loop(dense) -> None:  # type: ignore[no-untyped-def]
+    """Past the rows at which FastLinear runs the panels (bfloat16: 4, float32: 32) the
+    loop's linears take oneDNN or AMX tiles: no fused step, unless batch-invariant mode
+    routes every linear through the panels; then bitwise the loop again."""
+    from kvserve.model.linear import NATIVE_BF16_MAX_M, NATIVE_F32_MAX_M
+
+    model, dtype = dense.model, dense.dtype
+    fused = model._fused_decode
+    limit = NATIVE_F32_MAX_M if dtype == torch.float32 else NATIVE_BF16_MAX_M
+    lens = [20 + j for j in range(limit + 1)]
+    kv = allocate_kv_cache(model, 1 + 4 * len(lens), BS, dtype)
+    caches = list(kv.unbind(0))
+    tables = [list(range(1 + 4 * s, 5 + 4 * s)) for s in range(len(lens))]
+    was = model.batch_invariant  # a shared model: other tests' harnesses set the mode
+    model.set_batch_invariant(False)
+    try:
+        assert fused.supports(_decode_meta(lens[:limit], tables[:limit], dtype), caches)
+        assert not fused.supports(_decode_meta(lens, tables, dtype), caches)
+        if not model.batch_invariant_supported:
+            return
+        model.set_batch_invariant(True)
+        assert fused.supports(_decode_meta(lens, tables, dtype), caches)
+        if dtype == torch.bfloat16:  # 5 rows: compare with the loop
+            kv, caches, tables = _prefilled(model, dtype, lens)
+            meta = _decode_meta(lens, tables, dtype)
+            ids, pos = torch.arange(300, 300 + len(lens)), torch.tensor(lens)
+            before = kv.clone()
+            with torch.inference_mode():
+                out_fused = model(ids, pos, caches, meta)
+                kv.copy_(before)
+                model._fused_decode = None
+                try:
+                    out_loop = model(ids, pos, caches, meta)
+                finally:
+                    model._fused_decode = fused
+            assert torch.equal(out_fused, out_loop)
+    finally:
+        model.set_batch_invariant(was)
+
+
+def test_linears_without_panels_keep_the_loop(loaded_model) -> None:  # type: ignore[no-untyped-def]
+    """A float linear the fused step cannot call as the loop does (no packed panels:
+    torch's kernels) leaves the whole model on the loop."""
     model = loaded_model.model
-    assert FusedDecode.build(model, model.kernels) is None
+    assert FusedDecode.build(model, model.kernels) is not None
+    lin = model._ops[3].o
+    panels = lin.panels
+    lin.panels = None
+    try:
+        assert FusedDecode.build(model, model.kernels) is None
+    finally:
+        lin.panels = panels

@@ -5,12 +5,16 @@
 // layer (argument marshalling, tensor allocation, ctypes dispatch: about 1.5 ms of a
 // 30-layer step at one row).
 //
-// Per layer (quantized weights, float KV cache, decode rows and whole short chunks):
+// Per layer (float KV cache, decode rows and whole short chunks):
 //   y = add_rms_norm(residual, pending, ln1)      (pending: the last layer's down output)
-//   qkv = linear_quant(y, Wqkv) ; rope_and_cache(qkv) ; attn = paged_attention(q)
-//   o = linear_quant(attn, Wo) ; y = add_rms_norm(residual, o, ln2)
-//   act = linear_quant_silu_mul(y, Wgate_up) ; pending = linear_quant(act, Wdown)
+//   qkv = linear(y, Wqkv) ; rope_and_cache(qkv) ; attn = paged_attention(q)
+//   o = linear(attn, Wo) ; y = add_rms_norm(residual, o, ln2)
+//   act = linear_silu_mul(y, Wgate_up) ; pending = linear(act, Wdown)
 // and after the last layer residual += pending (fp32, one rounding: what torch's += gives).
+// Each linear is a quantized weight (format code >= 0: kvs_linear_quant, and the fused
+// kvs_linear_quant_silu_mul for gate_up) or packed float panels in the step's dtype
+// (kDenseFmt: kvs_linear_f32 / kvs_linear_bf16, then kvs_silu_mul over the gate_up
+// output), the kernels FastLinear calls at the step's row count.
 #include <cstdint>
 
 extern "C" {
@@ -29,6 +33,11 @@ int kvs_paged_attention(const void* q, int64_t q_row_stride, int64_t q_head_stri
 int kvs_linear_quant(const void* x, int64_t xs, int64_t rows, int64_t K, int x_dtype,
                      const uint8_t* w, int fmt, int64_t n, const float* bias, void* out,
                      int64_t os, int out_dtype, int path, int threads);
+int kvs_linear_f32(const float* x, int64_t xs, int64_t M, int64_t K, const float* wp, int64_t N,
+                   const float* bias, float* out, int64_t os, int nthreads);
+int kvs_linear_bf16(const uint16_t* x, int64_t xs, int64_t M, int64_t K, const uint16_t* wp,
+                    int64_t N, const float* bias, uint16_t* out, int64_t os, int nthreads);
+int kvs_silu_mul(const void* gu, void* out, int64_t rows, int64_t inter, int dtype, int nthreads);
 int kvs_linear_quant_silu_mul(const void* x, int64_t xs, int64_t rows, int64_t K, int x_dtype,
                               const uint8_t* w, int fmt, int64_t n, const float* bias,
                               void* out, int64_t os, int out_dtype, int path, int threads);
@@ -49,6 +58,25 @@ inline P* as_ptr(int64_t v) {
   return reinterpret_cast<P*>(static_cast<intptr_t>(v));
 }
 
+// A layer word's format code for packed float panels in the step's dtype
+// (kvserve/model/llama_native.py's DENSE_FMT); quantized formats are >= 0.
+constexpr int64_t kDenseFmt = -1;
+
+// out[rows, n] (row stride os) = x[rows, K] (row stride xs) @ W^T + b, with the kernel
+// the Python layer loop runs for this weight at this row count.
+inline int linear(const void* x, int64_t xs, int64_t rows, int64_t K, int dtype, int64_t w,
+                  int64_t fmt, int64_t n, int64_t b, void* out, int64_t os, int nthreads) {
+  if (fmt == kDenseFmt) {
+    if (dtype == 0)
+      return kvs_linear_f32(static_cast<const float*>(x), xs, rows, K, as_ptr<const float>(w), n,
+                            as_ptr<const float>(b), static_cast<float*>(out), os, nthreads);
+    return kvs_linear_bf16(static_cast<const uint16_t*>(x), xs, rows, K, as_ptr<const uint16_t>(w),
+                           n, as_ptr<const float>(b), static_cast<uint16_t*>(out), os, nthreads);
+  }
+  return kvs_linear_quant(x, xs, rows, K, dtype, as_ptr<const uint8_t>(w), static_cast<int>(fmt), n,
+                          as_ptr<const float>(b), out, os, dtype, 0, nthreads);
+}
+
 }  // namespace
 
 extern "C" {
@@ -62,15 +90,16 @@ extern "C" {
 // each seq a decode row or a short chunk the paged kernel computes whole (prior_only
 // 0: a speculative verification; no cascade); scratch buffers in dtype: y
 // [rows, hidden], qkv [rows, (H + 2 Hk) D], attn [rows, H D], o [rows, hidden], act
-// [rows, inter], down [rows, hidden]. Returns 0, or the first failing kernel's code
-// plus 100 * (its position in the layer, 1-8).
+// [rows, inter], down [rows, hidden], and gu [rows, 2 inter] where a gate_up weight is
+// dense (null otherwise). Returns 0, 9 for a dense gate_up without gu, or the first
+// failing kernel's code plus 100 * (its position in the layer, 1-8).
 int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual, int64_t rows,
                       int64_t hidden, int num_heads, int num_kv_heads, int head_dim,
                       int64_t inter, float eps, const int64_t* positions, const float* cos,
                       const float* sin, int64_t num_blocks, int block_size, const int64_t* slots,
                       const int64_t* seqs, int64_t num_seqs, const int64_t* block_tables,
                       int64_t max_blocks, int seg, float scale, int dtype, void* y, void* qkv,
-                      void* attn, void* o, void* act, void* down, int nthreads) {
+                      void* attn, void* o, void* act, void* down, void* gu, int nthreads) {
   if (rows <= 0) return 0;
   const int64_t qkv_n = static_cast<int64_t>(num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t q_n = static_cast<int64_t>(num_heads) * head_dim;
@@ -82,9 +111,8 @@ int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual
     rc = kvs_add_rms_norm(residual, i == 0 ? nullptr : down, hidden, as_ptr<const void>(l.ln1),
                           y, rows, hidden, eps, dtype, nthreads);
     if (rc != 0) return rc + 100;
-    rc = kvs_linear_quant(y, hidden, rows, hidden, dtype, as_ptr<const uint8_t>(l.qkv_w),
-                          static_cast<int>(l.qkv_fmt), qkv_n, as_ptr<const float>(l.qkv_b), qkv,
-                          qkv_n, dtype, 0, nthreads);
+    rc = linear(y, hidden, rows, hidden, dtype, l.qkv_w, l.qkv_fmt, qkv_n, l.qkv_b, qkv, qkv_n,
+                nthreads);
     if (rc != 0) return rc + 200;
     rc = kvs_rope_and_cache(qkv, qkv_n, rows, num_heads, num_kv_heads, head_dim, positions, cos,
                             sin, as_ptr<void>(l.kv), num_slots, slots, dtype, nthreads);
@@ -94,20 +122,24 @@ int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual
                              block_tables, max_blocks, seg, scale, dtype, 16, nthreads, nullptr,
                              nullptr, 0);
     if (rc != 0) return rc + 400;
-    rc = kvs_linear_quant(attn, q_n, rows, q_n, dtype, as_ptr<const uint8_t>(l.o_w),
-                          static_cast<int>(l.o_fmt), hidden, as_ptr<const float>(l.o_b), o, hidden,
-                          dtype, 0, nthreads);
+    rc = linear(attn, q_n, rows, q_n, dtype, l.o_w, l.o_fmt, hidden, l.o_b, o, hidden, nthreads);
     if (rc != 0) return rc + 500;
     rc = kvs_add_rms_norm(residual, o, hidden, as_ptr<const void>(l.ln2), y, rows, hidden, eps,
                           dtype, nthreads);
     if (rc != 0) return rc + 600;
-    rc = kvs_linear_quant_silu_mul(y, hidden, rows, hidden, dtype, as_ptr<const uint8_t>(l.gu_w),
-                                   static_cast<int>(l.gu_fmt), 2 * inter,
-                                   as_ptr<const float>(l.gu_b), act, inter, dtype, 0, nthreads);
+    if (l.gu_fmt == kDenseFmt) {
+      if (gu == nullptr) return 9;
+      rc = linear(y, hidden, rows, hidden, dtype, l.gu_w, l.gu_fmt, 2 * inter, l.gu_b, gu,
+                  2 * inter, nthreads);
+      if (rc == 0) rc = kvs_silu_mul(gu, act, rows, inter, dtype, nthreads);
+    } else {
+      rc = kvs_linear_quant_silu_mul(y, hidden, rows, hidden, dtype, as_ptr<const uint8_t>(l.gu_w),
+                                     static_cast<int>(l.gu_fmt), 2 * inter,
+                                     as_ptr<const float>(l.gu_b), act, inter, dtype, 0, nthreads);
+    }
     if (rc != 0) return rc + 700;
-    rc = kvs_linear_quant(act, inter, rows, inter, dtype, as_ptr<const uint8_t>(l.dn_w),
-                          static_cast<int>(l.dn_fmt), hidden, as_ptr<const float>(l.dn_b), down,
-                          hidden, dtype, 0, nthreads);
+    rc = linear(act, inter, rows, inter, dtype, l.dn_w, l.dn_fmt, hidden, l.dn_b, down, hidden,
+                nthreads);
     if (rc != 0) return rc + 800;
   }
   if (num_layers > 0) {  // residual += pending, in fp32 (one rounding per value)
