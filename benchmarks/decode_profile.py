@@ -44,17 +44,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--clock", choices=("cpu", "wall"), default="wall")
     ap.add_argument("--ab", action="store_true", help="alternate fused decode off/on")
+    ap.add_argument(
+        "--quantization", default="auto", help="the engine's weights (none: float weights)"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from kvserve.config import EngineConfig
+    from kvserve.config import EngineConfig, ModelConfig
     from kvserve.engine import detokenizer as detok_mod
     from kvserve.engine.engine_core import EngineCore
     from kvserve.request import SamplingParams
 
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    engine = EngineCore(EngineConfig())
+    engine = EngineCore(EngineConfig(model=ModelConfig(quantization=args.quantization)))
     acc: dict[str, float] = defaultdict(float)
 
     def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
