@@ -55,15 +55,12 @@ def _decode_meta(lens: list[int], tables: list[list[int]], dtype: torch.dtype): 
     )
 
 
-@pytest.mark.parametrize("lens", [[23], [17, 40, 9]])
-def test_fused_step_is_the_python_loop(quant, lens: list[int]) -> None:  # type: ignore[no-untyped-def]
-    model, dtype = quant.model, quant.dtype
-    kv, caches, tables = _prefilled(model, dtype, lens)
-    meta = _decode_meta(lens, tables, dtype)
+def _assert_fused_is_loop(model, kv, caches, ids, pos, meta, loop_meta=None) -> None:  # type: ignore[no-untyped-def]
+    """Run the step fused, then again from the same KV through the Python layer loop
+    (``loop_meta``: fresh metadata for it, else ``meta``): bitwise the same hidden
+    states and the same K/V rows written to the same slots."""
     fused = model._fused_decode
     assert fused is not None and fused.supports(meta, caches)
-    ids = torch.tensor([101 + 7 * j for j in range(len(lens))])
-    pos = torch.tensor(lens)
     kv_before = kv.clone()
     with torch.inference_mode():
         out_fused = model(ids, pos, caches, meta)
@@ -71,13 +68,27 @@ def test_fused_step_is_the_python_loop(quant, lens: list[int]) -> None:  # type:
         kv.copy_(kv_before)
         model._fused_decode = None
         try:
-            out_loop = model(ids, pos, caches, meta)
+            out_loop = model(ids, pos, caches, meta if loop_meta is None else loop_meta)
         finally:
             model._fused_decode = fused
     assert out_fused.dtype == torch.float32 and out_fused.shape == out_loop.shape
     assert torch.equal(out_fused, out_loop)
-    assert torch.equal(kv_fused, kv)  # the same K/V rows written to the same slots
-    assert not torch.equal(kv_fused, kv_before)
+    assert torch.equal(kv_fused, kv) and not torch.equal(kv_fused, kv_before)
+
+
+@pytest.mark.parametrize("lens", [[23], [17, 40, 9]])
+def test_fused_step_is_the_python_loop(quant, lens: list[int]) -> None:  # type: ignore[no-untyped-def]
+    _decode_is_loop(quant, lens)
+
+
+def _decode_is_loop(loaded, lens: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """One decode row per length, prefilled first: the fused step is the loop."""
+    model, dtype = loaded.model, loaded.dtype
+    kv, caches, tables = _prefilled(model, dtype, lens)
+    ids = torch.tensor([101 + 7 * j for j in range(len(lens))])
+    _assert_fused_is_loop(
+        model, kv, caches, ids, torch.tensor(lens), _decode_meta(lens, tables, dtype)
+    )
 
 
 def test_fused_row_independent_of_batch(quant) -> None:  # type: ignore[no-untyped-def]
@@ -132,18 +143,7 @@ def test_verification_chunk_is_the_python_loop(quant) -> None:  # type: ignore[n
     assert fused.supports(m, caches)
     ids = torch.tensor([101, 102, 103, 104, 105, 300])
     pos = torch.tensor([20, 21, 22, 23, 24, 33])
-    kv_before = kv.clone()
-    with torch.inference_mode():
-        out_fused = model(ids, pos, caches, m)
-        kv_fused = kv.clone()
-        kv.copy_(kv_before)
-        model._fused_decode = None
-        try:
-            out_loop = model(ids, pos, caches, meta(4096))
-        finally:
-            model._fused_decode = fused
-    assert torch.equal(out_fused, out_loop)
-    assert torch.equal(kv_fused, kv) and not torch.equal(kv_fused, kv_before)
+    _assert_fused_is_loop(model, kv, caches, ids, pos, m, loop_meta=meta(4096))
 
 
 def test_switch_turns_it_off(quant, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
@@ -175,25 +175,7 @@ def dense(request, loaded_model):  # type: ignore[no-untyped-def]
 def test_dense_step_is_the_python_loop(dense, lens: list[int]) -> None:  # type: ignore[no-untyped-def]
     """Float weights run their packed panels (kvs_linear_f32/bf16, then kvs_silu_mul
     for gate_up) inside the fused step: bitwise the loop, same KV writes."""
-    model, dtype = dense.model, dense.dtype
-    kv, caches, tables = _prefilled(model, dtype, lens)
-    meta = _decode_meta(lens, tables, dtype)
-    fused = model._fused_decode
-    assert fused is not None and fused.supports(meta, caches)
-    ids = torch.tensor([101 + 7 * j for j in range(len(lens))])
-    pos = torch.tensor(lens)
-    kv_before = kv.clone()
-    with torch.inference_mode():
-        out_fused = model(ids, pos, caches, meta)
-        kv_fused = kv.clone()
-        kv.copy_(kv_before)
-        model._fused_decode = None
-        try:
-            out_loop = model(ids, pos, caches, meta)
-        finally:
-            model._fused_decode = fused
-    assert torch.equal(out_fused, out_loop)
-    assert torch.equal(kv_fused, kv) and not torch.equal(kv_fused, kv_before)
+    _decode_is_loop(dense, lens)
 
 
 def test_dense_rows_past_the_panels_keep_the_loop(dense) -> None:  # type: ignore[no-untyped-def]
@@ -220,18 +202,8 @@ def test_dense_rows_past_the_panels_keep_the_loop(dense) -> None:  # type: ignor
         assert fused.supports(_decode_meta(lens, tables, dtype), caches)
         if dtype == torch.bfloat16:  # 5 rows: compare with the loop
             kv, caches, tables = _prefilled(model, dtype, lens)
-            meta = _decode_meta(lens, tables, dtype)
             ids, pos = torch.arange(300, 300 + len(lens)), torch.tensor(lens)
-            before = kv.clone()
-            with torch.inference_mode():
-                out_fused = model(ids, pos, caches, meta)
-                kv.copy_(before)
-                model._fused_decode = None
-                try:
-                    out_loop = model(ids, pos, caches, meta)
-                finally:
-                    model._fused_decode = fused
-            assert torch.equal(out_fused, out_loop)
+            _assert_fused_is_loop(model, kv, caches, ids, pos, _decode_meta(lens, tables, dtype))
     finally:
         model.set_batch_invariant(was)
 
