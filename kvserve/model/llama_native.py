@@ -8,9 +8,10 @@ Two forms of one computation:
   with SiLU*mul, down linear). Every step shape, KV format and weight format.
 - :class:`FusedDecode`: the same loop as one call of ``kvs_decode_layers``
   (``csrc/decode_step.cpp``) for the steps it supports (:meth:`FusedDecode.supports`:
-  decode rows only, a float KV cache, every linear a one-part quantized weight (gate_up
-  with the fused SiLU) or packed float panels in the model dtype, at a row count where
-  the layer loop runs those panels too). It runs the same kernels in the same order on the same arguments, so its
+  decode rows only, a float KV cache, every linear a quantized weight on the native
+  kernels (one part or several, GGUF K-quants included, no act-order gather) or packed
+  float panels in the model dtype at a row count where the layer loop runs those panels
+  too). It runs the same kernels in the same order on the same arguments, so its
   output is bitwise that of :func:`forward_native` (tested); it saves the Python work
   between the calls (~270 ctypes calls a step for a 30-layer model).
   ``KVSERVE_FUSED_DECODE=0`` turns it off (read when the model is prepared).
@@ -22,7 +23,7 @@ import ctypes
 import functools
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -39,8 +40,10 @@ if TYPE_CHECKING:
 
 FUSED_DECODE_ENV_VAR = "KVSERVE_FUSED_DECODE"
 
-# a layer word's format code for packed float panels (csrc/decode_step.cpp's kDenseFmt)
+# layer words' format codes besides the quantized ones (csrc/decode_step.cpp's kDenseFmt,
+# kPartsFmt): packed float panels; a table of quantized parts
 DENSE_FMT = -1
+PARTS_FMT = -2
 
 # one layer's words for kvs_decode_layers (csrc/decode_step.cpp's struct Layer)
 LAYER_FIELDS = (
@@ -178,7 +181,7 @@ class FusedDecode:
         layers: list[list[int]],
         dtype: torch.dtype,
         dense_rows: int | None = None,
-        dense_gate_up: bool = False,
+        gu_scratch: bool = False,
     ) -> None:
         c = model.config
         self._fn = _decode_fn(str(library))
@@ -192,39 +195,44 @@ class FusedDecode:
         self._hidden, self._eps = c.hidden_size, c.rms_norm_eps
         self._inter = c.intermediate_size
         # dense panels: the most rows at which FastLinear runs them outside batch-invariant
-        # mode (None: every linear quantized); whether a gate_up is dense (gu scratch)
+        # mode (None: no dense linear); whether a gate_up runs its linear, then SiLU
+        # (dense or in parts: the gu scratch)
         self._dense_rows = dense_rows
-        self._dense_gate_up = dense_gate_up
+        self._gu_scratch = gu_scratch
+        self._tables: list[torch.Tensor] = []  # parts tables the layer words point at
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kernels: KernelBackend) -> FusedDecode | None:
         """The fused step for ``model``'s layer ops, or None: the switch is off, the
         library lacks a family it needs, the model has per-head q/k norms, or a layer
-        has a linear that is neither a one-part quantized weight (gate_up with fused SiLU)
-        nor packed float panels in the model dtype."""
+        has a linear the C++ loop cannot call as the Python loop does (see
+        :func:`_linear_words`: act-order inputs, the portable reference, float weights
+        without packed panels)."""
         if not fused_decode_enabled() or kernels.library is None or model.config.qk_norm:
             return None
         if kernels.norms is None or kernels.attention is None:
             return None
         dtype = model.embed_tokens.dtype
-        if dtype not in DTYPE_CODES or not model._ops:
+        if dtype not in DTYPE_CODES or not model._ops or K_CODES != 16:  # kKCodes in C++
             return None
-        layers = []
-        dense_rows: int | None = None
-        dense_gate_up = False
-        for ops in model._ops:
-            found = _layer_words(ops, dtype)
-            if found is None:
-                return None
-            words, rows, gu_dense = found
-            layers.append(words)
-            if rows is not None:
-                dense_rows = rows if dense_rows is None else min(dense_rows, rows)
-            dense_gate_up |= gu_dense
+        found = [_layer_words(ops, dtype) for ops in model._ops]
+        if any(f is None for f in found):
+            return None
+        layers = [f for f in found if f is not None]
+        limits = [f.rows for f in layers if f.rows is not None]
         try:
-            return cls(model, kernels.library, layers, dtype, dense_rows, dense_gate_up)
+            fused = cls(
+                model,
+                kernels.library,
+                [f.words for f in layers],
+                dtype,
+                min(limits) if limits else None,
+                any(f.gu_scratch for f in layers),
+            )
         except (OSError, AttributeError):  # an older library without the symbol
             return None
+        fused._tables = [t for f in layers for t in f.tables]  # the words point into them
+        return fused
 
     def supports(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
         """Decode rows, and short chunks the paged kernel computes whole (a speculative
@@ -287,7 +295,7 @@ class FusedDecode:
         qkv = empty(rows, (h + 2 * hk) * d, dtype=dt)
         attn = empty(rows, h * d, dtype=dt)
         act = empty(rows, self._inter, dtype=dt)
-        gu = empty(rows, 2 * self._inter, dtype=dt) if self._dense_gate_up else None
+        gu = empty(rows, 2 * self._inter, dtype=dt) if self._gu_scratch else None
         kv0 = kv_caches[0]
         positions = positions.contiguous()
         slots, seqs, tables = meta.slot_mapping, nb.seqs, nb.block_tables
@@ -308,52 +316,75 @@ class FusedDecode:
         return residual
 
 
-def _linear_words(
-    lin: object, dtype: torch.dtype, gate_up: bool
-) -> tuple[list[int], int | None] | None:
-    """A linear's words (weight, format code, bias) and, for packed float panels, the
-    most rows at which :meth:`FastLinear.eager` runs them outside batch-invariant mode
-    (None for a quantized weight: one kernel at every row count); None where the fused
-    step cannot call what the layer loop calls."""
+class _LinearWords(NamedTuple):
+    """How the fused step calls one linear: its three layer words (weight, format
+    code, bias), the most rows at which the loop runs the same kernel (None: every row
+    count), and the parts table the words point at (kept alive with the step)."""
+
+    words: list[int]
+    rows: int | None
+    table: torch.Tensor | None
+
+
+def _linear_words(lin: object, dtype: torch.dtype, gate_up: bool) -> _LinearWords | None:
+    """The fused step's call of ``lin``, the same kernels on the same arguments as the
+    layer loop's (:meth:`QuantLinear.eager`, :meth:`FastLinear.eager`, and for gate_up
+    the fused SiLU or ``silu_mul`` after the linear); None where it has no such call."""
     if isinstance(lin, QuantLinear):
-        if not lin.native_one_part:
-            return None
-        part = lin.parts[0]  # csrc/linear_quant.cpp formats only: no K-quant, no act-order gather
-        if part.fmt.code >= K_CODES or part.in_perm is not None:
-            return None
-        if gate_up and not lin.fused_silu_capable:
-            return None
-        bias = 0 if lin.bias is None else lin.bias.data_ptr()
-        return [part.data.data_ptr(), part.fmt.code, bias], None
+        if lin.kernel is None or any(p.in_perm is not None for p in lin.parts):
+            return None  # the portable reference, or act-order gathers of the inputs
+        bias = lin.bias
+        if len(lin.parts) == 1 and (not gate_up or lin.fused_silu_capable):
+            part = lin.parts[0]  # one call (K-quant codes run csrc/linear_kquant.cpp)
+            bptr = 0 if bias is None else bias.data_ptr()
+            return _LinearWords([part.data.data_ptr(), part.fmt.code, bptr], None, None)
+        # parts into their columns, or a gate_up without the fused SiLU: a table
+        rows = [len(lin.parts)]
+        for part, off in zip(lin.parts, lin.offsets, strict=True):
+            at = 0 if bias is None else bias.data_ptr() + off * bias.element_size()
+            rows += [part.data.data_ptr(), part.fmt.code, part.n, at]
+        table = torch.tensor(rows, dtype=torch.int64)
+        return _LinearWords([table.data_ptr(), PARTS_FMT, 0], None, table)
     if isinstance(lin, FastLinear) and lin.panels is not None and lin.panels.dtype == dtype:
         # the bias eager() passes with these panels: fp32 [N] (float32), padded fp32 (bfloat16)
-        b = lin.bias if dtype == torch.float32 else lin.panel_bias
-        if b is not None and (b.dtype != torch.float32 or not b.is_contiguous()):
+        fb = lin.bias if dtype == torch.float32 else lin.panel_bias
+        if fb is not None and (fb.dtype != torch.float32 or not fb.is_contiguous()):
             return None
-        rows = NATIVE_F32_MAX_M if dtype == torch.float32 else NATIVE_BF16_MAX_M
-        bias = 0 if b is None else b.data_ptr()
-        return [lin.panels.data_ptr(), DENSE_FMT, bias], rows
+        rows_max = NATIVE_F32_MAX_M if dtype == torch.float32 else NATIVE_BF16_MAX_M
+        bptr = 0 if fb is None else fb.data_ptr()
+        return _LinearWords([lin.panels.data_ptr(), DENSE_FMT, bptr], rows_max, None)
     return None
 
 
-def _layer_words(ops: _LayerOps, dtype: torch.dtype) -> tuple[list[int], int | None, bool] | None:
+class _LayerWords(NamedTuple):
     """One layer's words (LAYER_FIELDS without ``kv``), the most rows its dense linears
-    allow (None: all quantized) and whether gate_up is dense; None where a linear is
-    neither a one-part native quantized weight (gate_up: with the fused SiLU) nor packed
-    float panels in ``dtype``."""
+    allow (None: no limit), whether gate_up needs the ``gu`` scratch, and the parts
+    tables to keep alive."""
+
+    words: list[int]
+    rows: int | None
+    gu_scratch: bool
+    tables: list[torch.Tensor]
+
+
+def _layer_words(ops: _LayerOps, dtype: torch.dtype) -> _LayerWords | None:
+    """How the fused step runs one layer, or None where a linear has no call that is
+    the loop's (see :func:`_linear_words`) or a norm weight is not in ``dtype``."""
     found = [
         _linear_words(lin, dtype, gate_up=lin is ops.gate_up)
         for lin in (ops.qkv, ops.o, ops.gate_up, ops.down)
     ]
-    if any(f is None for f in found):
-        return None
     for norm in (ops.input_layernorm, ops.post_attention_layernorm):
         if norm.dtype != dtype or not norm.is_contiguous():
             return None
-    (qkv, _), (o, _), (gu, gu_rows), (dn, _) = (f for f in found if f is not None)
-    limits = [r for f in found if f is not None for r in [f[1]] if r is not None]
+    qkv, o, gu, dn = found
+    if qkv is None or o is None or gu is None or dn is None:
+        return None
+    limits = [f.rows for f in (qkv, o, gu, dn) if f.rows is not None]
     words = [
-        ops.input_layernorm.data_ptr(), *qkv, *o,
-        ops.post_attention_layernorm.data_ptr(), *gu, *dn,
+        ops.input_layernorm.data_ptr(), *qkv.words, *o.words,
+        ops.post_attention_layernorm.data_ptr(), *gu.words, *dn.words,
     ]  # fmt: skip
-    return words, (min(limits) if limits else None), gu_rows is not None
+    tables = [f.table for f in (qkv, o, gu, dn) if f.table is not None]
+    gu_scratch = gu.words[1] in (DENSE_FMT, PARTS_FMT)
+    return _LayerWords(words, min(limits) if limits else None, gu_scratch, tables)

@@ -249,17 +249,13 @@ def test_bad_k_is_a_clear_error() -> None:
         from_gguf(np.zeros((2, 144), np.uint8), "Q4_K", 2, 128)
 
 
-def test_whole_model_q4_k_m_mix_matches_float(kernel) -> None:  # type: ignore[no-untyped-def]
-    """A 2-layer Llama whose weights are a Q4_K_M-style mix (Q4_K q/k/gate/up and
-    embedding, Q5_K o, Q6_K v/down/lm_head) runs through the model's native path; its
-    logits match the same weights dequantized to float32 up to the int8 rounding of the
-    activations, and the weights stay quantized (formats reported)."""
+def _q4_k_m_model() -> tuple[object, dict[str, torch.Tensor | QuantWeight], int]:
+    """A 2-layer Llama's config and weights as a Q4_K_M-style mix (Q4_K q/k/gate/up and
+    embedding, Q5_K o, Q6_K v/down/lm_head), and the file bytes of its quantized rows."""
     from transformers import LlamaConfig
 
-    from kvserve.model.attention import SeqSpec, build_attention_metadata
-    from kvserve.model.llama import LlamaForCausalLM, ModelArchConfig
+    from kvserve.model.llama import ModelArchConfig
     from kvserve.model.quant.kquant import from_gguf
-    from kvserve.worker.model_runner import allocate_kv_cache
 
     cfg = LlamaConfig(
         vocab_size=64,
@@ -270,7 +266,6 @@ def test_whole_model_q4_k_m_mix_matches_float(kernel) -> None:  # type: ignore[n
         num_key_value_heads=2,
         tie_word_embeddings=False,
     )
-    arch = ModelArchConfig.from_hf_config(cfg)
     kinds = {
         "self_attn.q_proj": ("Q4_K", 256, 256),
         "self_attn.k_proj": ("Q4_K", 128, 256),
@@ -294,22 +289,36 @@ def test_whole_model_q4_k_m_mix_matches_float(kernel) -> None:  # type: ignore[n
     quant["lm_head.weight"] = from_gguf(_raw("Q6_K", 64, 256, 2), "Q6_K", 64, 256)
     quant["model.norm.weight"] = torch.ones(256)
     file_bytes += 64 * 144 + 64 * 210  # the embedding (Q4_K) and lm_head (Q6_K) rows
+    return ModelArchConfig.from_hf_config(cfg), quant, file_bytes
+
+
+def _build(arch, tensors: dict, dtype: torch.dtype):  # type: ignore[no-untyped-def,type-arg]
+    from kvserve.model.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        net = LlamaForCausalLM(arch)
+    net = net.to_empty(device=torch.device("cpu"))
+    net.load_weights(iter(tensors.items()), dtype=dtype, device=torch.device("cpu"))
+    return net.eval().requires_grad_(False)
+
+
+def test_whole_model_q4_k_m_mix_matches_float(kernel) -> None:  # type: ignore[no-untyped-def]
+    """A 2-layer Llama whose weights are a Q4_K_M-style mix (Q4_K q/k/gate/up and
+    embedding, Q5_K o, Q6_K v/down/lm_head) runs through the model's native path; its
+    logits match the same weights dequantized to float32 up to the int8 rounding of the
+    activations, and the weights stay quantized (formats reported)."""
+    from kvserve.model.attention import SeqSpec, build_attention_metadata
+    from kvserve.worker.model_runner import allocate_kv_cache
+
+    arch, quant, file_bytes = _q4_k_m_model()
     dense = {k: v.dequantize() if isinstance(v, QuantWeight) else v for k, v in quant.items()}
-
-    def build(tensors: dict) -> LlamaForCausalLM:  # type: ignore[type-arg]
-        with torch.device("meta"):
-            net = LlamaForCausalLM(arch)
-        net = net.to_empty(device=torch.device("cpu"))
-        net.load_weights(iter(tensors.items()), dtype=torch.float32, device=torch.device("cpu"))
-        return net.eval().requires_grad_(False)
-
-    qnet, fnet = build(quant), build(dense)
+    qnet, fnet = _build(arch, quant, torch.float32), _build(arch, dense, torch.float32)
     assert qnet.weight_formats() == "kq4+kq5+kq6"
     resident = sum(p.nbytes for parts in qnet._quant.values() for p in parts)
     assert file_bytes < resident < 1.03 * file_bytes, (resident, file_bytes)  # 1.017 for this mix
     ids = torch.randint(0, 64, (40,), generator=torch.Generator().manual_seed(9))
 
-    def logits(net: LlamaForCausalLM) -> torch.Tensor:
+    def logits(net) -> torch.Tensor:  # type: ignore[no-untyped-def]
         kv = allocate_kv_cache(net, 5, 16, torch.float32)
         meta = build_attention_metadata(
             [SeqSpec(0, 40, 40, 0, [1, 2, 3])],
@@ -332,6 +341,50 @@ def test_whole_model_q4_k_m_mix_matches_float(kernel) -> None:  # type: ignore[n
     assert err < 0.15 * spread and mean < 0.03 * spread, (err, mean, spread)
     agree = (lq.argmax(-1) == lf.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q4_k_m_mix_decodes_in_the_fused_step(kernel, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """The fused decode step (kvs_decode_layers) runs the K-quant mix as the Python loop
+    does: qkv as two parts into their columns (Q4_K q/k, Q6_K v), K-quant o and down,
+    the Q4_K gate_up's linear then SiLU; bitwise the loop's hidden states and KV."""
+    from kvserve.model.attention import SeqSpec, build_attention_metadata
+    from kvserve.worker.model_runner import allocate_kv_cache
+
+    arch, quant, _ = _q4_k_m_model()
+    net = _build(arch, quant, dtype)
+    fused = net._fused_decode
+    assert fused is not None, "the K-quant mix takes the fused step"
+    assert len(net._ops[0].qkv.parts) == 2 and not net._ops[0].gate_up.fused_silu_capable
+    lens = [23, 40, 9]
+    kv = allocate_kv_cache(net, 1 + 4 * len(lens), 16, dtype)
+    caches = list(kv.unbind(0))
+    tables = [list(range(1 + 4 * s, 5 + 4 * s)) for s in range(len(lens))]
+    gen = torch.Generator().manual_seed(3)
+
+    def meta(specs: list, n: int):  # type: ignore[no-untyped-def,type-arg]
+        return build_attention_metadata(
+            specs, num_tokens=n, block_size=16, kv_segment_size=64, kv_dtype=dtype
+        )
+
+    with torch.inference_mode():
+        for s, n in enumerate(lens):  # prefill each request (the loop: not a decode step)
+            net(torch.randint(0, 64, (n,), generator=gen), torch.arange(n), caches,
+                meta([SeqSpec(0, n, n, 0, tables[s])], n))  # fmt: skip
+        decode = meta([SeqSpec(j, 1, 1, n, tables[j]) for j, n in enumerate(lens)], len(lens))
+        assert fused.supports(decode, caches)
+        ids, pos = torch.tensor([5, 17, 33]), torch.tensor(lens)
+        before = kv.clone()
+        out_fused = net(ids, pos, caches, decode)
+        kv_fused = kv.clone()
+        kv.copy_(before)
+        net._fused_decode = None
+        try:
+            out_loop = net(ids, pos, caches, decode)
+        finally:
+            net._fused_decode = fused
+    assert torch.equal(out_fused, out_loop)
+    assert torch.equal(kv_fused, kv) and not torch.equal(kv_fused, before)
 
 
 @pytest.mark.parametrize("type_name", K_TYPES)

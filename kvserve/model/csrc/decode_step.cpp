@@ -11,10 +11,15 @@
 //   o = linear(attn, Wo) ; y = add_rms_norm(residual, o, ln2)
 //   act = linear_silu_mul(y, Wgate_up) ; pending = linear(act, Wdown)
 // and after the last layer residual += pending (fp32, one rounding: what torch's += gives).
-// Each linear is a quantized weight (format code >= 0: kvs_linear_quant, and the fused
-// kvs_linear_quant_silu_mul for gate_up) or packed float panels in the step's dtype
-// (kDenseFmt: kvs_linear_f32 / kvs_linear_bf16, then kvs_silu_mul over the gate_up
-// output), the kernels FastLinear calls at the step's row count.
+// Each linear is the kernels the Python loop calls for it (QuantLinear / FastLinear):
+// - format code >= 0: a one-part quantized weight, kvs_linear_quant (codes below
+//   kKCodes) or kvs_linear_kquant (GGUF K-quants); a gate_up with this code runs the
+//   fused kvs_linear_quant_silu_mul;
+// - kDenseFmt: packed float panels in the step's dtype, kvs_linear_f32 / kvs_linear_bf16;
+// - kPartsFmt: a quantized weight in parts (e.g. q/k Q4_K and v Q6_K of one qkv), the
+//   word pointing at a table [P, then (weight, code, n, bias) per part], each part
+//   written into its columns of the output in order;
+// a gate_up of the last two kinds runs the linear, then kvs_silu_mul over its output.
 #include <cstdint>
 
 extern "C" {
@@ -38,6 +43,9 @@ int kvs_linear_f32(const float* x, int64_t xs, int64_t M, int64_t K, const float
 int kvs_linear_bf16(const uint16_t* x, int64_t xs, int64_t M, int64_t K, const uint16_t* wp,
                     int64_t N, const float* bias, uint16_t* out, int64_t os, int nthreads);
 int kvs_silu_mul(const void* gu, void* out, int64_t rows, int64_t inter, int dtype, int nthreads);
+int kvs_linear_kquant(const void* x, int64_t xs, int64_t rows, int64_t K, int x_dtype,
+                      const uint8_t* w, int fmt, int64_t n, const float* bias, void* out,
+                      int64_t os, int out_dtype, int path, int threads);
 int kvs_linear_quant_silu_mul(const void* x, int64_t xs, int64_t rows, int64_t K, int x_dtype,
                               const uint8_t* w, int fmt, int64_t n, const float* bias,
                               void* out, int64_t os, int out_dtype, int path, int threads);
@@ -58,14 +66,20 @@ inline P* as_ptr(int64_t v) {
   return reinterpret_cast<P*>(static_cast<intptr_t>(v));
 }
 
-// A layer word's format code for packed float panels in the step's dtype
-// (kvserve/model/llama_native.py's DENSE_FMT); quantized formats are >= 0.
+// A layer word's format codes besides the quantized ones (>= 0): packed float panels in
+// the step's dtype, and a table of quantized parts (kvserve/model/llama_native.py's
+// DENSE_FMT, PARTS_FMT); quantized codes from kKCodes on are GGUF K-quants (K_CODES).
 constexpr int64_t kDenseFmt = -1;
+constexpr int64_t kPartsFmt = -2;
+constexpr int64_t kKCodes = 16;
 
-// out[rows, n] (row stride os) = x[rows, K] (row stride xs) @ W^T + b, with the kernel
-// the Python layer loop runs for this weight at this row count.
-inline int linear(const void* x, int64_t xs, int64_t rows, int64_t K, int dtype, int64_t w,
-                  int64_t fmt, int64_t n, int64_t b, void* out, int64_t os, int nthreads) {
+// out[rows, n] (row stride os) = x[rows, K] (row stride xs) @ W^T + b for one weight
+// (fmt >= 0 or kDenseFmt), with the kernel the Python layer loop runs for it.
+inline int linear_one(const void* x, int64_t xs, int64_t rows, int64_t K, int dtype, int64_t w,
+                      int64_t fmt, int64_t n, int64_t b, void* out, int64_t os, int nthreads) {
+  if (fmt >= kKCodes)
+    return kvs_linear_kquant(x, xs, rows, K, dtype, as_ptr<const uint8_t>(w), static_cast<int>(fmt),
+                             n, as_ptr<const float>(b), out, os, dtype, 0, nthreads);
   if (fmt == kDenseFmt) {
     if (dtype == 0)
       return kvs_linear_f32(static_cast<const float*>(x), xs, rows, K, as_ptr<const float>(w), n,
@@ -75,6 +89,24 @@ inline int linear(const void* x, int64_t xs, int64_t rows, int64_t K, int dtype,
   }
   return kvs_linear_quant(x, xs, rows, K, dtype, as_ptr<const uint8_t>(w), static_cast<int>(fmt), n,
                           as_ptr<const float>(b), out, os, dtype, 0, nthreads);
+}
+
+// linear_one, or each part of a kPartsFmt table into its columns [col, col + n_p) of
+// out, in order (what QuantLinear.eager does); 10 where the parts do not add up to n.
+inline int linear(const void* x, int64_t xs, int64_t rows, int64_t K, int dtype, int64_t w,
+                  int64_t fmt, int64_t n, int64_t b, void* out, int64_t os, int nthreads) {
+  if (fmt != kPartsFmt) return linear_one(x, xs, rows, K, dtype, w, fmt, n, b, out, os, nthreads);
+  const int64_t* t = as_ptr<const int64_t>(w);
+  const int64_t elem = dtype == 0 ? 4 : 2;
+  int64_t col = 0;
+  for (int64_t p = 0; p < t[0]; ++p) {
+    const int64_t* e = t + 1 + 4 * p;
+    const int rc = linear_one(x, xs, rows, K, dtype, e[0], e[1], e[2], e[3],
+                              static_cast<char*>(out) + col * elem, os, nthreads);
+    if (rc != 0) return rc;
+    col += e[2];
+  }
+  return col == n ? 0 : 10;
 }
 
 }  // namespace
@@ -91,7 +123,7 @@ extern "C" {
 // 0: a speculative verification; no cascade); scratch buffers in dtype: y
 // [rows, hidden], qkv [rows, (H + 2 Hk) D], attn [rows, H D], o [rows, hidden], act
 // [rows, inter], down [rows, hidden], and gu [rows, 2 inter] where a gate_up weight is
-// dense (null otherwise). Returns 0, 9 for a dense gate_up without gu, or the first
+// dense or in parts (null otherwise). Returns 0, 9 for a dense gate_up without gu, or the first
 // failing kernel's code plus 100 * (its position in the layer, 1-8).
 int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual, int64_t rows,
                       int64_t hidden, int num_heads, int num_kv_heads, int head_dim,
@@ -127,7 +159,7 @@ int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual
     rc = kvs_add_rms_norm(residual, o, hidden, as_ptr<const void>(l.ln2), y, rows, hidden, eps,
                           dtype, nthreads);
     if (rc != 0) return rc + 600;
-    if (l.gu_fmt == kDenseFmt) {
+    if (l.gu_fmt == kDenseFmt || l.gu_fmt == kPartsFmt) {
       if (gu == nullptr) return 9;
       rc = linear(y, hidden, rows, hidden, dtype, l.gu_w, l.gu_fmt, 2 * inter, l.gu_b, gu,
                   2 * inter, nthreads);
