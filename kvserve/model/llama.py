@@ -209,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
             and kernels.norms is not None
             and PagedAttention.supports(self.embed_tokens.dtype)
         )
-        self._native = kernels if usable and not self.config.qk_norm else None
+        self._native = kernels if usable else None
         self._fused_decode = None if self._native is None else FusedDecode.build(self, kernels)
         self.batch_invariant = False
         self.set_batch_invariant(self.batch_invariant_default)
@@ -261,8 +261,8 @@ class LlamaForCausalLM(nn.Module):
         if on and not self.batch_invariant_supported:
             raise ValueError(
                 "batch_invariant=True needs kvserve's native kernels for this model and dtype "
-                "(AVX-512F for float32, AVX512-BF16 for bfloat16, a C++ compiler, a model "
-                "without per-head q/k norms): use batch_invariant=False"
+                "(AVX-512F for float32, AVX512-BF16 for bfloat16, a C++ compiler): use "
+                "batch_invariant=False"
             )
         for lin in self._linears():
             lin.invariant = on

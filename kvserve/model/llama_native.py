@@ -48,7 +48,7 @@ PARTS_FMT = -2
 # one layer's words for kvs_decode_layers (csrc/decode_step.cpp's struct Layer)
 LAYER_FIELDS = (
     "ln1", "qkv_w", "qkv_fmt", "qkv_b", "o_w", "o_fmt", "o_b",
-    "ln2", "gu_w", "gu_fmt", "gu_b", "dn_w", "dn_fmt", "dn_b", "kv",
+    "ln2", "gu_w", "gu_fmt", "gu_b", "dn_w", "dn_fmt", "dn_b", "qk_norm", "kv",
 )  # fmt: skip
 
 _PARAMS = [
@@ -118,6 +118,8 @@ def forward_native(
     for ops, kv_cache in zip(model._ops, kv_caches, strict=True):
         y = nk.add_rms_norm(residual, pending, ops.input_layernorm, eps)
         qkv = ops.qkv(y)  # [T, (H + 2Hk) * D]
+        if ops.qk_norm is not None:  # Qwen3: per-head RMSNorm of q and k, before RoPE
+            nk.head_rms_norm(qkv, h + hk, d, ops.qk_norm, eps)
         if is_kv8(kv_cache):  # RoPE only, then the quantized write and 8-bit attention
             if no_write is None:
                 no_write = torch.full((num_tokens,), -1, dtype=torch.int64)
@@ -204,11 +206,11 @@ class FusedDecode:
     @classmethod
     def build(cls, model: LlamaForCausalLM, kernels: KernelBackend) -> FusedDecode | None:
         """The fused step for ``model``'s layer ops, or None: the switch is off, the
-        library lacks a family it needs, the model has per-head q/k norms, or a layer
-        has a linear the C++ loop cannot call as the Python loop does (see
+        library lacks a family it needs, or a layer has a linear the C++ loop cannot
+        call as the Python loop does (see
         :func:`_linear_words`: act-order inputs, the portable reference, float weights
         without packed panels)."""
-        if not fused_decode_enabled() or kernels.library is None or model.config.qk_norm:
+        if not fused_decode_enabled() or kernels.library is None:
             return None
         if kernels.norms is None or kernels.attention is None:
             return None
@@ -374,8 +376,8 @@ def _layer_words(ops: _LayerOps, dtype: torch.dtype) -> _LayerWords | None:
         _linear_words(lin, dtype, gate_up=lin is ops.gate_up)
         for lin in (ops.qkv, ops.o, ops.gate_up, ops.down)
     ]
-    for norm in (ops.input_layernorm, ops.post_attention_layernorm):
-        if norm.dtype != dtype or not norm.is_contiguous():
+    for norm in (ops.input_layernorm, ops.post_attention_layernorm, ops.qk_norm):
+        if norm is not None and (norm.dtype != dtype or not norm.is_contiguous()):
             return None
     qkv, o, gu, dn = found
     if qkv is None or o is None or gu is None or dn is None:
@@ -384,6 +386,7 @@ def _layer_words(ops: _LayerOps, dtype: torch.dtype) -> _LayerWords | None:
     words = [
         ops.input_layernorm.data_ptr(), *qkv.words, *o.words,
         ops.post_attention_layernorm.data_ptr(), *gu.words, *dn.words,
+        0 if ops.qk_norm is None else ops.qk_norm.data_ptr(),
     ]  # fmt: skip
     tables = [f.table for f in (qkv, o, gu, dn) if f.table is not None]
     gu_scratch = gu.words[1] in (DENSE_FMT, PARTS_FMT)

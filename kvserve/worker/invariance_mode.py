@@ -41,8 +41,8 @@ def resolve_batch_invariant(
     if requested and not supported:
         raise ValueError(
             "invalid batch_invariant=True: it needs kvserve's native kernels for this model "
-            "and dtype (a C++ compiler; AVX-512F for float32, AVX512-BF16 for bfloat16; a "
-            "model without per-head q/k norms) (for example: batch_invariant=False)"
+            "and dtype (a C++ compiler; AVX-512F for float32, AVX512-BF16 for bfloat16) "
+            "(for example: batch_invariant=False)"
         )
     return bool(requested)
 

@@ -29,14 +29,14 @@ def quant(request):  # type: ignore[no-untyped-def]
     return loaded
 
 
-def _prefilled(model, dtype: torch.dtype, lens: list[int]):  # type: ignore[no-untyped-def]
+def _prefilled(model, dtype: torch.dtype, lens: list[int], vocab: int = 40000):  # type: ignore[no-untyped-def]
     kv = allocate_kv_cache(model, 1 + 4 * len(lens), BS, dtype)
     caches = list(kv.unbind(0))
     tables = [list(range(1 + 4 * s, 5 + 4 * s)) for s in range(len(lens))]
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for s, n in enumerate(lens):
-            ids = torch.randint(100, 40000, (n,), generator=gen)
+            ids = torch.randint(100, vocab, (n,), generator=gen)
             meta = build_attention_metadata(
                 [SeqSpec(0, n, n, 0, tables[s])],
                 num_tokens=n,
@@ -220,3 +220,39 @@ def test_linears_without_panels_keep_the_loop(loaded_model) -> None:  # type: ig
         assert FusedDecode.build(model, model.kernels) is None
     finally:
         lin.panels = panels
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen3_qk_norms_in_the_fused_step(dtype: str, tmp_path, default_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """A Qwen3-shaped model (per-head q/k RMSNorm before RoPE) runs the native layers and
+    the fused step: its decode rows are bitwise the Python loop's (the norm is
+    ``kvs_head_rms_norm`` in both), and the norm is applied (not the step without it)."""
+    from test_model_vs_hf import make_tiny_model  # type: ignore[import-not-found]
+
+    from kvserve.model.loader import load_model
+
+    folder = tmp_path / "qwen3"
+    folder.mkdir()
+    make_tiny_model("qwen3", folder, default_model_dir)
+    loaded = load_model(str(folder), dtype=dtype)
+    model = loaded.model
+    if model._fused_decode is None:
+        pytest.skip("no native panels for this dtype here")
+    assert model.uses_native_layers and model._ops[0].qk_norm is not None
+    lens = [23, 40, 9]
+    kv, caches, tables = _prefilled(model, loaded.dtype, lens, vocab=320)
+    ids, pos = torch.tensor([5, 17, 33]), torch.tensor(lens)
+    meta = _decode_meta(lens, tables, loaded.dtype)
+    _assert_fused_is_loop(model, kv, caches, ids, pos, meta)
+    norms = [ops.qk_norm for ops in model._ops]
+    with torch.inference_mode():
+        ref = model(ids, pos, caches, _decode_meta(lens, tables, loaded.dtype))
+        for ops in model._ops:  # all-ones norm weights: a different result
+            ops.qk_norm = torch.ones_like(ops.qk_norm)
+        model._fused_decode = FusedDecode.build(model, model.kernels)
+        try:
+            other = model(ids, pos, caches, _decode_meta(lens, tables, loaded.dtype))
+        finally:
+            for ops, w in zip(model._ops, norms, strict=True):
+                ops.qk_norm = w
+    assert not torch.equal(ref, other)

@@ -260,6 +260,8 @@ def test_tiny_architectures_match_hf(
     loaded = load_model(str(folder), dtype="float32")
     model = loaded.model
     assert loaded.model_dir == folder.resolve()
+    if model.kernels.norms is not None:  # every architecture (Qwen3's q/k norms too) runs native
+        assert model.uses_native_layers
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 320, (70,), generator=gen).tolist()
     kv = allocate_kv_cache(model, 8, BLOCK, torch.float32)

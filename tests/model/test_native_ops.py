@@ -55,6 +55,26 @@ def test_silu_mul(nk, dtype: torch.dtype, inter: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_head_rms_norm(nk, dtype: torch.dtype) -> None:
+    """Qwen3's per-head q/k RMSNorm in place on the first heads of each (strided) row,
+    as transformers computes it; the V heads and the rest of the row untouched."""
+    gen = torch.Generator().manual_seed(2)
+    heads, d, eps = 6, 32, 1e-6
+    buf = (torch.randn(5, 300, generator=gen) * 4).to(dtype)
+    qkv = buf[:, : (heads + 2) * d]  # 2 more heads (V) after the normed ones; row stride 300
+    w = (torch.rand(heads, d, generator=gen) + 0.5).to(dtype)
+    before = buf.clone()
+    x = qkv[:, : heads * d].reshape(5, heads, d).float()
+    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    expect = (w * normed).reshape(5, heads * d)
+    nk.head_rms_norm(qkv, heads, d, w, eps)
+    torch.testing.assert_close(qkv[:, : heads * d].float(), expect.float(), **_tol(dtype))
+    assert torch.equal(buf[:, heads * d :], before[:, heads * d :])
+    with pytest.raises(ValueError, match="contiguous"):
+        nk.head_rms_norm(qkv, heads, d, w.t(), eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_and_cache(nk, dtype: torch.dtype) -> None:
     h, hk, d, bs, blocks = 4, 2, 16, 4, 6
     gen = torch.Generator().manual_seed(2)

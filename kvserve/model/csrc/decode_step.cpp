@@ -7,7 +7,8 @@
 //
 // Per layer (float KV cache, decode rows and whole short chunks):
 //   y = add_rms_norm(residual, pending, ln1)      (pending: the last layer's down output)
-//   qkv = linear(y, Wqkv) ; rope_and_cache(qkv) ; attn = paged_attention(q)
+//   qkv = linear(y, Wqkv) ; [head_rms_norm(q, k heads)] ; rope_and_cache(qkv)
+//   attn = paged_attention(q)
 //   o = linear(attn, Wo) ; y = add_rms_norm(residual, o, ln2)
 //   act = linear_silu_mul(y, Wgate_up) ; pending = linear(act, Wdown)
 // and after the last layer residual += pending (fp32, one rounding: what torch's += gives).
@@ -43,6 +44,8 @@ int kvs_linear_f32(const float* x, int64_t xs, int64_t M, int64_t K, const float
 int kvs_linear_bf16(const uint16_t* x, int64_t xs, int64_t M, int64_t K, const uint16_t* wp,
                     int64_t N, const float* bias, uint16_t* out, int64_t os, int nthreads);
 int kvs_silu_mul(const void* gu, void* out, int64_t rows, int64_t inter, int dtype, int nthreads);
+int kvs_head_rms_norm(void* qkv, int64_t row_stride, int64_t rows, int heads, int head_dim,
+                      const void* w, float eps, int dtype, int nthreads);
 int kvs_linear_kquant(const void* x, int64_t xs, int64_t rows, int64_t K, int x_dtype,
                       const uint8_t* w, int fmt, int64_t n, const float* bias, void* out,
                       int64_t os, int out_dtype, int path, int threads);
@@ -57,9 +60,9 @@ namespace {
 // kvserve/model/llama_native.py's LAYER_FIELDS.
 struct Layer {
   int64_t ln1, qkv_w, qkv_fmt, qkv_b, o_w, o_fmt, o_b, ln2, gu_w, gu_fmt, gu_b, dn_w, dn_fmt,
-      dn_b, kv;
+      dn_b, qk_norm, kv;  // qk_norm: [H + Hk, D] per-head RMSNorm weight (Qwen3), or 0
 };
-static_assert(sizeof(Layer) == 15 * sizeof(int64_t), "Layer must be 15 words");
+static_assert(sizeof(Layer) == 16 * sizeof(int64_t), "Layer must be 16 words");
 
 template <typename P>
 inline P* as_ptr(int64_t v) {
@@ -145,6 +148,9 @@ int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual
     if (rc != 0) return rc + 100;
     rc = linear(y, hidden, rows, hidden, dtype, l.qkv_w, l.qkv_fmt, qkv_n, l.qkv_b, qkv, qkv_n,
                 nthreads);
+    if (rc == 0 && l.qk_norm != 0)  // Qwen3: q and k heads normed before RoPE
+      rc = kvs_head_rms_norm(qkv, qkv_n, rows, num_heads + num_kv_heads, head_dim,
+                             as_ptr<const void>(l.qk_norm), eps, dtype, nthreads);
     if (rc != 0) return rc + 200;
     rc = kvs_rope_and_cache(qkv, qkv_n, rows, num_heads, num_kv_heads, head_dim, positions, cos,
                             sin, as_ptr<void>(l.kv), num_slots, slots, dtype, nthreads);

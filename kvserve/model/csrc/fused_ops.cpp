@@ -146,6 +146,44 @@ int kvs_add_rms_norm(float* residual, const void* x, int64_t x_stride, const voi
   return 0;
 }
 
+// Per-head RMSNorm in place (Qwen3's q_norm / k_norm), on the first `heads` heads of
+// each row of qkv [rows] (row stride row_stride elements, heads of head_dim contiguous):
+// x <- round(x * rsqrt(mean(x^2) + eps)) * w[head], the fp32 sum of squares in order,
+// the normalised value rounded to the dtype before the weight multiply (as
+// transformers' Qwen3RMSNorm: normalise in fp32, cast, then weight * x). w [heads,
+// head_dim] in the dtype. Returns 0, or 1 for an unknown dtype.
+int kvs_head_rms_norm(void* qkv, int64_t row_stride, int64_t rows, int heads, int head_dim,
+                      const void* w, float eps, int dtype, int nthreads) {
+  if (dtype != 0 && dtype != 1) return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * heads * head_dim > 32768)
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int h = 0; h < heads; ++h) {
+      const int64_t off = t * row_stride + static_cast<int64_t>(h) * head_dim;
+      const int64_t woff = static_cast<int64_t>(h) * head_dim;
+      if (dtype == 0) {
+        float* x = static_cast<float*>(qkv) + off;
+        const float* wr = static_cast<const float*>(w) + woff;
+        float ss = 0.f;
+        for (int i = 0; i < head_dim; ++i) ss += x[i] * x[i];
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(head_dim) + eps);
+        for (int i = 0; i < head_dim; ++i) x[i] = (x[i] * inv) * wr[i];
+      } else {
+        bf16_t* x = static_cast<bf16_t*>(qkv) + off;
+        const bf16_t* wr = static_cast<const bf16_t*>(w) + woff;
+        float ss = 0.f;
+        for (int i = 0; i < head_dim; ++i) ss += ld(x, i) * ld(x, i);
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(head_dim) + eps);
+        for (int i = 0; i < head_dim; ++i) {
+          bf16_t n;
+          kvs::from_f32(ld(x, i) * inv, &n);
+          st(x, i, kvs::to_f32(n) * ld(wr, i));
+        }
+      }
+    }
+  }
+  return 0;
+}
+
 int kvs_silu_mul(const void* gu, void* out, int64_t rows, int64_t inter, int dtype, int nthreads) {
   if (dtype == 0) {
     silu_mul<float>(static_cast<const float*>(gu), static_cast<float*>(out), rows, inter, nthreads);

@@ -1,4 +1,4 @@
-"""Binding of ``csrc/fused_ops.cpp``: add+RMSNorm, SiLU*mul, RoPE+KV write (the
+"""Binding of ``csrc/fused_ops.cpp``: add+RMSNorm, per-head RMSNorm, SiLU*mul, RoPE+KV write (the
 ``norms`` family of :class:`~kvserve.model.kernels.backend.KernelBackend`)."""
 
 from __future__ import annotations
@@ -38,6 +38,21 @@ class FusedOps:
                 ("out", PTR),
                 ("rows", I64),
                 ("inter", I64),
+                ("dtype", I32),
+                ("nthreads", I32),
+            ],
+        )
+        self._head_norm = CFunction(
+            lib,
+            "kvs_head_rms_norm",
+            [
+                ("qkv", PTR),
+                ("row_stride", I64),
+                ("rows", I64),
+                ("heads", I32),
+                ("head_dim", I32),
+                ("w", PTR),
+                ("eps", F32),
                 ("dtype", I32),
                 ("nthreads", I32),
             ],
@@ -91,6 +106,31 @@ class FusedOps:
             nthreads=torch.get_num_threads(),
         )
         return out
+
+    def head_rms_norm(
+        self, qkv: torch.Tensor, heads: int, head_dim: int, weight: torch.Tensor, eps: float
+    ) -> None:
+        """Per-head RMSNorm (Qwen3's q/k norms), in place on the first ``heads`` heads
+        of each row: ``x = round(x * rsqrt(mean(x^2) + eps)) * weight[head]``.
+
+        qkv [T, >= heads * head_dim] in the model dtype (float32/bfloat16), last dim
+        contiguous; weight [heads, head_dim] contiguous, same dtype.
+        """
+        if weight.shape != (heads, head_dim) or not weight.is_contiguous():
+            raise ValueError(f"head norm weight must be a contiguous [{heads}, {head_dim}]")
+        if qkv.dtype != weight.dtype or qkv.stride(1) != 1:
+            raise ValueError("qkv must share the weight's dtype, with contiguous rows")
+        self._head_norm.checked(
+            qkv=qkv.data_ptr(),
+            row_stride=qkv.stride(0),
+            rows=qkv.shape[0],
+            heads=heads,
+            head_dim=head_dim,
+            w=weight.data_ptr(),
+            eps=eps,
+            dtype=DTYPE_CODES[weight.dtype],
+            nthreads=torch.get_num_threads(),
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] contiguous -> silu(gate) * up [T, I], same dtype."""
