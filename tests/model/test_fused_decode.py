@@ -244,6 +244,15 @@ def test_qwen3_qk_norms_in_the_fused_step(dtype: str, tmp_path, default_model_di
     ids, pos = torch.tensor([5, 17, 33]), torch.tensor(lens)
     meta = _decode_meta(lens, tables, loaded.dtype)
     _assert_fused_is_loop(model, kv, caches, ids, pos, meta)
+    snapshot = kv.clone()
+    with torch.inference_mode():  # a row's result does not depend on the batch
+        batched = model(ids, pos, caches, _decode_meta(lens, tables, loaded.dtype))
+        kv.copy_(snapshot)
+        alone = model(
+            ids[1:2], pos[1:2], caches, _decode_meta(lens[1:2], tables[1:2], loaded.dtype)
+        )
+        kv.copy_(snapshot)
+    assert torch.equal(alone[0], batched[1])
     norms = [ops.qk_norm for ops in model._ops]
     with torch.inference_mode():
         ref = model(ids, pos, caches, _decode_meta(lens, tables, loaded.dtype))
