@@ -82,6 +82,7 @@ _PARAMS = [
     ("act", PTR),
     ("down", PTR),
     ("gu", PTR),
+    ("xg", PTR),
     ("nthreads", I32),
 ]
 
@@ -184,6 +185,7 @@ class FusedDecode:
         dtype: torch.dtype,
         dense_rows: int | None = None,
         gu_scratch: bool = False,
+        xg_scratch: bool = False,
     ) -> None:
         c = model.config
         self._fn = _decode_fn(str(library))
@@ -201,6 +203,7 @@ class FusedDecode:
         # (dense or in parts: the gu scratch)
         self._dense_rows = dense_rows
         self._gu_scratch = gu_scratch
+        self._xg_scratch = xg_scratch  # an act-order linear: its inputs gathered there
         self._tables: list[torch.Tensor] = []  # parts tables the layer words point at
 
     @classmethod
@@ -230,10 +233,11 @@ class FusedDecode:
                 dtype,
                 min(limits) if limits else None,
                 any(f.gu_scratch for f in layers),
+                any(f.xg_scratch for f in layers),
             )
         except (OSError, AttributeError):  # an older library without the symbol
             return None
-        fused._tables = [t for f in layers for t in f.tables]  # the words point into them
+        fused._tables = [t for f in layers for t in f.keep]  # the words point into them
         return fused
 
     def supports(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
@@ -298,6 +302,7 @@ class FusedDecode:
         attn = empty(rows, h * d, dtype=dt)
         act = empty(rows, self._inter, dtype=dt)
         gu = empty(rows, 2 * self._inter, dtype=dt) if self._gu_scratch else None
+        xg = empty(rows, max(hid, self._inter), dtype=dt) if self._xg_scratch else None
         kv0 = kv_caches[0]
         positions = positions.contiguous()
         slots, seqs, tables = meta.slot_mapping, nb.seqs, nb.block_tables
@@ -311,7 +316,8 @@ class FusedDecode:
             max_blocks=tables.shape[1], seg=meta.kv_segment_size, scale=self._model.scale,
             dtype=self._dt, y=y.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
             o=o.data_ptr(), act=act.data_ptr(), down=down.data_ptr(),
-            gu=None if gu is None else gu.data_ptr(), nthreads=torch.get_num_threads(),
+            gu=None if gu is None else gu.data_ptr(), xg=None if xg is None else xg.data_ptr(),
+            nthreads=torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"kvs_decode_layers returned {rc}")
@@ -321,11 +327,15 @@ class FusedDecode:
 class _LinearWords(NamedTuple):
     """How the fused step calls one linear: its three layer words (weight, format
     code, bias), the most rows at which the loop runs the same kernel (None: every row
-    count), and the parts table the words point at (kept alive with the step)."""
+    count), the tensors the words point at (a parts table, act-order permutations: kept
+    alive with the step), whether it gathers its inputs (the xg scratch), and whether
+    it is a table whose one call includes gate_up's SiLU."""
 
     words: list[int]
     rows: int | None
-    table: torch.Tensor | None
+    keep: list[torch.Tensor]
+    gathers: bool = False
+    silu_table: bool = False
 
 
 def _linear_words(lin: object, dtype: torch.dtype, gate_up: bool) -> _LinearWords | None:
@@ -333,20 +343,28 @@ def _linear_words(lin: object, dtype: torch.dtype, gate_up: bool) -> _LinearWord
     layer loop's (:meth:`QuantLinear.eager`, :meth:`FastLinear.eager`, and for gate_up
     the fused SiLU or ``silu_mul`` after the linear); None where it has no such call."""
     if isinstance(lin, QuantLinear):
-        if lin.kernel is None or any(p.in_perm is not None for p in lin.parts):
-            return None  # the portable reference, or act-order gathers of the inputs
+        if lin.kernel is None:
+            return None  # the portable reference
         bias = lin.bias
-        if len(lin.parts) == 1 and (not gate_up or lin.fused_silu_capable):
+        perms = [p.in_perm for p in lin.parts]
+        silu = gate_up and lin.fused_silu_capable  # (one part)
+        if len(lin.parts) == 1 and perms[0] is None and (not gate_up or silu):
             part = lin.parts[0]  # one call (K-quant codes run csrc/linear_kquant.cpp)
             bptr = 0 if bias is None else bias.data_ptr()
-            return _LinearWords([part.data.data_ptr(), part.fmt.code, bptr], None, None)
-        # parts into their columns, or a gate_up without the fused SiLU: a table
-        rows = [len(lin.parts)]
-        for part, off in zip(lin.parts, lin.offsets, strict=True):
+            return _LinearWords([part.data.data_ptr(), part.fmt.code, bptr], None, [])
+        # parts into their columns, act-order inputs, or a gate_up without the fused
+        # SiLU: a table (csrc/decode_step.cpp's kPartsFmt)
+        keep = [p.to(torch.int64).contiguous() for p in perms if p is not None]
+        perm_ptrs = iter(k.data_ptr() for k in keep)
+        words = [len(lin.parts), int(silu)]
+        for part, off, perm in zip(lin.parts, lin.offsets, perms, strict=True):
             at = 0 if bias is None else bias.data_ptr() + off * bias.element_size()
-            rows += [part.data.data_ptr(), part.fmt.code, part.n, at]
-        table = torch.tensor(rows, dtype=torch.int64)
-        return _LinearWords([table.data_ptr(), PARTS_FMT, 0], None, table)
+            words += [part.data.data_ptr(), part.fmt.code, part.n, at]
+            words.append(0 if perm is None else next(perm_ptrs))
+        table = torch.tensor(words, dtype=torch.int64)
+        return _LinearWords(
+            [table.data_ptr(), PARTS_FMT, 0], None, [table, *keep], bool(keep), silu
+        )
     if isinstance(lin, FastLinear) and lin.panels is not None and lin.panels.dtype == dtype:
         # the bias eager() passes with these panels: fp32 [N] (float32), padded fp32 (bfloat16)
         fb = lin.bias if dtype == torch.float32 else lin.panel_bias
@@ -354,19 +372,20 @@ def _linear_words(lin: object, dtype: torch.dtype, gate_up: bool) -> _LinearWord
             return None
         rows_max = NATIVE_F32_MAX_M if dtype == torch.float32 else NATIVE_BF16_MAX_M
         bptr = 0 if fb is None else fb.data_ptr()
-        return _LinearWords([lin.panels.data_ptr(), DENSE_FMT, bptr], rows_max, None)
+        return _LinearWords([lin.panels.data_ptr(), DENSE_FMT, bptr], rows_max, [])
     return None
 
 
 class _LayerWords(NamedTuple):
     """One layer's words (LAYER_FIELDS without ``kv``), the most rows its dense linears
-    allow (None: no limit), whether gate_up needs the ``gu`` scratch, and the parts
-    tables to keep alive."""
+    allow (None: no limit), whether gate_up needs the ``gu`` scratch and a linear the
+    ``xg`` one, and the tensors the words point at (kept alive)."""
 
     words: list[int]
     rows: int | None
     gu_scratch: bool
-    tables: list[torch.Tensor]
+    xg_scratch: bool
+    keep: list[torch.Tensor]
 
 
 def _layer_words(ops: _LayerOps, dtype: torch.dtype) -> _LayerWords | None:
@@ -388,6 +407,8 @@ def _layer_words(ops: _LayerOps, dtype: torch.dtype) -> _LayerWords | None:
         ops.post_attention_layernorm.data_ptr(), *gu.words, *dn.words,
         0 if ops.qk_norm is None else ops.qk_norm.data_ptr(),
     ]  # fmt: skip
-    tables = [f.table for f in (qkv, o, gu, dn) if f.table is not None]
-    gu_scratch = gu.words[1] in (DENSE_FMT, PARTS_FMT)
-    return _LayerWords(words, min(limits) if limits else None, gu_scratch, tables)
+    keep = [t for f in (qkv, o, gu, dn) for t in f.keep]
+    # gate_up runs its linear, then SiLU (not a silu table: the fused call into act)
+    gu_scratch = gu.words[1] == DENSE_FMT or (gu.words[1] == PARTS_FMT and not gu.silu_table)
+    xg_scratch = any(f.gathers for f in (qkv, o, gu, dn))
+    return _LayerWords(words, min(limits) if limits else None, gu_scratch, xg_scratch, keep)

@@ -314,3 +314,52 @@ def test_unsupported_method_is_a_clear_error(tmp_path: Path, default_model_dir: 
         ValueError, match="bitsandbytes.*not supported.*gptq, awq, compressed-tensors"
     ):
         load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_act_order_decodes_in_the_fused_step(
+    tmp_path: Path, default_model_dir: Path, dtype: str
+) -> None:
+    """An act-order GPTQ model decodes in the fused step (kvs_decode_layers gathers each
+    linear's inputs into their stored column order, as ``index_select`` does; gate_up's
+    fused SiLU on the gathered inputs): bitwise the Python loop's hidden states and KV."""
+    from kvserve.model.attention import SeqSpec, build_attention_metadata
+    from kvserve.model.loader import load_model
+    from kvserve.worker.model_runner import allocate_kv_cache
+
+    _tiny_gptq_folder(tmp_path, default_model_dir, "gptq")
+    loaded = load_model(str(tmp_path), dtype=dtype)
+    net, dt = loaded.model, loaded.dtype
+    fused = net._fused_decode
+    assert fused is not None, "act-order weights take the fused step"
+    ops = net._ops[0]
+    assert ops.qkv.parts[0].in_perm is not None and ops.gate_up.fused_silu_capable
+    lens = [21, 35, 8]
+    kv = allocate_kv_cache(net, 1 + 3 * len(lens), 16, dt)
+    caches = list(kv.unbind(0))
+    tables = [list(range(1 + 3 * s, 4 + 3 * s)) for s in range(len(lens))]
+    gen = torch.Generator().manual_seed(5)
+
+    def meta(specs: list, n: int):  # type: ignore[no-untyped-def,type-arg]
+        return build_attention_metadata(
+            specs, num_tokens=n, block_size=16, kv_segment_size=64, kv_dtype=dt
+        )
+
+    with torch.inference_mode():
+        for s, n in enumerate(lens):
+            ids = torch.randint(0, 128, (n,), generator=gen)
+            net(ids, torch.arange(n), caches, meta([SeqSpec(0, n, n, 0, tables[s])], n))
+        decode = meta([SeqSpec(j, 1, 1, n, tables[j]) for j, n in enumerate(lens)], len(lens))
+        assert fused.supports(decode, caches)
+        ids, pos = torch.tensor([3, 64, 127]), torch.tensor(lens)
+        before = kv.clone()
+        out_fused = net(ids, pos, caches, decode)
+        kv_fused = kv.clone()
+        kv.copy_(before)
+        net._fused_decode = None
+        try:
+            out_loop = net(ids, pos, caches, decode)
+        finally:
+            net._fused_decode = fused
+    assert torch.equal(out_fused, out_loop)
+    assert torch.equal(kv_fused, kv) and not torch.equal(kv_fused, before)

@@ -17,10 +17,14 @@
 //   kKCodes) or kvs_linear_kquant (GGUF K-quants); a gate_up with this code runs the
 //   fused kvs_linear_quant_silu_mul;
 // - kDenseFmt: packed float panels in the step's dtype, kvs_linear_f32 / kvs_linear_bf16;
-// - kPartsFmt: a quantized weight in parts (e.g. q/k Q4_K and v Q6_K of one qkv), the
-//   word pointing at a table [P, then (weight, code, n, bias) per part], each part
-//   written into its columns of the output in order;
-// a gate_up of the last two kinds runs the linear, then kvs_silu_mul over its output.
+// - kPartsFmt: a quantized weight in parts (e.g. q/k Q4_K and v Q6_K of one qkv) or
+//   with act-order inputs, the word pointing at a table [P, silu, then (weight, code,
+//   n, bias, perm) per part]: each part reads x's columns in its stored order (perm:
+//   int64 [K], x gathered into the xg scratch as index_select does; 0: as they are) and
+//   writes its columns of the output in order; silu (one part only): a gate_up whose
+//   linear and SiLU run as one kvs_linear_quant_silu_mul;
+// a gate_up of the last two kinds otherwise runs the linear, then kvs_silu_mul over its
+// output.
 #include <cstdint>
 
 extern "C" {
@@ -94,22 +98,56 @@ inline int linear_one(const void* x, int64_t xs, int64_t rows, int64_t K, int dt
                           as_ptr<const float>(b), out, os, dtype, 0, nthreads);
 }
 
-// linear_one, or each part of a kPartsFmt table into its columns [col, col + n_p) of
-// out, in order (what QuantLinear.eager does); 10 where the parts do not add up to n.
+// x's columns in the stored order of an act-order weight: xg[r][j] = x[r][perm[j]]
+// (xg [rows, K] contiguous, elements of elem bytes), what x.index_select(1, perm) gives.
+inline void gather_columns(const void* x, int64_t xs, int64_t rows, int64_t K, int64_t elem,
+                           const int64_t* perm, void* xg) {
+  const char* src = static_cast<const char*>(x);
+  char* dst = static_cast<char*>(xg);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < K; ++j)
+      __builtin_memcpy(dst + (r * K + j) * elem, src + (r * xs + perm[j]) * elem, elem);
+}
+
+// linear_one, or each part of a kPartsFmt table (see the top) into its columns
+// [col, col + n_p) of out, in order (what QuantLinear.eager does); with the table's
+// silu flag and `silu` set, the one part's fused linear + SiLU into out [rows, n / 2].
+// Returns 10 where the parts do not add up to n, 11 for an act-order part without xg,
+// 12 for a silu table called without `silu` or the reverse.
 inline int linear(const void* x, int64_t xs, int64_t rows, int64_t K, int dtype, int64_t w,
-                  int64_t fmt, int64_t n, int64_t b, void* out, int64_t os, int nthreads) {
-  if (fmt != kPartsFmt) return linear_one(x, xs, rows, K, dtype, w, fmt, n, b, out, os, nthreads);
+                  int64_t fmt, int64_t n, int64_t b, void* out, int64_t os, void* xg,
+                  int nthreads, bool silu = false) {
+  if (fmt != kPartsFmt)
+    return silu ? 12 : linear_one(x, xs, rows, K, dtype, w, fmt, n, b, out, os, nthreads);
   const int64_t* t = as_ptr<const int64_t>(w);
+  if ((t[1] != 0) != silu) return 12;
   const int64_t elem = dtype == 0 ? 4 : 2;
   int64_t col = 0;
   for (int64_t p = 0; p < t[0]; ++p) {
-    const int64_t* e = t + 1 + 4 * p;
-    const int rc = linear_one(x, xs, rows, K, dtype, e[0], e[1], e[2], e[3],
-                              static_cast<char*>(out) + col * elem, os, nthreads);
+    const int64_t* e = t + 2 + 5 * p;
+    const void* in = x;
+    int64_t ins = xs;
+    if (e[4] != 0) {  // act order: the inputs in the stored column order
+      if (xg == nullptr) return 11;
+      gather_columns(x, xs, rows, K, elem, as_ptr<const int64_t>(e[4]), xg);
+      in = xg;
+      ins = K;
+    }
+    char* o = static_cast<char*>(out) + col * elem;
+    const int rc =
+        silu ? kvs_linear_quant_silu_mul(in, ins, rows, K, dtype, as_ptr<const uint8_t>(e[0]),
+                                         static_cast<int>(e[1]), e[2], as_ptr<const float>(e[3]), o,
+                                         os, dtype, 0, nthreads)
+             : linear_one(in, ins, rows, K, dtype, e[0], e[1], e[2], e[3], o, os, nthreads);
     if (rc != 0) return rc;
     col += e[2];
   }
   return col == n ? 0 : 10;
+}
+
+// Whether a layer word's linear is a table with the silu flag (see the top).
+inline bool silu_table(int64_t w, int64_t fmt) {
+  return fmt == kPartsFmt && as_ptr<const int64_t>(w)[1] != 0;
 }
 
 }  // namespace
@@ -126,7 +164,8 @@ extern "C" {
 // 0: a speculative verification; no cascade); scratch buffers in dtype: y
 // [rows, hidden], qkv [rows, (H + 2 Hk) D], attn [rows, H D], o [rows, hidden], act
 // [rows, inter], down [rows, hidden], and gu [rows, 2 inter] where a gate_up weight is
-// dense or in parts (null otherwise). Returns 0, 9 for a dense gate_up without gu, or the first
+// dense or in parts (null otherwise), and xg [rows, max(hidden, inter)] where a linear
+// has act-order inputs (null otherwise). Returns 0, 9 for a dense gate_up without gu, or the first
 // failing kernel's code plus 100 * (its position in the layer, 1-8).
 int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual, int64_t rows,
                       int64_t hidden, int num_heads, int num_kv_heads, int head_dim,
@@ -134,7 +173,8 @@ int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual
                       const float* sin, int64_t num_blocks, int block_size, const int64_t* slots,
                       const int64_t* seqs, int64_t num_seqs, const int64_t* block_tables,
                       int64_t max_blocks, int seg, float scale, int dtype, void* y, void* qkv,
-                      void* attn, void* o, void* act, void* down, void* gu, int nthreads) {
+                      void* attn, void* o, void* act, void* down, void* gu, void* xg,
+                      int nthreads) {
   if (rows <= 0) return 0;
   const int64_t qkv_n = static_cast<int64_t>(num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t q_n = static_cast<int64_t>(num_heads) * head_dim;
@@ -146,7 +186,7 @@ int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual
     rc = kvs_add_rms_norm(residual, i == 0 ? nullptr : down, hidden, as_ptr<const void>(l.ln1),
                           y, rows, hidden, eps, dtype, nthreads);
     if (rc != 0) return rc + 100;
-    rc = linear(y, hidden, rows, hidden, dtype, l.qkv_w, l.qkv_fmt, qkv_n, l.qkv_b, qkv, qkv_n,
+    rc = linear(y, hidden, rows, hidden, dtype, l.qkv_w, l.qkv_fmt, qkv_n, l.qkv_b, qkv, qkv_n, xg,
                 nthreads);
     if (rc == 0 && l.qk_norm != 0)  // Qwen3: q and k heads normed before RoPE
       rc = kvs_head_rms_norm(qkv, qkv_n, rows, num_heads + num_kv_heads, head_dim,
@@ -160,15 +200,18 @@ int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual
                              block_tables, max_blocks, seg, scale, dtype, 16, nthreads, nullptr,
                              nullptr, 0);
     if (rc != 0) return rc + 400;
-    rc = linear(attn, q_n, rows, q_n, dtype, l.o_w, l.o_fmt, hidden, l.o_b, o, hidden, nthreads);
+    rc = linear(attn, q_n, rows, q_n, dtype, l.o_w, l.o_fmt, hidden, l.o_b, o, hidden, xg, nthreads);
     if (rc != 0) return rc + 500;
     rc = kvs_add_rms_norm(residual, o, hidden, as_ptr<const void>(l.ln2), y, rows, hidden, eps,
                           dtype, nthreads);
     if (rc != 0) return rc + 600;
-    if (l.gu_fmt == kDenseFmt || l.gu_fmt == kPartsFmt) {
+    if (silu_table(l.gu_w, l.gu_fmt)) {  // act-order gate_up with the fused SiLU
+      rc = linear(y, hidden, rows, hidden, dtype, l.gu_w, l.gu_fmt, 2 * inter, l.gu_b, act, inter,
+                  xg, nthreads, true);
+    } else if (l.gu_fmt == kDenseFmt || l.gu_fmt == kPartsFmt) {
       if (gu == nullptr) return 9;
       rc = linear(y, hidden, rows, hidden, dtype, l.gu_w, l.gu_fmt, 2 * inter, l.gu_b, gu,
-                  2 * inter, nthreads);
+                  2 * inter, xg, nthreads);
       if (rc == 0) rc = kvs_silu_mul(gu, act, rows, inter, dtype, nthreads);
     } else {
       rc = kvs_linear_quant_silu_mul(y, hidden, rows, hidden, dtype, as_ptr<const uint8_t>(l.gu_w),
@@ -176,7 +219,7 @@ int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual
                                      as_ptr<const float>(l.gu_b), act, inter, dtype, 0, nthreads);
     }
     if (rc != 0) return rc + 700;
-    rc = linear(act, inter, rows, inter, dtype, l.dn_w, l.dn_fmt, hidden, l.dn_b, down, hidden,
+    rc = linear(act, inter, rows, inter, dtype, l.dn_w, l.dn_fmt, hidden, l.dn_b, down, hidden, xg,
                 nthreads);
     if (rc != 0) return rc + 800;
   }
