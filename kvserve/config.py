@@ -34,7 +34,10 @@ class CacheConfig:
     (the scheduler reads them from its KV cache manager, the runner from here).
 
     ``num_kv_blocks`` counts the null block 0, so ``num_kv_blocks - 1`` blocks are
-    usable. When None, the model runner derives it from ``kv_cache_memory_gib``.
+    usable. When None, the model runner derives it from ``kv_cache_memory_gib``, and
+    when that is None too (the default) sizes the cache itself: room for
+    ``AUTO_KV_TOKENS`` tokens, at least 1 GiB, at most half the memory available after
+    the weights (``kvserve.worker.model_runner.auto_kv_cache_bytes``), and logs it.
     ``hash_algo`` is "sha256" (default, stable across processes) or "builtin"
     (Python's hash of a tuple: faster, not stable across processes).
     ``kv_segment_size``: one of 0 (off), 512, 1024, 2048, 4096 and, when not 0, a
@@ -44,7 +47,7 @@ class CacheConfig:
 
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_gib: float = 1.0
+    kv_cache_memory_gib: float | None = None
     enable_prefix_caching: bool = True
     hash_algo: HashAlgo = "sha256"
     # how K/V are stored: "auto" (the model dtype), "bfloat16", "float32", or 8-bit
@@ -68,7 +71,8 @@ class CacheConfig:
                 minimum=2,
                 why=" (block 0 is the null block)",
             )
-        if not isinstance(self.kv_cache_memory_gib, int | float) or self.kv_cache_memory_gib <= 0:
+        gib = self.kv_cache_memory_gib
+        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, int | float) or gib <= 0):
             raise config_error(
                 "kv_cache_memory_gib",
                 self.kv_cache_memory_gib,

@@ -375,8 +375,16 @@ def load_model(
         from kvserve.model.kernels.backend import default_backend
         from kvserve.model.quant.gguf import read_tensors
 
+        from kvserve.model.quant.packed_cache import cached_tensors
+
         kernel = default_backend().quant_linear
-        tensors = read_tensors(gguf_path, arch.num_heads, arch.num_kv_heads, kernel=kernel)
+        gp, heads, kv_heads = gguf_path, arch.num_heads, arch.num_kv_heads
+        tensors = cached_tensors(
+            cache_dir() / "packed",
+            _file_digest_memo(gguf_path),
+            f"heads={heads},kv_heads={kv_heads}",
+            lambda: read_tensors(gp, heads, kv_heads, kernel=kernel),
+        )
     else:
         from kvserve.model.quant.hf_int4 import wrap_checkpoint  # GPTQ / AWQ / c-t int4
 

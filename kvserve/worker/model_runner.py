@@ -15,6 +15,7 @@ block pool from :attr:`ModelRunner.num_kv_blocks`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -41,6 +42,45 @@ from kvserve.worker.input_batch import InputBatch, StepInputs
 from kvserve.worker.invariance_mode import resolve_auto_invariance, resolve_batch_invariant
 from kvserve.worker.prompt_logprobs import score
 from kvserve.worker.sampler import Sampler, SamplerOutput, SamplingRequestState
+
+logger = logging.getLogger(__name__)
+
+# The KV cache a default start gets (CacheConfig with neither num_kv_blocks nor
+# kv_cache_memory_gib): room for AUTO_KV_TOKENS tokens, at least AUTO_KV_MIN_BYTES,
+# at most AUTO_KV_MAX_FRACTION of the memory available once the weights are loaded.
+AUTO_KV_TOKENS = 32768
+AUTO_KV_MIN_BYTES = 1 << 30
+AUTO_KV_MAX_FRACTION = 0.5
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def auto_kv_cache_bytes(bytes_per_token: int, weight_bytes: int) -> tuple[int, str]:
+    """(KV cache bytes, the reason in words) for a default start: ``AUTO_KV_TOKENS``
+    tokens' worth, at least ``AUTO_KV_MIN_BYTES``, at most ``AUTO_KV_MAX_FRACTION`` of
+    ``/proc/meminfo``'s MemAvailable less ``weight_bytes`` (weights mapped from the
+    page cache count as available there, so they are taken off once more; weights in
+    anonymous memory are thereby counted twice, which only lowers the ceiling)."""
+    want = max(AUTO_KV_MIN_BYTES, AUTO_KV_TOKENS * bytes_per_token)
+    avail = _mem_available()
+    if avail is None:
+        return want, f"room for {AUTO_KV_TOKENS} tokens, at least 1 GiB; memory unknown"
+    left = max(0, avail - weight_bytes)
+    cap = int(AUTO_KV_MAX_FRACTION * left)
+    why = (
+        f"room for {AUTO_KV_TOKENS} tokens, at least 1 GiB, at most "
+        f"{AUTO_KV_MAX_FRACTION:.0%} of the {left / (1 << 30):.1f} GiB available after the weights"
+    )
+    return max(min(want, cap), min(want, 64 << 20)), why
 
 
 class ModelRunner:
@@ -76,8 +116,21 @@ class ModelRunner:
         per_block = kv_cache_bytes_per_block(loaded, self.block_size, self.kv_format)
         if cache_config.num_kv_blocks is not None:
             num_blocks = int(cache_config.num_kv_blocks)
-        else:
+        elif cache_config.kv_cache_memory_gib is not None:
             num_blocks = int(cache_config.kv_cache_memory_gib * (1 << 30)) // per_block
+        else:
+            weights = int(self.model.weight_bytes()) if hasattr(self.model, "weight_bytes") else 0
+            budget, why = auto_kv_cache_bytes(per_block // self.block_size, weights)
+            num_blocks = max(2, budget // per_block)
+            logger.info(
+                "KV cache sized automatically: %.2f GiB, %d blocks = %d tokens (%s); "
+                "max_num_seqs %d; --kv-cache-memory-gib or --num-kv-blocks choose it",
+                num_blocks * per_block / (1 << 30),
+                num_blocks,
+                (num_blocks - 1) * self.block_size,
+                why,
+                scheduler_config.max_num_seqs,
+            )
         if num_blocks < 2:
             raise ValueError(
                 f"invalid kv_cache_memory_gib={cache_config.kv_cache_memory_gib!r}: it holds "

@@ -86,6 +86,48 @@ DEFAULT_SHAPES: tuple[Shape, ...] = (
 # Calibration stops taking new steps after this many seconds (a loaded machine); with
 # fewer than one step per shape, the reference model scaled to the measured steps.
 CALIBRATION_MAX_S = 10.0
+# The shapes above are sized for a model of about this many linear weights per token
+# (SmolLM2-135M: 106 M). A larger model runs them with prefill chunks scaled down by
+# the ratio (at most MAX_SHAPE_SHRINK, chunks of at least MIN_PREFILL_CHUNK tokens) and
+# a time limit scaled up by what is left of it (at most MAX_CALIBRATION_S): an 8B
+# model's 512-token chunk alone takes ~10 s on 2 cores.
+REFERENCE_LINEAR_WEIGHTS = 106e6
+MAX_SHAPE_SHRINK = 16
+MIN_PREFILL_CHUNK = 16
+MAX_CALIBRATION_S = 60.0
+
+
+def linear_weights_per_token(arch: object) -> float:
+    """Weights of every linear a token passes through (its prefill FLOPs / 2), from an
+    architecture config with ``hidden_size``, ``num_layers``, ``num_heads``,
+    ``num_kv_heads``, ``head_dim``, ``intermediate_size`` and ``vocab_size``."""
+    h = int(getattr(arch, "hidden_size", 0))
+    q = int(getattr(arch, "num_heads", 0)) * int(getattr(arch, "head_dim", 0))
+    kv = int(getattr(arch, "num_kv_heads", 0)) * int(getattr(arch, "head_dim", 0))
+    inter = int(getattr(arch, "intermediate_size", 0))
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    return float(int(getattr(arch, "num_layers", 0)) * per_layer)
+
+
+def shapes_for_size(
+    shapes: tuple[Shape, ...], linear_weights: float
+) -> tuple[tuple[Shape, ...], float]:
+    """(``shapes`` with prefill chunks scaled to a model of ``linear_weights`` per
+    token, the calibration time limit in seconds): unchanged for models up to
+    :data:`REFERENCE_LINEAR_WEIGHTS`."""
+    ratio = linear_weights / REFERENCE_LINEAR_WEIGHTS if linear_weights > 0 else 1.0
+    if ratio <= 1.0:
+        return shapes, CALIBRATION_MAX_S
+    shrink = min(ratio, MAX_SHAPE_SHRINK)
+
+    def chunk(n: int) -> int:
+        return max(MIN_PREFILL_CHUNK, int(n / shrink) // MIN_PREFILL_CHUNK * MIN_PREFILL_CHUNK)
+
+    scaled = tuple(
+        Shape(s.num_decodes, s.decode_context, tuple((chunk(n), c) for n, c in s.prefill))
+        for s in shapes
+    )
+    return scaled, min(MAX_CALIBRATION_S, CALIBRATION_MAX_S * max(1.0, ratio / shrink))
 
 
 def _fit_shape(shape: Shape, max_tokens: int, max_model_len: int) -> Shape | None:
@@ -222,9 +264,12 @@ def cached_calibration(runner: ModelRunner, *, vocab_size: int, max_model_len: i
     )
     model = _CACHE.get(key)
     if model is None:
+        arch = getattr(getattr(runner.loaded, "model", None), "config", None)
+        shapes, max_s = shapes_for_size(DEFAULT_SHAPES, linear_weights_per_token(arch))
         model = _CACHE[key] = persisted_calibration(
-            runner, vocab_size=vocab_size, max_model_len=max_model_len, mode=mode
-        )
+            runner, vocab_size=vocab_size, max_model_len=max_model_len, mode=mode,
+            shapes=shapes, max_seconds=max_s,
+        )  # fmt: skip
     copy = CostModel(
         model.coef, calibration=list(model.calibration), source=model.source, scale=model.scale
     )
@@ -240,6 +285,7 @@ def persisted_calibration(
     mode: str = "auto",
     shapes: tuple[Shape, ...] = DEFAULT_SHAPES,
     timer: Callable[[], float] = time.perf_counter,
+    max_seconds: float = CALIBRATION_MAX_S,
 ) -> CostModel:
     """One fit for ``runner`` under cache ``mode`` (see :func:`cached_calibration`)."""
     if mode not in step_cost_store.CACHE_MODES:
@@ -271,8 +317,9 @@ def persisted_calibration(
                 ratio,
             )
     model = calibrate(
-        runner, vocab_size=vocab_size, max_model_len=max_model_len, shapes=shapes, timer=timer
-    )
+        runner, vocab_size=vocab_size, max_model_len=max_model_len, shapes=shapes, timer=timer,
+        max_seconds=max_seconds,
+    )  # fmt: skip
     if store_key is None:
         return model
     if is_steady(model):

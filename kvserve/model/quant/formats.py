@@ -160,7 +160,7 @@ class QuantWeight:
             raise ValueError("QuantWeight.cat needs parts of one format and input size")
         perm = same_in_perm(parts)
         if all(p.n % PANEL == 0 for p in parts):  # panels line up: concatenate bytes
-            data = torch.cat([p.data for p in parts])
+            data = cat_bytes([p.data for p in parts])
             return QuantWeight(data, fmt, sum(p.n for p in parts), k, parts[0].source, perm)
         us, ds, ms = zip(*(p.unpack() for p in parts), strict=True)
         m = None if not fmt.has_min else torch.cat(ms)  # type: ignore[arg-type]
@@ -176,6 +176,28 @@ class QuantWeight:
         )
         out.in_perm = self.in_perm
         return out
+
+
+def cat_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` of flat tensors; a view, not a copy, when the parts already
+    lie end to end in one storage (the packed weight cache maps fused parts so)."""
+    first = parts[0]
+    storage = first.untyped_storage()
+    end = first.data_ptr() + first.numel() * first.element_size()
+    adjacent = all(p.is_contiguous() and p.dim() == 1 for p in parts)
+    for p in parts[1:]:
+        if (
+            not adjacent
+            or p.untyped_storage().data_ptr() != storage.data_ptr()
+            or p.data_ptr() != end
+        ):
+            adjacent = False
+            break
+        end += p.numel() * p.element_size()
+    if not adjacent or len(parts) == 1:
+        return torch.cat(parts)
+    total = sum(p.numel() for p in parts)
+    return first.new_empty(0).set_(storage, first.storage_offset(), (total,))
 
 
 def same_in_perm(parts: list[QuantWeight]) -> torch.Tensor | None:

@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvserve.model.quant.formats import BLOCK, PANEL, QuantFormat, QuantWeight, quantize_activations
+from kvserve.model.quant.formats import (
+    BLOCK,
+    PANEL,
+    QuantFormat,
+    QuantWeight,
+    cat_bytes,
+    quantize_activations,
+)
 
 if TYPE_CHECKING:
     from kvserve.model.quant.kernel import QuantKernel
@@ -196,7 +203,7 @@ class KQuantWeight(QuantWeight):
         if any(p.fmt != f or p.k != k for p in parts):
             raise ValueError("KQuantWeight.cat needs parts of one format and input size")
         if all(p.n % PANEL == 0 for p in parts):
-            data = torch.cat([p.data for p in parts])
+            data = cat_bytes([p.data for p in parts])
             return KQuantWeight(data, f, sum(p.n for p in parts), k, parts[0].source)
         us, scs, mns, ds, dms = zip(*(p.unpack_k() for p in parts), strict=True)
         mn = torch.cat(mns) if f.has_min else None  # type: ignore[arg-type]
