@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument(
         "--quantization", default="auto", help="the engine's weights (none: float weights)"
     )
+    ap.add_argument("--model", default=None, help="model name, GGUF file or folder")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -57,7 +58,10 @@ def main() -> None:
     from kvserve.request import SamplingParams
 
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    engine = EngineCore(EngineConfig(model=ModelConfig(quantization=args.quantization)))
+    model_cfg = ModelConfig(quantization=args.quantization)
+    if args.model:
+        model_cfg = ModelConfig(model=args.model, quantization=args.quantization)
+    engine = EngineCore(EngineConfig(model=model_cfg))
     acc: dict[str, float] = defaultdict(float)
 
     def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

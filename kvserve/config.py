@@ -72,7 +72,9 @@ class CacheConfig:
                 why=" (block 0 is the null block)",
             )
         gib = self.kv_cache_memory_gib
-        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, int | float) or gib <= 0):
+        if gib is not None and (
+            isinstance(gib, bool) or not isinstance(gib, int | float) or gib <= 0
+        ):
             raise config_error(
                 "kv_cache_memory_gib",
                 self.kv_cache_memory_gib,

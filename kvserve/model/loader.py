@@ -374,7 +374,6 @@ def load_model(
     if gguf_path is not None:
         from kvserve.model.kernels.backend import default_backend
         from kvserve.model.quant.gguf import read_tensors
-
         from kvserve.model.quant.packed_cache import cached_tensors
 
         kernel = default_backend().quant_linear

@@ -112,6 +112,13 @@ SHAPES: dict[str, Shape] = {
 }  # fmt: skip
 
 
+def linear_weights(s: Shape) -> int:
+    """Weights of the linears one token passes through (its prefill FLOPs / 2),
+    without the LM head."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return s.layers * (s.hidden * (q + 2 * kv) + q * s.hidden + 3 * s.hidden * s.intermediate)
+
+
 # --------------------------------------------------------------------------- tensors
 
 
@@ -457,8 +464,8 @@ def write_gguf(s: Shape, fmt: str, seed: int, base: BaseTokenizer, path: Path,
             offset += size + (-size) % align
         _pad(f, align)
         done = 0
-        for (name, _, _, gen), size in zip(tensors, sizes, strict=True):
-            data = gen()
+        for (name, _, _, produce), size in zip(tensors, sizes, strict=True):
+            data = produce()
             if data.nbytes != size:
                 raise AssertionError(f"{name}: {data.nbytes} bytes, expected {size}")
             f.write(data.tobytes())

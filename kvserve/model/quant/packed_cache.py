@@ -121,7 +121,7 @@ def _store(entry: Path, items: list[tuple[str, Value]]) -> None:
                     f.write(b"\0" * (_ALIGN - pos % _ALIGN))
                     pos = f.tell()
                 if t.numel():
-                    f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                    f.write(t.reshape(-1).view(torch.uint8).numpy().data)
                 item: dict[str, Any] = {
                     "name": name,
                     "offset": pos,
@@ -165,7 +165,7 @@ def _read(entry: Path) -> list[tuple[str, Value]] | None:
     try:
         meta = json.loads((entry / _INDEX).read_text())
         if meta.get("version") != PACK_VERSION:
-            return None
+            raise ValueError(f"layout version {meta.get('version')!r}, not {PACK_VERSION}")
         path = entry / _DATA
         size = path.stat().st_size
         whole = torch.empty(0, dtype=torch.uint8)
@@ -178,7 +178,7 @@ def _read(entry: Path) -> list[tuple[str, Value]] | None:
             dtype = getattr(torch, item["dtype"])
             off, nbytes = int(item["offset"]), int(item["nbytes"])
             if off + nbytes > size or off % _ALIGN:
-                return None
+                raise ValueError(f"tensor {item['name']!r} runs past the file's {size} bytes")
             t = whole[off : off + nbytes].view(dtype).view(item["shape"])
             value: Value
             if item["kind"] == "kquant":
