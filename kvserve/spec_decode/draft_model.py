@@ -154,7 +154,9 @@ class DraftModelProposer:
             num_blocks = int(cache_config.num_kv_blocks)
         else:
             per_block = kv_cache_bytes_per_block(draft, bs)
-            num_blocks = max(2, int((cache_config.kv_cache_memory_gib or 1.0) * (1 << 30)) // per_block)
+            num_blocks = max(
+                2, int((cache_config.kv_cache_memory_gib or 1.0) * (1 << 30)) // per_block
+            )
         proposer = cls(draft, num_blocks, bs, min(draft.max_model_len, target.max_model_len))
         proposer.same_weights = same_norm_weights(draft.model, target.model)
         proposer.share_target_kv = config.share_target_kv
