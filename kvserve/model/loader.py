@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvserve.model.dtypes import DTYPES, cpu_has_native_bf16, parse_dtype  # noqa: F401  (re-exported)
@@ -367,6 +368,8 @@ def load_model(
         folder = resolve_model(model)
     hf_config = load_hf_config(folder)
     arch = ModelArchConfig.from_hf_config(hf_config)
+    if gguf_path is not None:
+        arch = _with_gguf_rope_freqs(arch, gguf_path)
     tokenizer = load_tokenizer(folder)
     dev = torch.device(device)
 
@@ -415,6 +418,34 @@ def load_model(
         device=dev,
         quantization=weights_tag,
     )
+
+
+def _with_gguf_rope_freqs(arch: Any, gguf_path: Path) -> Any:
+    """``arch`` with a GGUF file's ``rope_freqs.weight`` applied, as llama.cpp applies
+    it: every RoPE frequency divided by its factor. llama.cpp's converter stores Llama
+    3.1+'s "llama3" RoPE scaling only as this tensor (no metadata key), so a config read
+    from the file alone has plain RoPE. Files without the tensor: ``arch`` unchanged.
+    Raises ValueError when the tensor does not have one factor per frequency."""
+    import dataclasses
+
+    from kvserve.model.quant.gguf_file import read_gguf
+
+    t = next((t for t in read_gguf(gguf_path).tensors if t.name == "rope_freqs.weight"), None)
+    if t is None:
+        return arch
+    factors = [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    if len(factors) != len(arch.rope_inv_freq) or any(f <= 0 for f in factors):
+        raise ValueError(
+            f"GGUF file {str(gguf_path)!r}: rope_freqs.weight has {len(factors)} factors, "
+            f"the model's RoPE has {len(arch.rope_inv_freq)} frequencies"
+        )
+    inv = tuple(
+        float(np.float32(f) / np.float32(k))
+        for f, k in zip(arch.rope_inv_freq, factors, strict=True)
+    )
+    digest = hashlib.sha256(np.asarray(factors, dtype=np.float32).tobytes()).hexdigest()[:16]
+    params = (*arch.rope_parameters, ("gguf_rope_freqs", digest))
+    return dataclasses.replace(arch, rope_inv_freq=inv, rope_parameters=params)
 
 
 def _quantize_at_load(tensors: Iterator[tuple[str, Any]], mode: str) -> Iterator[tuple[str, Any]]:

@@ -274,3 +274,40 @@ def test_calibration_shapes_scale_with_the_model() -> None:
     assert max(chunks) == 32 and min(chunks) >= sc.MIN_PREFILL_CHUNK  # 512 / 16
     assert sc.CALIBRATION_MAX_S < big_limit <= sc.MAX_CALIBRATION_S
     assert [s.num_decodes for s in big] == [s.num_decodes for s in sc.DEFAULT_SHAPES]
+
+
+@pytest.mark.model
+def test_gguf_rope_freqs_applied_as_llama_cpp(tmp_path: Path, base: syn.BaseTokenizer) -> None:
+    """Llama 3's RoPE scaling lives in a GGUF only as ``rope_freqs.weight``: the bf16
+    GGUF then runs the same RoPE (and greedy ids) as the HF folder's llama3 config,
+    and not plain RoPE."""
+    from kvserve import LLM, SamplingParams
+    from kvserve.model.arch import ModelArchConfig
+    from kvserve.model.loader import _with_gguf_rope_freqs, load_hf_config
+
+    path = _gguf(tmp_path, TINY, "gguf-bf16", base)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    syn.write_hf(TINY, 0, base, folder, lambda _: None)
+    hf_arch = ModelArchConfig.from_hf_config(load_hf_config(folder))
+    plain = replace(hf_arch, rope_inv_freq=tuple(
+        1.0 / (TINY.rope_theta ** (i / TINY.head_dim)) for i in range(0, TINY.head_dim, 2)))  # fmt: skip
+    got = _with_gguf_rope_freqs(plain, path)
+    assert np.allclose(got.rope_inv_freq, hf_arch.rope_inv_freq, rtol=1e-6)
+    assert not np.allclose(plain.rope_inv_freq, hf_arch.rope_inv_freq, rtol=1e-3)
+    prompts = [
+        {"prompt_token_ids": [1 + (i * 7919 + j * 104729) % 49000 for j in range(96)]}
+        for i in range(3)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    ids, lps = [], []
+    for model in (str(path), str(folder)):
+        llm = LLM(model=model, dtype="float32", quantization="auto", num_kv_blocks=64,
+                  max_model_len=512, max_step_ms=0)  # fmt: skip
+        outs = llm.generate(prompts, params)
+        ids.append([list(o.outputs[0].token_ids) for o in outs])
+        lps.append([[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs])
+        del llm
+    assert ids[0] == ids[1]
+    # the RoPE shows in the log-probabilities (random weights: near-uniform attention)
+    assert np.allclose(lps[0], lps[1], rtol=0, atol=2e-5), np.abs(np.subtract(lps[0], lps[1])).max()
