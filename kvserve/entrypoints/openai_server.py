@@ -174,6 +174,8 @@ def build_app(
             yield
         finally:
             await async_engine.shutdown()
+            if compiler is not None and hasattr(compiler, "close"):
+                compiler.close()
             render_pool.close()
             cpu.shutdown()
             chat_threads.shutdown()
