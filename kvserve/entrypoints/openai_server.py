@@ -89,6 +89,7 @@ def build_app(
     async_engine: EngineClient,
     *,
     api_key: str | None = None,
+    open_metrics: bool = False,
     served_model_name: str | None = None,
     max_queue_len: int | None = None,
     max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST,
@@ -215,7 +216,7 @@ def build_app(
 
     app.add_middleware(BodyGuardMiddleware, max_body_bytes=body_limit, is_json_route=is_json_route)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_metrics=open_metrics)
     add_cors(app, allowed_origins)
 
     # ------------------------------------------------------------------ errors

@@ -36,7 +36,11 @@ import uvicorn
 from kvserve.engine.args import build_engine_config, engine_kwargs_from_args
 from kvserve.engine.vllm_compat import generation_defaults
 from kvserve.entrypoints import vllm_flags
-from kvserve.entrypoints.serve_args import add_arguments, http_options_from_args
+from kvserve.entrypoints.serve_args import (
+    add_arguments,
+    http_options_from_args,
+    uvicorn_limits_from_args,
+)
 from kvserve.kv_transfer.factory import build_connector, kv_transfer_config_from_args
 
 __all__ = ["add_arguments", "http_options_from_args", "run"]
@@ -68,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         http_options = http_options_from_args(args)
+        uvicorn_limits = uvicorn_limits_from_args(args)
         options, notices = vllm_flags.engine_options(args, engine_kwargs_from_args(args))
         for notice in notices:
             logger.info("%s", notice)
@@ -136,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(
             async_engine,
             api_key=api_key,
+            open_metrics=bool(args.allow_unauthenticated_metrics),
             served_model_name=args.served_model_name,
             max_queue_len=args.max_queue_len,
             max_prompts_per_request=args.max_prompts_per_request or None,
@@ -177,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             # The drain below already waited for the requests; this only bounds
             # writing out the cut ones' last bytes.
             timeout_graceful_shutdown=min(grace, FLUSH_TIMEOUT_S),
+            **uvicorn_limits,
         ),
         drain=lambda: async_engine.shutdown(drain_timeout_s=grace),
     )

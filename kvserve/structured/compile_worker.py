@@ -39,7 +39,7 @@ def _read_exact(stream: BinaryIO, n: int) -> bytes | None:
 
 
 def compile_check(tokenizer: Any, kind: str, value: Any) -> str:
-    """"" when the constraint compiles and its matcher accepts a first token, else
+    """ "" when the constraint compiles and its matcher accepts a first token, else
     the error text. Blocking; may crash the process on hostile input."""
     from llguidance import LLMatcher
 

@@ -137,7 +137,7 @@ class GrammarCompiler:
             return None
         with self._pool_lock:
             if self._pool is None and not self._pool_failed:
-                backend = getattr(self.tokenizer, "backend_tokenizer", None)
+                backend: Any = getattr(self.tokenizer, "backend_tokenizer", None)
                 try:
                     from copy import copy
 

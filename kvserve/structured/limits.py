@@ -132,9 +132,7 @@ def check_schema(schema: Any, field: str) -> None:
         value, depth = stack.pop()
         nodes += 1
         if nodes > MAX_SCHEMA_NODES:
-            raise _refuse(
-                field, f"more than {MAX_SCHEMA_NODES} values", "send a smaller schema"
-            )
+            raise _refuse(field, f"more than {MAX_SCHEMA_NODES} values", "send a smaller schema")
         if isinstance(value, dict | list):
             if depth > MAX_SCHEMA_DEPTH:
                 raise _refuse(
@@ -157,9 +155,7 @@ def check_schema(schema: Any, field: str) -> None:
         else:
             size += 8
         if size > MAX_SCHEMA_BYTES:
-            raise _refuse(
-                field, f"more than {MAX_SCHEMA_BYTES} bytes", "send a smaller schema"
-            )
+            raise _refuse(field, f"more than {MAX_SCHEMA_BYTES} bytes", "send a smaller schema")
 
 
 def check_choices(choices: tuple[str, ...], field: str) -> None:
