@@ -82,6 +82,13 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("enable_prefix_caching", "cache", bool, "reuse KV of shared prompt prefixes"),
     _Option("num_kv_blocks", "cache", int, "KV blocks to allocate (overrides kv_cache_memory_gib)"),
     _Option("kv_cache_memory_gib", "cache", float, "GiB of memory for the KV cache"),
+    _Option(
+        "kv_cache_commit",
+        "cache",
+        str,
+        "eager (default: reserve the KV pool at startup) or lazy (commit its memory as "
+        "blocks are first written; the size is a ceiling; --gpu-memory-utilization sets it)",
+    ),
     _Option("hash_algo", "cache", str, "prefix-cache block hash: sha256 (default) or builtin"),
     _Option(
         "kv_cache_dtype",

@@ -157,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.model.memory import memory_report
 
     logger.info("resident memory: %s", memory_report(engine).describe())
+    kv_pool = kv_pool_line(engine)
+    if kv_pool:
+        logger.info("%s", kv_pool)
     logger.info(
         "loaded %s in %.1f s (dtype=%s, attention=%s, max_model_len=%d, %d KV blocks, "
         "kv-role %s); serving on http://%s:%d%s",
@@ -191,6 +194,28 @@ def run(args: argparse.Namespace) -> int:
     if server.started:
         return 0
     return 1
+
+
+def kv_pool_line(engine: object) -> str | None:
+    """One log line: how many tokens the KV pool can hold, its size, and how much of
+    it is resident now (None when the runner has no KV tensor of its own)."""
+    from kvserve.model.lazy_memory import resident_bytes
+
+    runner = getattr(engine, "runner", None)
+    kv = getattr(runner, "kv_cache", None)
+    blocks = getattr(runner, "num_kv_blocks", None)
+    block_size = getattr(runner, "block_size", None)
+    if kv is None or not isinstance(blocks, int) or not isinstance(block_size, int):
+        return None
+    total = kv.numel() * kv.element_size()
+    lazy = bool(getattr(runner, "kv_cache_lazy", False))
+    resident = resident_bytes(kv) if lazy else total
+    now = f"{resident / 2**20:.1f} MiB" if resident is not None else "unknown"
+    return (
+        f"KV cache pool: holds up to {(blocks - 1) * block_size} tokens ({blocks} blocks, "
+        f"{total / 2**30:.2f} GiB {'ceiling, committed as used' if lazy else 'reserved'}); "
+        f"resident now {now}"
+    )
 
 
 class _Server(uvicorn.Server):
