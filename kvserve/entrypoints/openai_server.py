@@ -166,15 +166,15 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         await cpu.run(render_pool.warm)
-        if tool_parser and enable_auto_tool_choice and chat.template:
-            if not await cpu.run(chat.renders_tools):
-                logger.warning(
-                    "--tool-call-parser %s is set but the chat template has no tools section: "
-                    'requests with tools and tool_choice "auto" are refused (400) because the '
-                    "model would never see the tools; start with --chat-template FILE naming "
-                    "a template that renders tools (docs/function-calling.md)",
-                    tool_parser,
-                )
+        auto_tools = bool(tool_parser and enable_auto_tool_choice and chat.template)
+        if auto_tools and not await cpu.run(chat.renders_tools):
+            logger.warning(
+                "--tool-call-parser %s is set but the chat template has no tools section: "
+                'requests with tools and tool_choice "auto" are refused (400) because the '
+                "model would never see the tools; start with --chat-template FILE naming "
+                "a template that renders tools (docs/function-calling.md)",
+                tool_parser,
+            )
         compiler = getattr(async_engine, "grammar_compiler", None) or getattr(
             getattr(async_engine, "engine", None), "grammar_compiler", None
         )
