@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.entrypoints.extras import ignored_header
-from kvserve.entrypoints.http_guard import parse_json_body
+from kvserve.entrypoints.http_guard import CHAT_EXAMPLE, COMPLETION_EXAMPLE, parse_json_body
 from kvserve.entrypoints.openai_errors import APIError, bad_request, validation_error_to_api
 from kvserve.entrypoints.openai_serving import Generation, OpenAIServing
 from kvserve.entrypoints.serving_streams import abort_all
@@ -47,7 +47,9 @@ async def parse_body(request: Request, model: type[M], cpu: CpuPool) -> M:
 
 def validate_body(raw: bytes, model: type[M]) -> M:
     """``raw`` as ``model``; 400 in OpenAI's shape. Blocking."""
-    data = parse_json_body(raw)
+    data = parse_json_body(
+        raw, CHAT_EXAMPLE if "messages" in model.model_fields else COMPLETION_EXAMPLE
+    )
     try:
         return model.model_validate(data)
     except ValidationError as e:
