@@ -187,6 +187,8 @@ class OpenAIServing:
             else:
                 requests = await self.cpu.run_unless_small(size, make_all)
         except RequestError as e:
+            if e.code == "grammar_compiler_busy":  # every compile worker busy: retry
+                raise retry_later(503, str(e), e.code) from None
             raise request_error_to_api(e, names) from None
         streams: list[DeltaStream] = []
         try:

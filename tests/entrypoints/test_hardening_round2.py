@@ -58,6 +58,60 @@ def _alive(server: ServerProcess) -> None:
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
 
 
+HARD_SCHEMA: dict[str, Any] = {
+    "$defs": {
+        "node": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "pattern": "^[a-z]{1,20}(-[a-z0-9]{1,8}){0,4}$"},
+                "children": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+                "meta": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]},
+                "tags": {"type": "array", "items": {"enum": [f"t{i}" for i in range(300)]}},
+            },
+            "required": ["name", "children"],
+        }
+    },
+    "$ref": "#/$defs/node",
+}
+
+
+def test_a_first_hard_compile_does_not_hold_health(server: ServerProcess) -> None:
+    """Item 7: the first compile of a recursive-$ref schema (forced tool call) runs off
+    the event loop: /health keeps answering while it is in flight. First in this
+    module, so it is the server's first compile (the one that held /health 1.5-3.7 s)."""
+    import threading
+
+    result: dict[str, Any] = {}
+
+    def send() -> None:
+        t0 = time.monotonic()
+        body = {
+            "messages": [{"role": "user", "content": "a tree"}],
+            "max_tokens": 64,
+            "tools": [{"type": "function", "function": {"name": "t", "parameters": HARD_SCHEMA}}],
+            "tool_choice": "required",
+        }
+        r = httpx.post(
+            server.base_url + "/v1/chat/completions", json=body, headers=server.headers, timeout=120
+        )
+        result["status"] = r.status_code
+        result["s"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    worst = 0.0
+    with httpx.Client(timeout=10) as client:
+        while thread.is_alive():
+            t0 = time.monotonic()
+            assert client.get(server.base_url + "/health").status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.02)
+    thread.join()
+    print(f"first compile request {result['s']:.2f} s, worst /health {worst * 1000:.0f} ms")
+    assert result["status"] in (200, 400), result
+    assert worst < 0.75
+
+
 @pytest.mark.parametrize(
     "body",
     [

@@ -73,3 +73,49 @@ def test_bad_json_example_matches_the_route() -> None:
     with pytest.raises(APIError) as completion:
         validate_body(b"{bad", CompletionRequest)
     assert '"prompt"' in completion.value.body()["error"]["message"]
+
+
+class _Engine:
+    """Just enough of an engine client for OpenAIServing.submit: records the thread
+    make_request (validation, grammar compiles) runs on, then refuses."""
+
+    def __init__(self) -> None:
+        from kvserve.model.loader import load_tokenizer
+
+        self.tokenizer = load_tokenizer("smollm2-135m-instruct")
+        self.threads: list[int] = []
+
+    def make_request(self, *args: Any, **kwargs: Any) -> Any:
+        import threading
+
+        from kvserve.request import RequestError
+
+        self.threads.append(threading.get_ident())
+        raise RequestError("stop here", param="prompt")
+
+
+def test_structured_requests_validate_off_the_event_loop() -> None:
+    """Item 7: a short prompt with a constraint is validated (compiled) on a worker
+    thread, never on the event loop (short prompts without one stay inline)."""
+    import threading
+
+    from kvserve.entrypoints.openai_serving import OpenAIServing
+    from kvserve.request import SamplingParams
+    from kvserve.structured.params import StructuredOutputsParams
+
+    engine = _Engine()
+    serving = OpenAIServing(engine, served_model_name="m")  # type: ignore[arg-type]
+    constrained = SamplingParams(
+        max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+")
+    )
+
+    async def submit(params: SamplingParams) -> int:
+        with pytest.raises(APIError):
+            await serving.submit("r", [("hi", [1, 2, 3], params)], None, {})
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(submit(constrained))
+    assert engine.threads[-1] != loop_thread
+    loop_thread = asyncio.run(submit(SamplingParams(max_tokens=4)))
+    assert engine.threads[-1] == loop_thread
+    serving.cpu.shutdown()

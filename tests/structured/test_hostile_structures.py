@@ -107,3 +107,22 @@ def test_cache_is_bounded_in_entries_and_bytes(tokenizer: Any) -> None:
         c.check(StructuredOutputsParams(grammar=big + f' | "{i}"'))
     assert c.num_cached_bytes <= 200_000
     assert len(c._cache) < 4
+
+
+def test_compiles_run_on_the_compiler_thread_not_the_caller(tokenizer: Any) -> None:
+    """Item 7: the native compile never runs on the calling thread (the server calls
+    check() from a worker thread; the compile itself is on the large-stack thread)."""
+    import threading
+
+    c = GrammarCompiler(tokenizer, 49152, 2, isolate=False)
+    seen: list[str] = []
+    original = c._compile
+
+    def spy(params: StructuredOutputsParams) -> Any:
+        seen.append(threading.current_thread().name)
+        return original(params)
+
+    c._compile = spy  # type: ignore[method-assign]
+    c.check(StructuredOutputsParams(regex="[a-z]{3}"))
+    assert seen and seen[0].startswith("kvserve-grammar")
+    assert threading.current_thread().name not in seen
