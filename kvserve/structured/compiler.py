@@ -223,7 +223,7 @@ class GrammarCompiler:
                 pool.check(kind, list(value) if kind == "choice" else value)
             except CompileRefused as e:
                 raise RequestError(
-                    f"invalid {kind} for structured outputs: {_first_line(str(e))}; fix the "
+                    f"invalid {kind} for structured outputs: {_one_line(str(e))}; fix the "
                     f"{_WHAT[kind]} (for example {_EXAMPLE[kind]})",
                     param=field,
                     code="grammar_compiler_busy" if e.busy else "invalid_value",
@@ -324,6 +324,13 @@ class GrammarCompiler:
 
 # Tokens of one path the compile-time probe walks (GrammarCompiler._probe).
 PROBE_TOKENS = 16
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    """``text`` on one line (runs of whitespace as one space), at most ``limit``
+    characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def _first_line(text: str) -> str:
