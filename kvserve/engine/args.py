@@ -21,6 +21,7 @@ from kvserve.config import (
     SchedulerConfig,
     is_int,
 )
+from kvserve.engine.device import DEVICES_HELP, resolve_device
 from kvserve.spec_decode.config import SpeculativeConfig
 
 
@@ -59,7 +60,7 @@ OPTIONS: tuple[_Option, ...] = (
         "auto (default: run a GGUF's Q4_0/Q4_1/Q8_0 weights as they are), none (dequantize "
         "to the model dtype), int8 or int4 (quantize a float checkpoint at load)",
     ),
-    _Option("device", "model", str, "torch device, default cpu"),
+    _Option("device", "model", str, "torch device: " + DEVICES_HELP),
     _Option(
         "compile",
         "model",
@@ -81,6 +82,13 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("enable_prefix_caching", "cache", bool, "reuse KV of shared prompt prefixes"),
     _Option("num_kv_blocks", "cache", int, "KV blocks to allocate (overrides kv_cache_memory_gib)"),
     _Option("kv_cache_memory_gib", "cache", float, "GiB of memory for the KV cache"),
+    _Option(
+        "kv_cache_commit",
+        "cache",
+        str,
+        "eager (default: reserve the KV pool at startup) or lazy (commit its memory as "
+        "blocks are first written; the size is a ceiling; --gpu-memory-utilization sets it)",
+    ),
     _Option("hash_algo", "cache", str, "prefix-cache block hash: sha256 (default) or builtin"),
     _Option(
         "kv_cache_dtype",
@@ -187,6 +195,7 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
             f"unknown engine option(s) {', '.join(unknown)}; valid options are: {', '.join(OPTION_NAMES)}"
         )
     given = {k: v for k, v in kwargs.items() if v is not None}
+    given["device"] = resolve_device(given.get("device"))
     for key in ("num_batched_tokens_buckets", "num_seqs_buckets"):
         if key in given and not isinstance(given[key], tuple):
             value = given[key]

@@ -10,8 +10,10 @@ the alternative:
     tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1
                               accepted (one engine per process); > 1 refused: use
                               ``--replicas N`` (Ray Serve) to scale out
-    gpu_memory_utilization=f  the KV cache gets ``f`` x the RAM available at start
-                              (unless num_kv_blocks / kv_cache_memory_gib are given)
+    gpu_memory_utilization=f  the KV cache may grow to ``f`` x the RAM available at
+                              start, a ceiling committed as blocks are used
+                              (kv_cache_commit="lazy"), unless num_kv_blocks /
+                              kv_cache_memory_gib are given
     enforce_eager             accepted: kvserve runs eager unless ``--compile``
     trust_remote_code         accepted: kvserve builds the model itself and runs no
                               code from the model folder
@@ -89,9 +91,12 @@ def translate_vllm_options(options: dict[str, Any]) -> tuple[dict[str, Any], lis
         if options.get("num_kv_blocks") is None and options.get("kv_cache_memory_gib") is None:
             gib = round(util * _ram_available_gib(), 2)
             out["kv_cache_memory_gib"] = max(gib, 0.01)
+            out.setdefault("kv_cache_commit", "lazy")
             notices.append(
-                f"gpu_memory_utilization={util}: kvserve runs on CPU; the KV cache gets "
-                f"{util} x the RAM available now = {gib} GiB (kv_cache_memory_gib)"
+                f"gpu_memory_utilization={util}: kvserve runs on CPU; the KV cache may grow "
+                f"to {util} x the RAM available now = {gib} GiB (kv_cache_memory_gib), a "
+                "ceiling: its memory is committed as blocks are used "
+                f"(kv_cache_commit={out['kv_cache_commit']})"
             )
         else:
             notices.append(

@@ -152,26 +152,29 @@ def _json_number(text: str) -> float | int:
     return value
 
 
-_EXAMPLE = '{"prompt": "Hello", "max_tokens": 16}'
+COMPLETION_EXAMPLE = '{"prompt": "Hello", "max_tokens": 16}'
 
 
-def parse_json_body(raw: bytes) -> dict[str, Any]:
+CHAT_EXAMPLE = '{"model": "...", "messages": [{"role": "user", "content": "Hello"}]}'
+
+
+def parse_json_body(raw: bytes, example: str = COMPLETION_EXAMPLE) -> dict[str, Any]:
     """The body as a JSON object; raises :class:`APIError` (400) as the module
-    docstring says. Blocking (CPU) for large bodies."""
+    docstring says, its message showing ``example`` (a valid body for the route).
+    Blocking (CPU) for large bodies."""
     try:
         data = json.loads(raw, parse_float=_json_number)
     except RecursionError:
         raise _too_deep() from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(
-            f"the request body is not valid JSON ({e}): send a JSON object, for example "
-            + _EXAMPLE,
+            f"the request body is not valid JSON ({e}): send a JSON object, for example " + example,
             code="invalid_json",
         ) from None
     if not isinstance(data, dict):
         raise bad_request(
             f"the request body must be a JSON object, got {type(data).__name__}: for example "
-            + _EXAMPLE,
+            + example,
             code="invalid_json",
         )
     check_json_value(data, surrogates=_may_hold_surrogates(raw))

@@ -89,6 +89,7 @@ def build_app(
     async_engine: EngineClient,
     *,
     api_key: str | None = None,
+    open_metrics: bool = False,
     served_model_name: str | None = None,
     max_queue_len: int | None = None,
     max_prompts_per_request: int | None = DEFAULT_MAX_PROMPTS_PER_REQUEST,
@@ -165,6 +166,15 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         await cpu.run(render_pool.warm)
+        auto_tools = bool(tool_parser and enable_auto_tool_choice and chat.template)
+        if auto_tools and not await cpu.run(chat.renders_tools):
+            logger.warning(
+                "--tool-call-parser %s is set but the chat template has no tools section: "
+                'requests with tools and tool_choice "auto" are refused (400) because the '
+                "model would never see the tools; start with --chat-template FILE naming "
+                "a template that renders tools (docs/function-calling.md)",
+                tool_parser,
+            )
         compiler = getattr(async_engine, "grammar_compiler", None) or getattr(
             getattr(async_engine, "engine", None), "grammar_compiler", None
         )
@@ -174,6 +184,8 @@ def build_app(
             yield
         finally:
             await async_engine.shutdown()
+            if compiler is not None and hasattr(compiler, "close"):
+                compiler.close()
             render_pool.close()
             cpu.shutdown()
             chat_threads.shutdown()
@@ -213,7 +225,7 @@ def build_app(
 
     app.add_middleware(BodyGuardMiddleware, max_body_bytes=body_limit, is_json_route=is_json_route)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_metrics=open_metrics)
     add_cors(app, allowed_origins)
 
     # ------------------------------------------------------------------ errors

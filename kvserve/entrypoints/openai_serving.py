@@ -180,10 +180,15 @@ class OpenAIServing:
                 for i, (text, ids, params) in enumerate(inputs)
             ]
 
-        try:  # validation walks every token id: off the event loop
+        try:  # validation walks every token id, and compiles grammars: off the event loop
             size = sum(len(ids) for _, ids, _ in inputs)
-            requests = await self.cpu.run_unless_small(size, make_all)
+            if any(params.structured_outputs is not None for _, _, params in inputs):
+                requests = await self.cpu.run(make_all)
+            else:
+                requests = await self.cpu.run_unless_small(size, make_all)
         except RequestError as e:
+            if e.code == "grammar_compiler_busy":  # every compile worker busy: retry
+                raise retry_later(503, str(e), e.code) from None
             raise request_error_to_api(e, names) from None
         streams: list[DeltaStream] = []
         try:

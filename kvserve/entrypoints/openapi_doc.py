@@ -34,7 +34,7 @@ from kvserve.entrypoints.chat_protocol import (
 )
 from kvserve.entrypoints.completions_protocol import CompletionRequest
 from kvserve.entrypoints.responses_protocol import ResponsesRequest
-from kvserve.entrypoints.server_http import PROTECTED_PREFIXES
+from kvserve.entrypoints.server_http import OPEN_PATHS
 from kvserve.request import MAX_SAMPLES
 
 REF = "#/components/schemas/{model}"
@@ -312,7 +312,7 @@ def openapi_document(
     if api_key_required:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, item in paths.items():
-            if any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES):
+            if path not in OPEN_PATHS:
                 for op in item.values():
                     op["security"] = [{"bearer": []}]
     return {

@@ -14,6 +14,11 @@ from typing import Any
 from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.engine.args import add_engine_arguments
 from kvserve.entrypoints import vllm_flags
+from kvserve.entrypoints.http_protocol import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HEADER_BYTES,
+)
 from kvserve.kv_transfer.factory import add_kv_transfer_arguments
 
 
@@ -33,7 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSERVE_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+        "$KVSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--allow-unauthenticated-metrics",
+        action="store_true",
+        help="with --api-key, leave /metrics open (for a scraper without credentials)",
     )
     parser.add_argument(
         "--max-queue-len",
@@ -88,6 +99,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ORIGIN",
         help="send CORS headers for these origins ('*' for any; default: none, so browsers "
         "keep other sites' pages from reading answers)",
+    )
+    hardening.add_argument(
+        "--max-header-bytes",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_HEADER_BYTES,
+        help="answer 431 and close when a request line and headers pass this many bytes "
+        f"(default {DEFAULT_MAX_HEADER_BYTES})",
+    )
+    hardening.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="answer 408 and close a connection whose request headers take longer "
+        f"(slowloris; default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    hardening.add_argument(
+        "--timeout-keep-alive",
+        type=_non_negative_int,
+        default=5,
+        metavar="SECONDS",
+        help="close an idle keep-alive connection after this long (default 5)",
+    )
+    hardening.add_argument(
+        "--limit-concurrency",
+        type=_non_negative_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="answer 503 + Retry-After past this many open connections or requests in "
+        f"progress (default {DEFAULT_MAX_CONNECTIONS})",
     )
     parser.add_argument(
         "--graceful-shutdown-timeout",
@@ -153,6 +193,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     add_kv_transfer_arguments(parser)
     vllm_flags.add_arguments(parser)
+
+
+def uvicorn_limits_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """``uvicorn.Config`` keyword arguments of the connection flags (the bounded
+    protocol class, keep-alive, concurrency); ValueError with the flag at fault."""
+    from kvserve.entrypoints.http_protocol import guarded_protocol
+
+    limit = args.limit_concurrency or DEFAULT_MAX_CONNECTIONS
+    return {
+        "http": guarded_protocol(
+            max_header_bytes=args.max_header_bytes,
+            header_timeout_s=args.header_timeout,
+            max_connections=limit,
+        ),
+        "timeout_keep_alive": args.timeout_keep_alive,
+        "limit_concurrency": limit,
+    }
 
 
 def http_options_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -36,7 +36,11 @@ import uvicorn
 from kvserve.engine.args import build_engine_config, engine_kwargs_from_args
 from kvserve.engine.vllm_compat import generation_defaults
 from kvserve.entrypoints import vllm_flags
-from kvserve.entrypoints.serve_args import add_arguments, http_options_from_args
+from kvserve.entrypoints.serve_args import (
+    add_arguments,
+    http_options_from_args,
+    uvicorn_limits_from_args,
+)
 from kvserve.kv_transfer.factory import build_connector, kv_transfer_config_from_args
 
 __all__ = ["add_arguments", "http_options_from_args", "run"]
@@ -68,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         http_options = http_options_from_args(args)
+        uvicorn_limits = uvicorn_limits_from_args(args)
         options, notices = vllm_flags.engine_options(args, engine_kwargs_from_args(args))
         for notice in notices:
             logger.info("%s", notice)
@@ -136,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(
             async_engine,
             api_key=api_key,
+            open_metrics=bool(args.allow_unauthenticated_metrics),
             served_model_name=args.served_model_name,
             max_queue_len=args.max_queue_len,
             max_prompts_per_request=args.max_prompts_per_request or None,
@@ -151,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.model.memory import memory_report
 
     logger.info("resident memory: %s", memory_report(engine).describe())
+    kv_pool = kv_pool_line(engine)
+    if kv_pool:
+        logger.info("%s", kv_pool)
     logger.info(
         "loaded %s in %.1f s (dtype=%s, attention=%s, max_model_len=%d, %d KV blocks, "
         "kv-role %s); serving on http://%s:%d%s",
@@ -177,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
             # The drain below already waited for the requests; this only bounds
             # writing out the cut ones' last bytes.
             timeout_graceful_shutdown=min(grace, FLUSH_TIMEOUT_S),
+            **uvicorn_limits,
         ),
         drain=lambda: async_engine.shutdown(drain_timeout_s=grace),
     )
@@ -184,6 +194,28 @@ def run(args: argparse.Namespace) -> int:
     if server.started:
         return 0
     return 1
+
+
+def kv_pool_line(engine: object) -> str | None:
+    """One log line: how many tokens the KV pool can hold, its size, and how much of
+    it is resident now (None when the runner has no KV tensor of its own)."""
+    from kvserve.model.lazy_memory import resident_bytes
+
+    runner = getattr(engine, "runner", None)
+    kv = getattr(runner, "kv_cache", None)
+    blocks = getattr(runner, "num_kv_blocks", None)
+    block_size = getattr(runner, "block_size", None)
+    if kv is None or not isinstance(blocks, int) or not isinstance(block_size, int):
+        return None
+    total = kv.numel() * kv.element_size()
+    lazy = bool(getattr(runner, "kv_cache_lazy", False))
+    resident = resident_bytes(kv) if lazy else total
+    now = f"{resident / 2**20:.1f} MiB" if resident is not None else "unknown"
+    return (
+        f"KV cache pool: holds up to {(blocks - 1) * block_size} tokens ({blocks} blocks, "
+        f"{total / 2**30:.2f} GiB {'ceiling, committed as used' if lazy else 'reserved'}); "
+        f"resident now {now}"
+    )
 
 
 class _Server(uvicorn.Server):

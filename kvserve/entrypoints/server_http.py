@@ -23,13 +23,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvserve.entrypoints.extras import ignored_header
-from kvserve.entrypoints.http_guard import parse_json_body
+from kvserve.entrypoints.http_guard import CHAT_EXAMPLE, COMPLETION_EXAMPLE, parse_json_body
 from kvserve.entrypoints.openai_errors import APIError, bad_request, validation_error_to_api
 from kvserve.entrypoints.openai_serving import Generation, OpenAIServing
 from kvserve.entrypoints.serving_streams import abort_all
 from kvserve.entrypoints.workers import CpuPool
 
-PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+# Under --api-key every route needs the key except these (load balancers' probes).
+OPEN_PATHS = frozenset({"/health"})
 M = TypeVar("M", bound=BaseModel)
 # Bodies up to this size are parsed on the event loop (a thread hop costs more).
 _INLINE_PARSE_BYTES = 64 * 1024
@@ -46,7 +47,9 @@ async def parse_body(request: Request, model: type[M], cpu: CpuPool) -> M:
 
 def validate_body(raw: bytes, model: type[M]) -> M:
     """``raw`` as ``model``; 400 in OpenAI's shape. Blocking."""
-    data = parse_json_body(raw)
+    data = parse_json_body(
+        raw, CHAT_EXAMPLE if "messages" in model.model_fields else COMPLETION_EXAMPLE
+    )
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -159,18 +162,25 @@ class SSEResponse(StreamingResponse):
 
 
 class ApiKeyMiddleware:
-    """401 on protected routes unless ``Authorization: Bearer <api_key>``."""
+    """401 on every route unless ``Authorization: Bearer <api_key>``; the health
+    probes (:data:`OPEN_PATHS`) always answer, ``/metrics`` too when ``open_metrics``
+    (``--allow-unauthenticated-metrics``: an operator whose scraper has no key says
+    so). CORS preflights (``OPTIONS``) pass: they carry no credentials by design."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, *, open_metrics: bool = False) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._open = OPEN_PATHS | ({"/metrics"} if open_metrics else set())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
-        if not any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES):
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        if path in self._open:
             await self.app(scope, receive, send)
             return
         given = b""

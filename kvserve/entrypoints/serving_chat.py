@@ -28,6 +28,7 @@ async def render_chat(
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools_must_render: bool = False,
 ) -> ChatPrompt:
     """The chat prompt (``ChatPromptBuilder.build`` on a worker thread); its
     refusals as APIError: 400 (template refused, too slow, not allowed), 503 when
@@ -40,6 +41,7 @@ async def render_chat(
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
+            tools_must_render=tools_must_render,
         )
     except ChatPromptError as e:
         raise bad_request(str(e), param=e.param, code=e.code) from None
@@ -69,6 +71,7 @@ async def start_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> Gene
         add_generation_prompt=req.add_generation_prompt,
         chat_template=req.chat_template,
         chat_template_kwargs=req.chat_template_kwargs,
+        tools_must_render=plan.mode == "auto",
     )
     text, ids = prompt.text, prompt.token_ids
     max_tokens, max_param = req.requested_max_tokens

@@ -16,6 +16,7 @@ import torch
 
 from kvserve.model.hugepages import zeros_hugepages
 from kvserve.model.kernels.kv8 import KVCacheFormat, resolve_kv_cache_dtype
+from kvserve.model.lazy_memory import lazy_zeros
 
 if TYPE_CHECKING:
     from kvserve.model.llama import LlamaForCausalLM
@@ -39,17 +40,23 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     kv_format: KVCacheFormat | None = None,
+    *,
+    lazy: bool = False,
 ) -> torch.Tensor:
     """Zeroed cache ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``
     (8-bit ``kv_format``: last dim ``head_dim + 4``, see :mod:`kvserve.model.kernels.kv8`).
 
     ``cache[i]`` is layer ``i``'s view in the layout of ``kvserve.model.attention``.
+    ``lazy`` (CPU): memory committed as blocks are first written
+    (:func:`kvserve.model.lazy_memory.lazy_zeros`), no huge pages.
     """
     cfg = model.config
     last = cfg.head_dim
     if kv_format is not None:
         dtype, last = kv_format.torch_dtype, kv_format.last_dim(cfg.head_dim)
     shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_blocks, block_size, last)
+    if lazy and torch.device(device).type == "cpu":
+        return lazy_zeros(*shape, dtype=dtype)
     if torch.device(device).type == "cpu":  # scattered block reads: fewer TLB misses
         return zeros_hugepages(*shape, dtype=dtype)
     return torch.zeros(*shape, dtype=dtype, device=device)

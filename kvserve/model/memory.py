@@ -51,6 +51,11 @@ def memory_report(engine: Any) -> MemoryReport:
     weights = int(model.weight_bytes()) if hasattr(model, "weight_bytes") else 0
     kv_tensor = getattr(engine.runner, "kv_cache", None)
     kv = 0 if kv_tensor is None else kv_tensor.numel() * kv_tensor.element_size()
+    if kv_tensor is not None and getattr(engine.runner, "kv_cache_lazy", False):
+        from kvserve.model.lazy_memory import resident_bytes
+
+        resident = resident_bytes(kv_tensor)  # a lazy pool: what is committed now
+        kv = resident if resident is not None else kv
     rss = _rss_bytes()
     runtime = None if rss is None else max(rss - weights - kv, 0)
     kv_format = getattr(engine.runner, "kv_format", None)

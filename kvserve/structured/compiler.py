@@ -31,10 +31,13 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvserve.request import RequestError
 from kvserve.structured.budget import ClosingTables, closing_plan
+from kvserve.structured.compile_pool import DEFAULT_TIMEOUT_S, CompilePool, CompileRefused
+from kvserve.structured.limits import check_structure
 from kvserve.structured.params import StructuredOutputsParams
 
 # JSON output style: compact, no free whitespace (a schema's x-guidance overrides it).
@@ -43,6 +46,13 @@ _JSON_OPTIONS: Any = {"whitespace_flexible": False}
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 256
+# Bytes of compiled constraints kept, estimated as COMPILED_BYTES_PER_CHAR x the
+# grammar's text (a compiled llguidance grammar is a few times its text).
+DEFAULT_CACHE_BYTES = 256 << 20
+COMPILED_BYTES_PER_CHAR = 16
+# The server's own compile thread: a larger stack than the worker's (what compiled
+# there compiles here).
+COMPILE_STACK_BYTES = 256 << 20
 
 
 class GrammarCompiler:
@@ -53,6 +63,16 @@ class GrammarCompiler:
     ``eos_token_id``: the token the matcher allows once the grammar is complete.
     The llguidance tokenizer (about 0.5 s to build) is built on first use, or by
     :meth:`warm` (the server's startup calls it).
+
+    Hostile input (issue 43): a new constraint is first bounded in size and depth
+    (``structured.limits``), then, with ``isolate`` (the default, when the tokenizer
+    is a HF fast tokenizer), compiled in a worker process bounded by
+    ``compile_timeout_s`` (``structured.compile_pool``), and only then compiled here
+    on a dedicated thread with a large stack. A refusal at any stage is a
+    :class:`RequestError` naming the field. The cache keeps at most ``cache_size``
+    constraints and about ``cache_bytes`` bytes (least recently used dropped first).
+    Compiles block the calling thread: the server calls :meth:`check` off its event
+    loop.
     """
 
     def __init__(
@@ -62,14 +82,26 @@ class GrammarCompiler:
         eos_token_id: int | None,
         *,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        isolate: bool = True,
+        compile_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self.isolate = isolate
+        self.compile_timeout_s = compile_timeout_s
         self._lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self._pool: CompilePool | None = None
+        self._pool_failed = False
+        self._compile_thread: ThreadPoolExecutor | None = None
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}
+        self.num_cached_bytes = 0
         self._min_tokens: dict[tuple[str, str], int | None] = {}
         self._tables: ClosingTables | None = None
         self.num_compiled = 0  # cache misses, for tests and stats
@@ -86,13 +118,52 @@ class GrammarCompiler:
     def warm(self) -> None:
         """Build the llguidance tokenizer now (blocking, thread-safe), so the first
         constrained request does not pay for it (0.5 s quiet, ~9 s measured on a loaded
-        machine: long enough to time that request out). A tokenizer llguidance cannot
-        take is left for the first constrained request to report."""
+        machine: long enough to time that request out), and start the compile worker.
+        A tokenizer llguidance cannot take is left for the first constrained request to
+        report."""
         with self._lock:
             try:
                 self._llg_tokenizer()
             except Exception as e:  # noqa: BLE001 (reported by the request that needs it)
                 logger.warning("grammar compiler: tokenizer not built at startup: %s", e)
+        pool = self._compile_pool()
+        if pool is not None:
+            pool.warm()
+
+    def _compile_pool(self) -> CompilePool | None:
+        """The worker pool (started on first use); None without ``isolate`` or when
+        the tokenizer cannot be handed to a worker (then compiles run here only)."""
+        if not self.isolate:
+            return None
+        with self._pool_lock:
+            if self._pool is None and not self._pool_failed:
+                backend: Any = getattr(self.tokenizer, "backend_tokenizer", None)
+                try:
+                    from copy import copy
+
+                    backend = copy(backend)
+                    backend.no_padding()
+                    backend.no_truncation()
+                    text = backend.to_str()
+                    self._pool = CompilePool(
+                        text, self.vocab_size, self.eos_token_id, timeout_s=self.compile_timeout_s
+                    )
+                except Exception as e:  # noqa: BLE001 (not a HF fast tokenizer)
+                    self._pool_failed = True
+                    logger.warning(
+                        "grammar compiler: no worker process (%s); constraints compile in "
+                        "this process, bounded by size and depth only",
+                        e,
+                    )
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the compile worker (the server's shutdown calls it)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+            self._pool_failed = True
+        if pool is not None:
+            pool.close()
 
     def check(self, params: StructuredOutputsParams) -> None:
         """Compile ``params`` (once; later calls hit the cache). Raises
@@ -142,12 +213,50 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            compiled = self._compile(params)
-            self._cache[key] = compiled
-            self.num_compiled += 1
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-            return compiled
+        kind = params.kind
+        field = f"structured_outputs.{kind}"
+        value: Any = getattr(params, kind)
+        check_structure(kind, value, field)
+        pool = self._compile_pool()
+        if pool is not None:
+            try:
+                pool.check(kind, list(value) if kind == "choice" else value)
+            except CompileRefused as e:
+                raise RequestError(
+                    f"invalid {kind} for structured outputs: {_one_line(str(e))}; fix the "
+                    f"{_WHAT[kind]} (for example {_EXAMPLE[kind]})",
+                    param=field,
+                    code="grammar_compiler_busy" if e.busy else "invalid_value",
+                ) from None
+        compiled = self._on_compile_thread(params)
+        size = COMPILED_BYTES_PER_CHAR * len(key[1]) + 4096
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = compiled
+                self._sizes[key] = size
+                self.num_cached_bytes += size
+                self.num_compiled += 1
+            self._cache.move_to_end(key)
+            while len(self._cache) > 1 and (
+                len(self._cache) > self.cache_size or self.num_cached_bytes > self.cache_bytes
+            ):
+                old, _ = self._cache.popitem(last=False)
+                self.num_cached_bytes -= self._sizes.pop(old, 0)
+                self._min_tokens.pop(old, None)
+            return self._cache.get(key, compiled)
+
+    def _on_compile_thread(self, params: StructuredOutputsParams) -> Any:
+        """``_compile(params)`` on the compiler's own thread (a large stack)."""
+        with self._pool_lock:
+            if self._compile_thread is None:
+                old = threading.stack_size(COMPILE_STACK_BYTES)
+                try:
+                    self._compile_thread = ThreadPoolExecutor(1, "kvserve-grammar")
+                    self._compile_thread.submit(lambda: None).result()
+                finally:
+                    threading.stack_size(old)
+            executor = self._compile_thread
+        return executor.submit(self._compile, params).result()
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         from llguidance import LLMatcher
@@ -155,7 +264,7 @@ class GrammarCompiler:
         kind = params.kind
         field = f"structured_outputs.{kind}"
         try:
-            grammar = _grammar(params)
+            grammar = grammar_text(params)
         except (ValueError, TypeError) as e:
             raise RequestError(f"invalid {kind} for structured outputs: {e}", param=field) from None
         tokenizer = self._llg_tokenizer()
@@ -217,6 +326,13 @@ class GrammarCompiler:
 PROBE_TOKENS = 16
 
 
+def _one_line(text: str, limit: int = 600) -> str:
+    """``text`` on one line (runs of whitespace as one space), at most ``limit``
+    characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
 def _first_line(text: str) -> str:
     text = text.strip()
     return text.splitlines()[0] if text else ""
@@ -238,8 +354,9 @@ _EXAMPLE = {
 }
 
 
-def _grammar(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar text of a constraint (not yet validated)."""
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar text of a constraint (not yet validated). Native code:
+    call it only on a constraint :func:`check_structure` passed."""
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import gbnf_to_lark
 

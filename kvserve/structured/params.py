@@ -58,7 +58,7 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 json.loads(self.json)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise RequestError(
                     f"structured_outputs.json is not valid JSON ({e}): send a JSON schema "
                     'object, for example {"type": "object"}',

@@ -138,8 +138,15 @@ class ModelRunner:
                 f"(block 0 is the null block) (for example: kv_cache_memory_gib=1.0)"
             )
         self.num_kv_blocks: int = num_blocks
+        self.kv_cache_lazy = cache_config.kv_cache_commit == "lazy"
         self.kv_cache = allocate_kv_cache(
-            self.model, num_blocks, self.block_size, loaded.dtype, self.device, self.kv_format
+            self.model,
+            num_blocks,
+            self.block_size,
+            loaded.dtype,
+            self.device,
+            self.kv_format,
+            lazy=self.kv_cache_lazy,
         )
         self.kv_caches: list[torch.Tensor] = list(self.kv_cache.unbind(0))
         pad = getattr(loaded.hf_config, "pad_token_id", None)

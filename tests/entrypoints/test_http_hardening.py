@@ -282,7 +282,8 @@ def test_openapi_limits_and_security(tokenizer: Any, default_server: tuple[str, 
     assert "securitySchemes" not in doc["components"]
     assert all("security" not in op for item in doc["paths"].values() for op in item.values())
     with server(tokenizer, api_key="k") as (url2, _):
-        doc = httpx.get(url2 + "/openapi.json").json()
+        assert httpx.get(url2 + "/openapi.json").status_code == 401  # every route but /health
+        doc = httpx.get(url2 + "/openapi.json", headers={"Authorization": "Bearer k"}).json()
         assert "bearer" in doc["components"]["securitySchemes"]
         assert doc["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}]
         assert "security" not in doc["paths"]["/health"]["get"]

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from support.server_helpers import ServerProcess, scrape, serve_process
+from support.server_helpers import API_KEYS, ServerProcess, scrape, serve_process
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -37,6 +37,7 @@ def small_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     ]  # fmt: skip
     with serve_process(args, tmp_path_factory.mktemp("small")) as server:
         server.api_key = KEY
+        API_KEYS[server.base_url] = KEY  # scrape() sends it: /metrics needs the key
         print(f"small server startup: {server.startup_s:.1f} s")
         yield server
 

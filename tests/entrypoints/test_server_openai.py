@@ -378,7 +378,7 @@ def test_disconnect_while_waiting_non_stream_aborts(kvserve_server: ServerProces
     assert after[aborted] - before.get(aborted, 0.0) == 1
 
 
-def test_api_key_required_on_v1_routes(kvserve_server: ServerProcess) -> None:
+def test_api_key_required_on_every_route_but_health(kvserve_server: ServerProcess) -> None:
     url = kvserve_server.base_url
     routes = [
         ("GET", "/v1/models", None),
@@ -397,9 +397,10 @@ def test_api_key_required_on_v1_routes(kvserve_server: ServerProcess) -> None:
             method, url + path, json=body, headers=kvserve_server.headers, timeout=60
         )
         assert ok.status_code == 200, (path, ok.text)
-    # health and metrics stay open (as in vLLM)
+    # only health stays open; /metrics needs the key too (issue 43)
     assert httpx.get(url + "/health").status_code == 200
-    assert httpx.get(url + "/metrics").status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 401
+    assert httpx.get(url + "/metrics", headers=kvserve_server.headers).status_code == 200
     bad = openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()

@@ -69,7 +69,7 @@ def _raw(compiler: GrammarCompiler, params: StructuredOutputsParams) -> Any:
     """A matcher built without the compile-time probe (as a deeper failure would be)."""
     from llguidance import LLMatcher
 
-    from kvserve.structured.compiler import _grammar
+    from kvserve.structured.compiler import grammar_text as _grammar
 
     return LLMatcher(compiler._llg_tokenizer(), _grammar(params), log_level=0)
 

@@ -93,6 +93,8 @@ def serve_process(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path, 0.0, api_key)
+    if api_key:
+        API_KEYS[server.base_url] = api_key
     try:
         wait_healthy(server.base_url, proc, timeout_s)
         server.startup_s = time.monotonic() - t0
@@ -133,10 +135,18 @@ def serve_thread(app: Any) -> Iterator[str]:
         thread.join(timeout=30)
 
 
+# base URL -> API key of the servers serve_process started with one: under --api-key
+# /metrics needs the key too (issue 43), and scrape() sends it.
+API_KEYS: dict[str, str] = {}
+
+
 def scrape(base_url: str) -> dict[str, float]:
-    """GET /metrics, parsed by prometheus-client's parser: sample name -> value
-    (labels other than model_name are appended as ``name{k=v}``)."""
-    text = httpx.get(base_url + "/metrics", timeout=10).text
+    """GET /metrics (with the server's API key when serve_process started it with
+    one), parsed by prometheus-client's parser: sample name -> value (labels other
+    than model_name are appended as ``name{k=v}``)."""
+    key = API_KEYS.get(base_url)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    text = httpx.get(base_url + "/metrics", timeout=10, headers=headers).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

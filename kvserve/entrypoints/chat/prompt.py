@@ -92,6 +92,13 @@ def _special_token_vars(tokenizer: Any) -> dict[str, str]:
     return out
 
 
+_PROBE_TOOL: dict[str, Any] = {
+    "name": "kvserve_probe_tool_5b1e",
+    "description": "probe",
+    "parameters": {"type": "object", "properties": {}},
+}
+
+
 class ChatPromptBuilder:
     """See the module docstring. ``render`` runs render jobs (``RenderPool.render``
     on the server, :func:`render_in_process` offline); ``max_chars`` caps a rendered
@@ -113,6 +120,35 @@ class ChatPromptBuilder:
         self.trust_request_template = trust_request_template
         self.max_chars = max_chars
         self._special_vars = _special_token_vars(tokenizer)
+        self._renders_tools: dict[str, bool] = {}
+
+    def renders_tools(self, template: str | None = None) -> bool:
+        """Whether ``template`` (default: the server's) puts request ``tools`` into
+        the prompt: a probe tool's name must appear in a rendering with it. Cached
+        per template; the server's own template only, or a trusted request's."""
+        template = template or self.template
+        if not template:
+            return False
+        known = self._renders_tools.get(template)
+        if known is not None:
+            return known
+        job: dict[str, Any] = {
+            "template": template,
+            "tools": [{"type": "function", "function": _PROBE_TOOL}],
+            "add_generation_prompt": True,
+            "special_tokens": self._special_vars,
+            "kwargs": {},
+            "max_chars": self.max_chars,
+            "variants": [[{"role": "user", "content": "hi"}]],
+        }
+        try:
+            (text,) = self.render(job)
+            found = _PROBE_TOOL["name"] in text
+        except Exception:  # noqa: BLE001 (a template that fails with tools cannot render them)
+            found = False
+        if len(self._renders_tools) < 64:
+            self._renders_tools[template] = found
+        return found
 
     # ------------------------------------------------------------------ checks
     def choose_template(
@@ -173,11 +209,24 @@ class ChatPromptBuilder:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools_must_render: bool = False,
     ) -> ChatPrompt:
         """Render and tokenize (rules in the module docstring). Raises
-        :class:`ChatPromptError` (its subclasses) or :class:`TemplateError`."""
+        :class:`ChatPromptError` (its subclasses) or :class:`TemplateError`.
+        ``tools_must_render`` (``tool_choice: "auto"``): refuse (param ``tools``) when
+        the template would drop ``tools``, since the model could never call them."""
         template, kwargs = self.choose_template(chat_template, chat_template_kwargs)
         self._check_kwargs(kwargs)
+        if tools and tools_must_render and not self.renders_tools(template):
+            raise ChatPromptError(
+                "this server's chat template has no tools section, so the model would never "
+                "see the tools: the operator can start the server with --chat-template FILE "
+                "naming a template that renders tools (docs/function-calling.md); or send "
+                'tool_choice "required" or a named function (the output is then forced to '
+                "a call)",
+                param="tools",
+                code="tools_not_rendered",
+            )
         if tools is not None and _first_special(self.safe, tools) is not None:
             raise ChatPromptError(
                 f"tools contain the special token {_first_special(self.safe, tools)!r}: "
