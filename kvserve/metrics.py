@@ -112,7 +112,6 @@ _COUNTERS: dict[str, tuple[str, str]] = {
         "kv_offload_hits",
         "KV offload tier: blocks loaded back into the KV cache on a prefix hit.",
     ),
-    "kv_offload_misses": ("kv_offload_misses", "KV offload tier: block lookups not found."),
     "kv_offload_bytes_read": ("kv_offload_bytes_read", "KV offload tier: bytes read from disk."),
     "kv_offload_bytes_written": (
         "kv_offload_bytes_written",

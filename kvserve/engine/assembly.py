@@ -49,7 +49,6 @@ def offload_stats(tier: Any) -> dict[str, Any]:
     s = tier.stats()
     return {
         "kv_offload_hits": s.hits,
-        "kv_offload_misses": s.misses,
         "kv_offload_bytes_read": s.bytes_read,
         "kv_offload_bytes_written": s.bytes_written,
         "kv_offload_read_seconds": s.read_seconds,

@@ -122,7 +122,6 @@ class EngineStats:
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     # KV offload tier (kvserve.kv_offload; 0 without one), cumulative but the last two
     kv_offload_hits: int = 0  # blocks loaded back into the cache
-    kv_offload_misses: int = 0
     kv_offload_bytes_read: int = 0
     kv_offload_bytes_written: int = 0
     kv_offload_read_seconds: float = 0.0

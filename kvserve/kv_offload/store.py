@@ -74,7 +74,6 @@ class OffloadStats:
     """Counters since start (plain data, any thread)."""
 
     hits: int = 0  # blocks loaded back (from disk or from the write queue)
-    misses: int = 0  # lookups of a block hash found neither on disk nor queued
     bytes_read: int = 0
     bytes_written: int = 0
     read_seconds: float = 0.0  # wall time of the disk reads (open to checksum)
@@ -177,10 +176,6 @@ class DiskKVStore:
             self._counts["hits"] += 1
             return item[1]
 
-    def count_miss(self) -> None:
-        with self._lock:
-            self._counts["misses"] += 1
-
     def stats(self) -> OffloadStats:
         with self._lock:
             return OffloadStats(
@@ -243,7 +238,7 @@ class DiskKVStore:
         if size > self.max_bytes:
             raise ValueError(f"one block file ({size} bytes) exceeds the kv offload budget")
         path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as fh:
             fh.write(MAGIC)
             fh.write(_LEN.pack(len(header)))
@@ -291,7 +286,6 @@ class DiskKVStore:
         file to the back of the LRU order and counts its bytes and read time."""
         with self._lock:
             if block_hash not in self._index:
-                self._counts["misses"] += 1
                 return None
         path = self.path_of(block_hash)
         t0 = time.perf_counter()
