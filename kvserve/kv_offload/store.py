@@ -109,7 +109,16 @@ class DiskKVStore:
         if max_bytes <= 0:
             raise ValueError(f"kv offload budget must be > 0 bytes, got {max_bytes}")
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".probe.{os.getpid()}.tmp"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise ValueError(
+                f"invalid kv_offload_dir={str(directory)!r}: cannot write there ({e}); pick a "
+                "writable directory (for example: --kv-offload-dir /var/cache/kvserve/kv)"
+            ) from None
         self.layout = layout
         self.max_bytes = max_bytes
         self._to_bytes = to_bytes
