@@ -221,7 +221,10 @@ class KVCacheManager:
         pool = self.block_pool
         bs = self.block_size
         chain = list(hits)
-        pool.touch(chain)  # held while loading, so the loads cannot evict them
+        loads: list[tuple[BlockHash, tuple[int, ...], int]] = []
+        load_pos: list[int] = []  # where each load sits in chain
+        end = len(chain)
+        pool.touch(chain)  # held while loading, so allocating cannot evict them
         try:
             for i in range(len(chain), max_hit_blocks):
                 block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
@@ -233,15 +236,21 @@ class KVCacheManager:
                 if pool.num_free_blocks == 0 or not tier.contains(hashes[i]):
                     break
                 (new,) = pool.get_new_blocks(1, chain[-1] if chain else None)
-                if not tier.load(hashes[i], block_tokens, new.block_id) or not pool.cache_block(
-                    new, hashes[i], block_tokens
-                ):
-                    pool.free_blocks([new])  # uncached: back to the pool as an empty block
-                    break
+                load_pos.append(len(chain))
+                loads.append((hashes[i], block_tokens, new.block_id))
                 chain.append(new)
+            end = len(chain)
+            num_loaded = tier.load(loads) if loads else 0
+            for j, (block_hash, block_tokens, _) in enumerate(loads):
+                pos = load_pos[j]
+                if j >= num_loaded or not pool.cache_block(chain[pos], block_hash, block_tokens):
+                    end = pos  # the hit ends before the first block that did not load
+                    break
         finally:
-            pool.free_blocks(reversed(chain))  # ref counts as before; tail evicted first
-        return chain
+            # Ref counts as before, tail evicted first; loaded blocks that were not
+            # cached (at and after a failed load) go back to the pool empty.
+            pool.free_blocks(reversed(chain))
+        return chain[:end]
 
     def allocate_slots(
         self,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -290,25 +291,30 @@ class DiskKVStore:
 
     # ------------------------------------------------------------------ reads
     def read(self, block_hash: BlockHash, token_ids: Sequence[int]) -> bytes | None:
-        """The checked payload of block ``block_hash`` with these ``token_ids``, or None
-        (not stored; or rejected: see the module doc, with a warning). A hit moves the
-        file to the back of the LRU order and counts its bytes and read time."""
+        """The checked payload of block ``block_hash``, or None (:meth:`read_into`)."""
+        buf = bytearray(self.layout.nbytes)
+        return bytes(buf) if self.read_into(block_hash, token_ids, memoryview(buf)) else None
+
+    def read_into(self, block_hash: BlockHash, token_ids: Sequence[int], out: memoryview) -> bool:
+        """Read the payload of block ``block_hash`` with these ``token_ids`` into ``out``
+        (a writable buffer of ``layout.nbytes`` bytes) and check it. False when it is
+        not stored, or rejected (see the module doc; a warning, the file is deleted):
+        ``out`` then holds garbage the caller must not use. A hit moves the file to the
+        back of the LRU order and counts its bytes and read time."""
         with self._lock:
             if block_hash not in self._index:
-                return None
+                return False
         path = self.path_of(block_hash)
         t0 = time.perf_counter()
         try:
             with open(path, "rb") as fh:
-                data = fh.read()
+                reason, size = self._read_checked(fh, block_hash, token_ids, out)
         except OSError as e:
-            self._reject(block_hash, f"cannot be read ({e})")
-            return None
-        reason, payload = self._check(data, block_hash, token_ids)
+            reason, size = f"cannot be read ({e})", 0
         elapsed = time.perf_counter() - t0
-        if payload is None:
+        if reason:
             self._reject(block_hash, reason)
-            return None
+            return False
         now = time.time()
         with contextlib.suppress(OSError):
             os.utime(path, (now, now))
@@ -317,50 +323,60 @@ class DiskKVStore:
                 self._index.move_to_end(block_hash)
             self._counts["hits"] += 1
             self._counts["reads"] += 1
-            self._counts["bytes_read"] += len(data)
+            self._counts["bytes_read"] += size
             self._counts["read_seconds"] += elapsed
-        return payload
+        return True
 
-    def _check(
-        self, data: bytes, block_hash: bytes, token_ids: Sequence[int]
-    ) -> tuple[str, bytes | None]:
-        """(why it is rejected, None) or ("", the payload)."""
-        head = len(MAGIC) + _LEN.size
-        if len(data) < head or data[: len(MAGIC)] != MAGIC:
-            return "has no kvserve block header (truncated or not a block file)", None
-        (hlen,) = _LEN.unpack_from(data, len(MAGIC))
-        if hlen > MAX_HEADER_BYTES or head + hlen > len(data):
-            return "has a truncated header", None
+    def _read_checked(
+        self, fh: io.BufferedReader, block_hash: bytes, token_ids: Sequence[int], out: memoryview
+    ) -> tuple[str, int]:
+        """("", file bytes) with the payload in ``out``, or (why it is rejected, 0)."""
+        head = fh.read(len(MAGIC) + _LEN.size)
+        if len(head) < len(MAGIC) + _LEN.size or head[: len(MAGIC)] != MAGIC:
+            return "has no kvserve block header (truncated or not a block file)", 0
+        (hlen,) = _LEN.unpack_from(head, len(MAGIC))
+        if hlen > MAX_HEADER_BYTES:
+            return "has a corrupt header", 0
+        raw = fh.read(hlen)
+        if len(raw) != hlen:
+            return "has a truncated header", 0
         try:
-            header = json.loads(data[head : head + hlen])
+            header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError):
-            return "has a corrupt header", None
+            return "has a corrupt header", 0
         if not isinstance(header, dict):
-            return "has a corrupt header", None
+            return "has a corrupt header", 0
         lay = self.layout
         if header.get("fingerprint") != lay.fingerprint:
             return (
                 f"belongs to another model or KV format (fingerprint "
                 f"{str(header.get('fingerprint'))[:12]}..., this engine's {lay.fingerprint[:12]}...)",
-                None,
+                0,
             )
         if header.get("dtype") != lay.dtype or header.get("shape") != list(lay.shape):
             return (
                 f"has KV layout {header.get('dtype')} {header.get('shape')}, this engine's is "
                 f"{lay.dtype} {list(lay.shape)}",
-                None,
+                0,
             )
         if header.get("hash") != block_hash.hex():
-            return "names another block hash", None
+            return "names another block hash", 0
         if header.get("token_ids") != list(token_ids):
-            return "holds other tokens than the block asked for", None
-        nbytes = header.get("nbytes")
-        if nbytes != lay.nbytes or len(data) != head + hlen + lay.nbytes:
-            return f"is {len(data)} bytes, its header says {head + hlen + lay.nbytes}", None
-        payload = data[head + hlen :]
-        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            return "fails its checksum (corrupt payload)", None
-        return "", payload
+            return "holds other tokens than the block asked for", 0
+        if header.get("nbytes") != lay.nbytes or out.nbytes != lay.nbytes:
+            return (
+                f"has a payload of {header.get('nbytes')} bytes, this engine's blocks have {lay.nbytes}",
+                0,
+            )
+        got = fh.readinto(out)
+        if got != lay.nbytes or fh.read(1):
+            return (
+                f"has {got} payload bytes{' and more' if got == lay.nbytes else ''}, its header says {lay.nbytes}",
+                0,
+            )
+        if hashlib.sha256(out).hexdigest() != header.get("sha256"):
+            return "fails its checksum (corrupt payload)", 0
+        return "", len(head) + hlen + lay.nbytes
 
     def _reject(self, block_hash: bytes, reason: str) -> None:
         path = self.path_of(block_hash)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -92,27 +91,39 @@ class DiskKVTier:
         except Exception:
             logger.exception("kv offload: copying %d blocks out of the cache failed", len(blocks))
 
-    def load(self, block_hash: BlockHash, token_ids: tuple[int, ...], block_id: int) -> bool:
-        """Write block ``block_hash`` (confirmed by ``token_ids``) into cache block
-        ``block_id``; False, leaving the cache block as it was, when it is not stored
-        or its file is rejected. Never raises."""
+    def load(self, blocks: Sequence[tuple[BlockHash, tuple[int, ...], int]]) -> int:
+        """Write ``blocks`` ((hash, token ids, cache block id) each, in chain order) into
+        the cache: each from the write queue if still queued, else its checked file read
+        into a staging buffer, then all with one ``index_copy_``. Stops at the first
+        block that is not stored or whose file is rejected; returns how many leading
+        blocks were written (the cache blocks after them are left as they were). Never
+        raises (an error reads as 0)."""
         try:
-            pending = self.store.get_pending(block_hash, token_ids)
-            if pending is not None:
-                self.kv_cache[:, :, :, block_id].copy_(pending)
-                return True
-            payload = self.store.read(block_hash, token_ids)
-            if payload is None:
-                return False
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # read-only buffer: only copied from
-                raw = torch.frombuffer(payload, dtype=torch.uint8)
-            data = raw.view(self.kv_cache.dtype).view(self.layout.shape)
-            self.kv_cache[:, :, :, block_id].copy_(data)
-            return True
+            n = len(blocks)
+            if n == 0:
+                return 0
+            staging = torch.empty((n, *self.layout.shape), dtype=self.kv_cache.dtype)
+            raw = staging.view(n, -1).view(torch.uint8).numpy()  # [n, nbytes], writable
+            ok = 0
+            for j, (block_hash, token_ids, _) in enumerate(blocks):
+                pending = self.store.get_pending(block_hash, token_ids)
+                if pending is not None:
+                    staging[j].copy_(pending)
+                elif not self.store.read_into(block_hash, token_ids, memoryview(raw[j])):
+                    break
+                ok += 1
+            if ok:
+                index = torch.tensor(
+                    [b[2] for b in blocks[:ok]], dtype=torch.long, device=self.kv_cache.device
+                )
+                # [ok, L, 2, Hk, B, D] -> the cache's block dim 3
+                self.kv_cache.index_copy_(
+                    3, index, staging[:ok].movedim(0, 3).to(self.kv_cache.device)
+                )
+            return ok
         except Exception:
-            logger.exception("kv offload: loading a block into the cache failed")
-            return False
+            logger.exception("kv offload: loading %d blocks into the cache failed", len(blocks))
+            return 0
 
     # ------------------------------------------------------------------ lifecycle
     def stats(self) -> OffloadStats:

@@ -31,13 +31,14 @@ class DictTier:
             self.saves += 1
             self.stored.setdefault(h, (tokens, self.kv.get(block_id, "")))
 
-    def load(self, block_hash: BlockHash, token_ids: tuple[int, ...], block_id: int) -> bool:
-        item = self.stored.get(block_hash)
-        if item is None or item[0] != token_ids or block_hash in self.fail:
-            return False
-        self.kv[block_id] = item[1]
-        self.loads.append(block_id)
-        return True
+    def load(self, blocks: Sequence[tuple[BlockHash, tuple[int, ...], int]]) -> int:
+        for n, (block_hash, token_ids, block_id) in enumerate(blocks):
+            item = self.stored.get(block_hash)
+            if item is None or item[0] != token_ids or block_hash in self.fail:
+                return n
+            self.kv[block_id] = item[1]
+            self.loads.append(block_id)
+        return len(blocks)
 
 
 def _req(req_id: str, tokens: list[int], salt: str | None = None) -> Request:
