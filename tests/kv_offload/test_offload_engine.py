@@ -177,3 +177,18 @@ def test_byte_budget_keeps_the_most_recent_files(tmp_path: Path, engines: list[L
     assert sum(f.stat().st_size for f in files) == stats.kv_offload_disk_bytes
     # the survivors are B's last blocks (the most recently written)
     assert set(files) <= set(_paths(llm, B))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_8bit_kv_round_trips_through_disk(
+    tmp_path: Path, engines: list[LLM], kv_cache_dtype: str
+) -> None:
+    """8-bit caches are stored as their codes and scales, and a restart gets them back."""
+    cold = _gen(_llm(engines, tmp_path, kv_cache_dtype=kv_cache_dtype), A)
+    old = engines.pop()
+    old.engine.close()
+    del old
+    llm = _llm(engines, tmp_path, kv_cache_dtype=kv_cache_dtype)
+    assert _gen(llm, A) == cold
+    assert llm.engine.stats().kv_offload_hits == NUM_FULL
+    assert llm.engine.stats().kv_offload_errors == 0
