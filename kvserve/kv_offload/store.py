@@ -25,13 +25,15 @@ guards the index, the pending map and the counters. Files are written to a
 (a crash mid-write leaves a ``.tmp``, removed at the next start).
 
 Caller rules: one engine per directory (the byte limit is kept by this process's
-index only); :meth:`close` once, at shutdown (it drains queued writes). Writes
+index only); :meth:`close` at shutdown (it drains queued writes; without it, an
+``atexit`` hook does so when the interpreter exits). Writes
 never block the engine thread: when the queue is full the block is not written
 (``writes_dropped``); the engine offers it again when it is evicted.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import io
@@ -138,6 +140,9 @@ class DiskKVStore:
             target=self._write_loop, name="kv-offload-writer", daemon=True
         )
         self._thread.start()
+        # A script that never calls close() still gets its queued writes at exit (atexit
+        # runs before the interpreter stops daemon threads).
+        atexit.register(self.close)
 
     # ------------------------------------------------------------------ index
     def path_of(self, block_hash: bytes) -> Path:
@@ -286,6 +291,7 @@ class DiskKVStore:
             if self._closed:
                 return
             self._closed = True
+        atexit.unregister(self.close)
         self._queue.put(_Stop())
         self._thread.join(timeout_s)
 

@@ -192,3 +192,19 @@ def test_8bit_kv_round_trips_through_disk(
     assert _gen(llm, A) == cold
     assert llm.engine.stats().kv_offload_hits == NUM_FULL
     assert llm.engine.stats().kv_offload_errors == 0
+
+
+def test_a_script_that_never_closes_still_writes_its_blocks(tmp_path: Path) -> None:
+    """An offline script that exits right after generate: the queued writes land (atexit)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import random\n"
+        "from kvserve import LLM, SamplingParams\n"
+        f"llm = LLM(kv_offload_dir={str(tmp_path)!r}, num_kv_blocks=24, max_model_len=512)\n"
+        f"llm.generate(prompt_token_ids=[{A!r}], sampling_params=SamplingParams(max_tokens=1),"
+        " use_tqdm=False)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=600)
+    assert len(list(tmp_path.rglob("*.kvb"))) == 200 // 16
