@@ -62,8 +62,43 @@ class CacheConfig:
     # --gpu-memory-utilization sizes a lazy pool.
     kv_cache_commit: str = "eager"
 
+    # KV tier beyond RAM (kvserve.kv_offload, docs/kv-offload.md): full prefix-cache
+    # blocks are written to this directory and loaded back on a prefix hit, also after
+    # a restart; None or "" = off. kv_offload_gib: the directory's budget (LRU files
+    # are deleted past it).
+    kv_offload_dir: str | None = None
+    kv_offload_gib: float = 10.0
+
     def validate(self) -> None:
         check_int("block_size", self.block_size, "block_size=16")
+        if self.kv_offload_dir is not None and not isinstance(self.kv_offload_dir, str):
+            raise config_error(
+                "kv_offload_dir",
+                self.kv_offload_dir,
+                "must be a directory path",
+                "kv_offload_dir='/var/cache/kvserve' (--kv-offload-dir /var/cache/kvserve)",
+            )
+        gib = self.kv_offload_gib
+        if isinstance(gib, bool) or not isinstance(gib, int | float) or not gib > 0:
+            raise config_error(
+                "kv_offload_gib", gib, "must be > 0", "kv_offload_gib=10 (--kv-offload-gib 10)"
+            )
+        if self.kv_offload_dir:
+            if not self.enable_prefix_caching:
+                raise config_error(
+                    "kv_offload_dir",
+                    self.kv_offload_dir,
+                    "needs the prefix cache, which is off",
+                    "drop --no-enable-prefix-caching, or drop --kv-offload-dir",
+                )
+            if self.hash_algo != "sha256":
+                raise config_error(
+                    "kv_offload_dir",
+                    self.kv_offload_dir,
+                    "needs hash_algo='sha256' (builtin hashes differ in every process, so "
+                    "files would never match after a restart)",
+                    "--hash-algo sha256",
+                )
         if self.kv_cache_commit not in ("eager", "lazy"):
             raise config_error(
                 "kv_cache_commit",

@@ -80,6 +80,8 @@ _GAUGES: dict[str, tuple[str, str]] = {
         "step_time_abs_error",
         "Cost model: moving mean of |predicted - measured| / measured step time.",
     ),
+    "kv_offload_disk_bytes": ("kv_offload_disk_bytes", "KV offload tier: bytes of block files."),
+    "kv_offload_files": ("kv_offload_files", "KV offload tier: block files on disk."),
 }
 # EngineStats field -> (metric name without prefix, help). Cumulative counts since start.
 _COUNTERS: dict[str, tuple[str, str]] = {
@@ -105,6 +107,29 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "spec_decode_num_accepted_tokens": (
         "spec_decode_num_accepted_tokens",
         "Speculative decoding: draft tokens accepted.",
+    ),
+    "kv_offload_hits": (
+        "kv_offload_hits",
+        "KV offload tier: blocks loaded back into the KV cache on a prefix hit.",
+    ),
+    "kv_offload_bytes_read": ("kv_offload_bytes_read", "KV offload tier: bytes read from disk."),
+    "kv_offload_bytes_written": (
+        "kv_offload_bytes_written",
+        "KV offload tier: bytes written to disk.",
+    ),
+    "kv_offload_read_seconds": (
+        "kv_offload_read_seconds",
+        "KV offload tier: seconds spent reading and checking block files "
+        "(divide by kv_offload_reads for the mean read latency).",
+    ),
+    "kv_offload_reads": ("kv_offload_reads", "KV offload tier: block files read and accepted."),
+    "kv_offload_errors": (
+        "kv_offload_errors",
+        "KV offload tier: block files skipped (corrupt, truncated, another model's).",
+    ),
+    "kv_offload_writes_dropped": (
+        "kv_offload_writes_dropped",
+        "KV offload tier: blocks not written (write queue full or write failed).",
     ),
 }
 

@@ -55,6 +55,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "core",
         (
             "kvserve.kv_cache",
+            "kvserve.kv_offload",
             "kvserve.kv_transfer",
             "kvserve.model",
             "kvserve.structured",

@@ -97,6 +97,20 @@ OPTIONS: tuple[_Option, ...] = (
         "KV cache storage: auto (default: the model dtype), bfloat16, float32, int8 or "
         "fp8_e4m3 (8-bit codes with per-token scales; docs/quantization.md)",
     ),
+    _Option(
+        "kv_offload_dir",
+        "cache",
+        str,
+        "KV tier beyond RAM: write full prefix-cache blocks to this directory and load "
+        "them back on a prefix hit, also after a restart (default off; docs/kv-offload.md)",
+    ),
+    _Option(
+        "kv_offload_gib",
+        "cache",
+        float,
+        "GiB of files kv_offload_dir may hold; least recently used files are deleted past "
+        "it (default 10)",
+    ),
     _Option("max_num_seqs", "scheduler", int, "most requests running at once"),
     _Option("max_num_batched_tokens", "scheduler", int, "token budget per step"),
     _Option("scheduler_policy", "scheduler", str, "mixed (default) or separated"),

@@ -5,6 +5,8 @@ help never loads torch)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvserve.config import EngineConfig
 from kvserve.engine.runner import CostedRunner, KVFormatRunner, ModelInfo, Runner
 from kvserve.sched.cost_model import CostModel
@@ -17,6 +19,45 @@ def kv_fingerprint(loaded: ModelInfo, runner: Runner) -> str:
     if not isinstance(runner, KVFormatRunner):
         return loaded.fingerprint
     return runner.kv_fingerprint(loaded.fingerprint)
+
+
+def kv_offload_tier(config: EngineConfig, runner: Runner, fingerprint: str) -> Any:
+    """The disk KV tier of ``config.cache.kv_offload_dir`` over the runner's KV cache
+    (a :class:`~kvserve.kv_offload.tier.DiskKVTier`), or None when the option is off.
+    ``fingerprint``: the engine's block-hash salt (:func:`kv_fingerprint`). A runner
+    without a ``kv_cache`` tensor (the simulator's, test doubles) raises TypeError."""
+    directory = config.cache.kv_offload_dir
+    if not directory:
+        return None
+    kv_cache = getattr(runner, "kv_cache", None)
+    if kv_cache is None:
+        raise TypeError(
+            f"kv_offload_dir needs a runner with a paged KV cache tensor; "
+            f"{type(runner).__name__} has none: drop kv_offload_dir"
+        )
+    from kvserve.kv_offload.tier import DiskKVTier
+
+    return DiskKVTier(
+        kv_cache, directory, int(config.cache.kv_offload_gib * (1 << 30)), fingerprint
+    )
+
+
+def offload_stats(tier: Any) -> dict[str, Any]:
+    """The tier's counters as ``EngineStats`` fields (no tier: {})."""
+    if tier is None:
+        return {}
+    s = tier.stats()
+    return {
+        "kv_offload_hits": s.hits,
+        "kv_offload_bytes_read": s.bytes_read,
+        "kv_offload_bytes_written": s.bytes_written,
+        "kv_offload_read_seconds": s.read_seconds,
+        "kv_offload_reads": s.reads,
+        "kv_offload_errors": s.errors,
+        "kv_offload_writes_dropped": s.writes_dropped,
+        "kv_offload_disk_bytes": s.disk_bytes,
+        "kv_offload_files": s.num_files,
+    }
 
 
 def model_runner(

@@ -138,6 +138,8 @@ class AsyncEngine(EngineLoop):
         connector = self.engine.kv_connector
         if connector is not None:
             connector.close()  # its transport threads and sockets
+        if not self._thread_alive():  # the KV offload tier: finish its queued writes
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 
     def _thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

@@ -28,7 +28,14 @@ from typing import Any
 from kvserve.config import EngineConfig
 from kvserve.engine.allocator import tune_allocator
 from kvserve.engine.args import with_max_model_len
-from kvserve.engine.assembly import cost_model_stats, kv_fingerprint, model_runner, step_cost_model
+from kvserve.engine.assembly import (
+    cost_model_stats,
+    kv_fingerprint,
+    kv_offload_tier,
+    model_runner,
+    offload_stats,
+    step_cost_model,
+)
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.output_processor import RequestState, make_delta, process_output
 from kvserve.engine.outputs import EngineStats, RequestDelta
@@ -110,13 +117,17 @@ class EngineCore:
         self.runner: Runner = (
             runner if runner is not None else model_runner(config, loaded, self.grammar_compiler)
         )
+        fingerprint = kv_fingerprint(loaded, self.runner)
+        # The disk KV tier (kvserve.kv_offload), None unless kv_offload_dir is set.
+        self.kv_offload = kv_offload_tier(config, self.runner, fingerprint)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks,
             config.cache.block_size,
             self.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
             hash_algo=config.cache.hash_algo,
-            model_fingerprint=kv_fingerprint(loaded, self.runner),
+            model_fingerprint=fingerprint,
+            kv_tier=self.kv_offload,
         )
         self.kv_connector = kv_connector
         if kv_connector is not None:
@@ -384,6 +395,10 @@ class EngineCore:
         """Numbers for /metrics and logs (plain data)."""
         kv = self.kv_cache_manager
         sched = self.scheduler
+        extra: dict[str, Any] = {
+            **cost_model_stats(sched.cost_model),
+            **offload_stats(self.kv_offload),
+        }
         return EngineStats(
             num_requests_running=sched.num_running,
             num_requests_waiting=sched.num_waiting + len(sched.waiting_for_remote),
@@ -399,14 +414,20 @@ class EngineCore:
             total_padding_tokens=sched.total_padding_tokens,
             scheduler_state=str(sched.state),
             num_failed_steps=self.num_failed_steps,
-            **cost_model_stats(sched.cost_model),
             spec_decode_num_drafts=sched.spec_stats.num_drafts,
             spec_decode_num_draft_tokens=sched.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=sched.spec_stats.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(
                 sched.spec_stats.num_accepted_tokens_per_pos
             ),
+            **extra,
         )
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV offload tier's writer thread (its
+        queued writes are finished first). Call once, after the last step; idempotent."""
+        if self.kv_offload is not None:
+            self.kv_offload.close()
 
     def check_no_leaks(self) -> None:
         """Raise RuntimeError if the KV cache's invariants are broken, or if blocks are

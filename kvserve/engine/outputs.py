@@ -120,3 +120,13 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # KV offload tier (kvserve.kv_offload; 0 without one), cumulative but the last two
+    kv_offload_hits: int = 0  # blocks loaded back into the cache
+    kv_offload_bytes_read: int = 0
+    kv_offload_bytes_written: int = 0
+    kv_offload_read_seconds: float = 0.0
+    kv_offload_reads: int = 0
+    kv_offload_errors: int = 0  # files skipped: corrupt, truncated, foreign
+    kv_offload_writes_dropped: int = 0
+    kv_offload_disk_bytes: int = 0  # gauge
+    kv_offload_files: int = 0  # gauge

@@ -40,7 +40,7 @@ ids as one piece of memory per KV head, see kvserve/model/kv_cache_tensor.py):
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kvserve.config import check_int
 from kvserve.kv_cache.hashing import BlockHash
@@ -166,6 +166,11 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[BlockHash, KVCacheBlock] = {}
         self._num_reclaimable = 0
+        # Called once per allocation that evicts cached blocks, with (hash, token ids,
+        # block id) of each, after they left the cache and before the caller gets them
+        # (the KV offload tier copies their KV out here; kvserve.kv_cache.tier). It must
+        # not raise and must not call back into the pool.
+        self.on_evict: Callable[[list[tuple[BlockHash, tuple[int, ...], int]]], None] | None = None
         # The empty blocks as maximal runs of consecutive ids (see the module doc):
         # start -> end and end -> start (inclusive), and a max-heap of (-length, end).
         # A run that shrinks from its start (the common case: a request growing into
@@ -264,15 +269,20 @@ class BlockPool:
             out.append(block)
             prev = block
         evicted = []
+        gone: list[tuple[BlockHash, tuple[int, ...], int]] = []
         for _ in range(num_blocks - num_empty):
             block = self.free_queue.popleft()
             if block.block_hash is None:  # cannot happen: the empty ones are taken above
                 raise RuntimeError(f"empty {block} behind the cached blocks in the free queue")
+            if self.on_evict is not None and block.token_ids is not None:
+                gone.append((block.block_hash, block.token_ids, block.block_id))
             self._evict(block)
             block.ref_cnt = 1
             evicted.append(block)
         evicted.sort(key=lambda b: b.block_id)
         out.extend(evicted)
+        if gone and self.on_evict is not None:
+            self.on_evict(gone)
         return out
 
     # -- the index of empty runs ------------------------------------------------------

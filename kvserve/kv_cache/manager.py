@@ -22,6 +22,16 @@ Scheduler protocol (what a caller must keep):
    count up; the partial last one copied into a new block, copy on write) and
    returns the (src, dst) copies the model runner makes before the next forward.
 
+With a KV tier below RAM (``kv_tier``, :mod:`kvserve.kv_cache.tier`; the disk tier of
+``kvserve.kv_offload``), full blocks are saved to it when first cached and when
+evicted, and ``get_computed_blocks`` goes on past the first RAM miss with the
+blocks the tier holds::
+
+    block hashes:  [ RAM hit | RAM hit | tier | tier | RAM hit | tier | miss ...
+                     ^ returned as the prefix hit .........................^
+    a tier block is loaded into a fresh block, which is then cached (reclaimable,
+    ref_cnt 0) exactly as if it had been computed: allocate_slots claims it as a hit.
+
 Prefix-cache stats count a request once per admission (the first successful
 ``allocate_slots`` since it held no blocks): a refused and retried lookup is not
 counted twice, but a preempted request that is admitted again is counted again.
@@ -41,6 +51,7 @@ from kvserve.kv_cache.hashing import (
     extend_block_hashes,
     request_extra_keys,
 )
+from kvserve.kv_cache.tier import KVTier
 from kvserve.request import Request
 
 STATS_WINDOW = 1000  # admissions in the recent hit-rate window
@@ -67,6 +78,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_algo: HashAlgo = "sha256",
         model_fingerprint: str = "",
+        kv_tier: KVTier | None = None,
     ) -> None:
         check_int("num_blocks", num_blocks, "num_blocks=1024")
         check_int("block_size", block_size, "block_size=16")
@@ -91,6 +103,9 @@ class KVCacheManager:
         self._window: deque[tuple[int, int]] = deque()
         self._window_queries = 0
         self._window_hits = 0
+        self.kv_tier = kv_tier if enable_caching else None
+        if self.kv_tier is not None:
+            self.block_pool.on_evict = self.kv_tier.save
 
     # -- sizes and counts ---------------------------------------------------------
     @property
@@ -168,6 +183,12 @@ class KVCacheManager:
         when caching is off, and for a request that wants prompt logprobs (every prompt
         position needs its logits, so it computes the whole prompt, as vLLM does).
         Changes no ref counts and no stats; extends ``request.block_hashes``.
+
+        With a ``kv_tier``, blocks past the first RAM miss that the tier holds are
+        loaded into free blocks (module doc), which may evict other cached blocks
+        (saved to the tier first); a block that fails to load ends the hit there and
+        goes back to the pool empty. Every block stays accounted for: afterwards the
+        loaded blocks are reclaimable cached blocks and all ref counts are as before.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return EMPTY, 0
@@ -182,7 +203,54 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.kv_tier is not None and len(hits) < max_hit_blocks:
+            hits = self._extend_from_tier(hashes, tokens, hits, max_hit_blocks)
         return KVCacheBlocks(tuple(hits)), len(hits) * bs
+
+    def _extend_from_tier(
+        self,
+        hashes: list[BlockHash],
+        tokens: Sequence[int],
+        hits: list[KVCacheBlock],
+        max_hit_blocks: int,
+    ) -> list[KVCacheBlock]:
+        """``hits`` (the RAM prefix hit, ending at a miss) extended with the next
+        blocks found in RAM or in the tier, the tier's loaded into fresh blocks."""
+        tier = self.kv_tier
+        assert tier is not None
+        pool = self.block_pool
+        bs = self.block_size
+        chain = list(hits)
+        loads: list[tuple[BlockHash, tuple[int, ...], int]] = []
+        load_pos: list[int] = []  # where each load sits in chain
+        end = len(chain)
+        pool.touch(chain)  # held while loading, so allocating cannot evict them
+        try:
+            for i in range(len(chain), max_hit_blocks):
+                block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+                block = pool.get_cached_block(hashes[i], block_tokens)
+                if block is not None:
+                    pool.touch([block])
+                    chain.append(block)
+                    continue
+                if pool.num_free_blocks == 0 or not tier.contains(hashes[i]):
+                    break
+                (new,) = pool.get_new_blocks(1, chain[-1] if chain else None)
+                load_pos.append(len(chain))
+                loads.append((hashes[i], block_tokens, new.block_id))
+                chain.append(new)
+            end = len(chain)
+            num_loaded = tier.load(loads) if loads else 0
+            for j, (block_hash, block_tokens, _) in enumerate(loads):
+                pos = load_pos[j]
+                if j >= num_loaded or not pool.cache_block(chain[pos], block_hash, block_tokens):
+                    end = pos  # the hit ends before the first block that did not load
+                    break
+        finally:
+            # Ref counts as before, tail evicted first; loaded blocks that were not
+            # cached (at and after a failed load) go back to the pool empty.
+            pool.free_blocks(reversed(chain))
+        return chain[:end]
 
     def allocate_slots(
         self,
@@ -339,9 +407,14 @@ class KVCacheManager:
         hashes = self._update_block_hashes(request)
         tokens = request.all_token_ids
         pool = self.block_pool
+        saved: list[tuple[BlockHash, tuple[int, ...], int]] = []
         for i in range(start, end):
-            pool.cache_block(blocks[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            if pool.cache_block(blocks[i], hashes[i], block_tokens) and self.kv_tier is not None:
+                saved.append((hashes[i], block_tokens, blocks[i].block_id))
         self.num_cached_blocks[request.req_id] = end
+        if saved and self.kv_tier is not None:
+            self.kv_tier.save(saved)  # written through, so the blocks outlive a restart
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first. Cached blocks stay reclaimable
