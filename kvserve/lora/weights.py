@@ -23,11 +23,15 @@ and a torch reference grouped by slot (``index_select`` of each slot's rows).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.lora.adapter import LoRAAdapter, module_shapes
 from kvserve.model.arch import ModelArchConfig
+
+if TYPE_CHECKING:
+    from kvserve.lora.ops import NativeLoRA
 
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -101,7 +105,7 @@ class LoRAWeights:
         self._targets: list[list[set[str]]] = [
             [set() for _ in range(max_loras)] for _ in range(arch.num_layers)
         ]
-        self.native: object | None = None  # the kernel family (kvserve.lora.ops)
+        self.native: NativeLoRA | None = None  # the native kernel (kvserve.lora.ops)
 
     def nbytes(self) -> int:
         """Bytes the slot tensors hold."""
@@ -120,7 +124,8 @@ class LoRAWeights:
                 self.A[layer][f][slot, p * r : p * r + rank] = a
                 lo, hi = self.offsets[f][p], self.offsets[f][p + 1]
                 self.Bt[layer][f][slot, :rank, lo:hi] = (b * adapter.scale).t()
-                self._targets[layer][slot].add(f)
+                if bool(b.any()):  # an all-zero B adds nothing: skip it (bitwise the base)
+                    self._targets[layer][slot].add(f)
 
     def clear_slot(self, slot: int) -> None:
         """Zero ``slot`` in every layer."""
@@ -137,11 +142,16 @@ class LoRAWeights:
         if not any(f in targets[s] for s, _ in batch.groups):
             return
         native = self.native
-        if native is not None and native.supports(x, y):  # type: ignore[attr-defined]
-            native.delta(  # type: ignore[attr-defined]
-                x, y, self.A[layer][f], self.Bt[layer][f], batch.row_slots,
-                self.offset_tensors[f], self.rank,
-            )  # fmt: skip
+        if native is not None and native.supports(x, y):
+            rows = batch.row_slots
+            if any(f not in targets[s] for s, _ in batch.groups):
+                # a slot present does not target f: its rows count as base rows here
+                # (index -1, the base rows, reads the extra False at the end)
+                keep = torch.tensor([f in t for t in targets] + [False])
+                rows = torch.where(keep[rows.long()], rows, -1).to(torch.int32)
+            native.delta(
+                x, y, self.A[layer][f], self.Bt[layer][f], rows, self.offset_tensors[f], self.rank
+            )
             return
         lora_delta_torch(
             x, y, self.A[layer][f], self.Bt[layer][f], batch, self.offsets[f], self.rank, targets, f

@@ -121,3 +121,56 @@ def test_bfloat16_rows(weights) -> None:
     )
     want = reference(x.float(), "qkv", 0, slots, adapters)
     torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_native_kernel_is_built_here() -> None:
+    """This project's CPUs build the kernels; the torch path is only the fallback."""
+    import os
+
+    if (
+        os.environ.get("KVSERVE_LORA") == "portable"
+        or os.environ.get("KVSERVE_KERNELS") == "portable"
+    ):
+        pytest.skip("the portable path was asked for")
+    assert native_lora_kernel() is not None
+
+
+def test_portable_cpp_path_matches(weights, tmp_path: Path) -> None:
+    """lora.cpp compiled without AVX-512 (its portable loops) gives the same deltas."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from kvserve.lora.ops import NativeLoRA
+    from kvserve.model.kernels._ctypes import I32, I64, PTR, CFunction
+    from kvserve.model.kernels.build import CSRC
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    so = tmp_path / "liblora_portable.so"
+    cmd = [cxx, "-O2", "-march=x86-64", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC",
+           "-std=c++17", str(CSRC / "lora.cpp"), "-o", str(so)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True)
+    names = ["x", "x_stride", "y", "y_stride", "rows", "in_f", "out_f", "A", "Bt", "row_slot",
+             "offsets", "parts", "rank", "dtype", "nthreads"]  # fmt: skip
+    types = [PTR, I64, PTR, I64, I64, I64, I64, PTR, PTR, PTR, PTR, I32, I32, I32, I32]
+    portable = NativeLoRA(
+        CFunction(ctypes.CDLL(str(so)), "kvs_lora_delta", list(zip(names, types, strict=True)))
+    )
+    w, adapters = weights
+    saved = w.native
+    try:
+        slots = [2, 0, -1, 1]
+        for f in FUSED_PARTS:
+            x = torch.randn(len(slots), w.in_features[f])
+            y = torch.randn(len(slots), w.offsets[f][-1])
+            outs = []
+            for kernel in (portable, None):
+                w.native = kernel
+                yy = y.clone()
+                w.apply(0, f, x, yy, LoRABatch.from_row_slots(slots))
+                outs.append(yy)
+            torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    finally:
+        w.native = saved
