@@ -154,3 +154,27 @@ def test_lora_off_refuses_a_lora_request() -> None:
     assert build_engine_config().lora is None
     cfg = build_engine_config(enable_lora=True, lora_modules=["a=/x"], max_loras=2)
     assert cfg.lora is not None and cfg.lora.lora_modules == (("a", "/x"),)
+
+
+def test_bfloat16_mixed_batch_and_zero_b(adapters) -> None:
+    """The default dtype on AVX512-BF16 CPUs: a mixed batch equals each request alone
+    and an adapter of zero B is bitwise the base."""
+    llm = LLM(
+        dtype="bfloat16",
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=16,
+        max_model_len=512,
+        max_step_ms=0,
+    )
+    choices = [None, adapters["all"], adapters["zero"], adapters["mlp"]]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(choices))]
+    mixed = token_ids(llm.generate(prompts, greedy(), use_tqdm=False, lora_request=choices))
+    alone = [
+        token_ids(llm.generate([p], greedy(), use_tqdm=False, lora_request=r))[0]
+        for p, r in zip(prompts, choices, strict=True)
+    ]
+    assert mixed == alone
+    base = token_ids(llm.generate([prompts[2]], greedy(), use_tqdm=False))[0]
+    assert alone[2] == base
+    assert alone[1] != token_ids(llm.generate([prompts[1]], greedy(), use_tqdm=False))[0]
