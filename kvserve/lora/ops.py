@@ -19,6 +19,9 @@ from kvserve.model.kernels._ctypes import DTYPE_CODES, I32, I64, PTR, CFunction
 
 logger = logging.getLogger(__name__)
 ENV_VAR = "KVSERVE_LORA"
+# multiply-adds per thread below which more threads cost more than they save (a
+# thread wake-up is microseconds, milliseconds on a busy machine)
+WORK_PER_THREAD = 1 << 21
 
 
 class NativeLoRA:
@@ -54,6 +57,8 @@ class NativeLoRA:
         """``y`` [T, out] += each row's delta; ``x`` [T, in]; ``a`` [S, P*R, in] and
         ``bt`` [S, R, out] float32 contiguous; ``row_slots`` [T] int32; ``offsets``
         [P+1] int64 (see kvserve.lora.weights)."""
+        work = x.shape[0] * a.shape[1] * (x.shape[1] + y.shape[1])
+        nthreads = max(1, min(torch.get_num_threads(), work // WORK_PER_THREAD))
         self._fn.checked(
             x=x.data_ptr(),
             x_stride=x.stride(0),
@@ -69,7 +74,7 @@ class NativeLoRA:
             parts=offsets.numel() - 1,
             rank=rank,
             dtype=DTYPE_CODES[x.dtype],
-            nthreads=torch.get_num_threads(),
+            nthreads=nthreads,
         )
 
 
