@@ -140,3 +140,42 @@ def test_lora_module_flag_forms() -> None:
         LoRAConfig(
             enable_lora=True, max_loras=1, lora_modules=(("a", "/x"), ("b", "/y"))
         ).validate()
+
+
+def test_serve_flags_build_the_lora_config() -> None:
+    import argparse
+
+    from kvserve.engine.args import (
+        add_engine_arguments,
+        build_engine_config,
+        engine_kwargs_from_args,
+    )
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--enable-lora",
+            "--lora-modules",
+            "a=/x",
+            "b=/y",
+            "--max-loras",
+            "3",
+            "--max-lora-rank",
+            "32",
+        ]
+    )
+    lora = build_engine_config(**engine_kwargs_from_args(args)).lora
+    assert lora == LoRAConfig(True, 3, 32, (("a", "/x"), ("b", "/y")))
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        build_engine_config(enable_lora=False, lora_modules=["a=/x"])
+    assert build_engine_config().lora is None
+
+
+def test_slot_memory_is_what_the_docs_say() -> None:
+    from kvserve.lora.adapter import module_shapes
+
+    w = LoRAWeights(ARCH, 8, 16)
+    sh = module_shapes(ARCH)
+    per_slot_layer = 4 * 16 * sum(i + o for o, i in sh.values())
+    assert w.nbytes() == 8 * ARCH.num_layers * per_slot_layer
