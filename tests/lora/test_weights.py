@@ -174,3 +174,31 @@ def test_portable_cpp_path_matches(weights, tmp_path: Path) -> None:
             torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     finally:
         w.native = saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_row_is_bitwise_the_same_alone_and_in_a_batch(weights, dtype) -> None:
+    """Tiles of rows of one slot share loads, never the order of a row's sums."""
+    w, _ = weights
+    if native_lora_kernel() is None:
+        pytest.skip("no native LoRA kernel here")
+    saved = w.native
+    w.native = native_lora_kernel()
+    try:
+        slots = [0, 0, 1, 0, 0, 0, 2, 0, -1, 0]
+        for f in FUSED_PARTS:
+            x = torch.randn(len(slots), w.in_features[f]).to(dtype)
+            y = torch.randn(len(slots), w.offsets[f][-1]).to(dtype)
+            batch = y.clone()
+            w.apply(0, f, x, batch, LoRABatch.from_row_slots(slots))
+            for t, s in enumerate(slots):
+                if s < 0:
+                    assert torch.equal(batch[t], y[t])
+                    continue
+                alone = y[t : t + 1].clone()
+                one = LoRABatch.from_row_slots([s])
+                assert one is not None
+                w.apply(0, f, x[t : t + 1], alone, one)
+                assert torch.equal(alone[0], batch[t]), (f, t)
+    finally:
+        w.native = saved
