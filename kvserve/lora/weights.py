@@ -52,8 +52,10 @@ class LoRABatch:
     groups: list[tuple[int, slice | torch.Tensor]]
 
     @classmethod
-    def from_row_slots(cls, row_slots: list[int]) -> LoRABatch | None:
-        """None when every row is -1."""
+    def from_row_slots(
+        cls, row_slots: list[int], device: torch.device | str = "cpu"
+    ) -> LoRABatch | None:
+        """None when every row is -1. ``device``: the model's (index tensors live there)."""
         rows_of: dict[int, list[int]] = {}
         for t, s in enumerate(row_slots):
             if s >= 0:
@@ -65,8 +67,8 @@ class LoRABatch:
             if rows[-1] - rows[0] + 1 == len(rows):
                 groups.append((s, slice(rows[0], rows[-1] + 1)))
             else:
-                groups.append((s, torch.tensor(rows, dtype=torch.int64)))
-        return cls(torch.tensor(row_slots, dtype=torch.int32), groups)
+                groups.append((s, torch.tensor(rows, dtype=torch.int64, device=device)))
+        return cls(torch.tensor(row_slots, dtype=torch.int32, device=device), groups)
 
 
 class LoRAWeights:
@@ -77,7 +79,13 @@ class LoRAWeights:
     thread reads slots without a lock.
     """
 
-    def __init__(self, arch: ModelArchConfig, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.arch = arch
         self.max_loras = max_loras
         self.rank = max_rank
@@ -147,7 +155,7 @@ class LoRAWeights:
             if any(f not in targets[s] for s, _ in batch.groups):
                 # a slot present does not target f: its rows count as base rows here
                 # (index -1, the base rows, reads the extra False at the end)
-                keep = torch.tensor([f in t for t in targets] + [False])
+                keep = torch.tensor([f in t for t in targets] + [False], device=rows.device)
                 rows = torch.where(keep[rows.long()], rows, -1).to(torch.int32)
             native.delta(
                 x, y, self.A[layer][f], self.Bt[layer][f], rows, self.offset_tensors[f], self.rank

@@ -241,5 +241,7 @@ class InputBatch:
             sample_req_ids=sample_req_ids,
             num_rows=num_rows,
             prompt_logprob_rows=scored,
-            lora=LoRABatch.from_row_slots(row_slots) if self.lora_slot_of is not None else None,
+            lora=(
+                LoRABatch.from_row_slots(row_slots, dev) if self.lora_slot_of is not None else None
+            ),
         )

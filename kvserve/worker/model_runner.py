@@ -137,6 +137,7 @@ class ModelRunner:
             kv_segment_size=self.kv_segment_size,
         )
         self.lora_manager: LoRAManager | None = None
+        self.model.lora_weights = None  # a model reused from an earlier engine keeps none
         if lora_config is not None and lora_config.enable_lora:
             self.lora_manager = self._build_lora(lora_config)
         self.sampler = sampler if sampler is not None else Sampler(kernels=self.kernels)
@@ -164,7 +165,9 @@ class ModelRunner:
         from kvserve.lora.ops import native_lora_kernel
 
         config.validate()
-        weights = LoRAWeights(self.model.config, config.max_loras, config.max_lora_rank)
+        weights = LoRAWeights(
+            self.model.config, config.max_loras, config.max_lora_rank, device=self.device
+        )
         weights.native = native_lora_kernel()
         self.model.lora_weights = weights
         manager = LoRAManager(config, self.model.config, weights)
