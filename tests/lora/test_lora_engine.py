@@ -177,4 +177,5 @@ def test_bfloat16_mixed_batch_and_zero_b(adapters) -> None:
     assert mixed == alone
     base = token_ids(llm.generate([prompts[2]], greedy(), use_tqdm=False))[0]
     assert alone[2] == base
-    assert alone[1] != token_ids(llm.generate([prompts[1]], greedy(), use_tqdm=False))[0]
+    with_all = llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=adapters["all"])
+    assert token_ids(with_all) != token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False))
