@@ -22,6 +22,20 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
     "List three prime numbers:",
 ]
+# the issue's parity target: 20 prompts x 3 adapters
+PARITY_PROMPTS = PROMPTS + [
+    f"{start} {topic}"
+    for start, topic in zip(
+        ["Explain why", "Write a haiku about", "A short note on", "Three facts about"] * 4,
+        [
+            "the sky is blue.", "autumn leaves.", "binary search.", "the moon.",
+            "rivers freeze in winter.", "coffee.", "prime numbers.", "the Roman empire.",
+            "bread rises.", "the ocean.", "sorting algorithms.", "volcanoes.",
+            "birds migrate.", "a quiet library.", "hash tables.", "glaciers.",
+        ],
+        strict=True,
+    )
+]  # fmt: skip
 MAX_TOKENS = 12
 # seed, targets, rank: every target module kind, several ranks
 ADAPTERS = {"all": (1, ATTN + MLP, 8), "attn": (2, ATTN, 16), "mlp": (3, MLP, 4)}
@@ -66,31 +80,34 @@ def token_ids(outs) -> list[list[int]]:
 
 
 def hf_greedy(model, tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Plain argmax decoding with HF's KV cache: no EOS handling at all, as kvserve's
+    ``ignore_eos`` (HF's ``min_new_tokens`` would mask EOS instead)."""
     refs = []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([tokenizer.encode(p)])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                pad_token_id=tokenizer.eos_token_id,
-            )
-            refs.append(out[0, ids.shape[1] :].tolist())
+            out = model(ids, use_cache=True)
+            tokens: list[int] = []
+            for _ in range(MAX_TOKENS):
+                nxt = int(out.logits[0, -1].argmax())
+                tokens.append(nxt)
+                out = model(
+                    torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True
+                )
+            refs.append(tokens)
     return refs
 
 
 @pytest.mark.parametrize("name", list(ADAPTERS))
 def test_greedy_matches_hf_merged(llm: LLM, adapters, hf_model, name: str) -> None:
     req = adapters[name]
-    got = token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=req))
+    got = token_ids(llm.generate(PARITY_PROMPTS, greedy(), use_tqdm=False, lora_request=req))
     merged = merged_hf_model(hf_model, Path(req.lora_path))
-    want = hf_greedy(merged, llm.tokenizer, PROMPTS)
+    want = hf_greedy(merged, llm.tokenizer, PARITY_PROMPTS)
     del merged
-    assert got == want, f"adapter {name}: kvserve differs from HF with the adapter merged"
-    base = token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False))
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == w, f"adapter {name}, prompt {i}: kvserve differs from HF with it merged"
+    base = token_ids(llm.generate(PARITY_PROMPTS, greedy(), use_tqdm=False))
     assert got != base, "the adapter was meant to change the output"
 
 
