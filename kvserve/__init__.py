@@ -2,7 +2,8 @@
 
 Public API: ``LLM``, ``SamplingParams``, ``RequestOutput`` (imported lazily so that
 ``import kvserve`` stays light and torch-free until an engine is built), and as in
-vLLM ``StructuredOutputsParams`` (old name ``GuidedDecodingParams``) and ``Logprob``.
+vLLM ``StructuredOutputsParams`` (old name ``GuidedDecodingParams``), ``Logprob`` and
+``LoRARequest``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = [
     "LLM",
     "GuidedDecodingParams",
     "Logprob",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
@@ -34,6 +36,10 @@ def __getattr__(name: str) -> Any:
         from kvserve.engine.outputs import RequestOutput
 
         return RequestOutput
+    if name == "LoRARequest":
+        from kvserve.lora.config import LoRARequest
+
+        return LoRARequest
     if name == "Logprob":
         from kvserve.engine.offline_compat import Logprob
 

@@ -19,6 +19,7 @@ from kvserve.buckets import (
 from kvserve.checks import check_int as check_int  # re-exported
 from kvserve.checks import config_error as config_error
 from kvserve.checks import is_int as is_int
+from kvserve.lora.config import LoRAConfig
 from kvserve.spec_decode.config import SpeculativeConfig
 
 SchedulerPolicy = Literal["mixed", "separated"]
@@ -432,3 +433,5 @@ class EngineConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # Speculative decoding (None: off); see kvserve.spec_decode.config.
     speculative: SpeculativeConfig | None = None
+    # Multi-LoRA serving (None: off); see kvserve.lora.config.
+    lora: LoRAConfig | None = None

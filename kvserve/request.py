@@ -294,6 +294,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
         self.adapter_id = adapter_id
+        self.lora_name: str | None = None  # the LoRA adapter's served name (kvserve.lora)
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -343,6 +344,7 @@ class Request:
                 adapter_id=self.adapter_id,
                 prompt=self.prompt,
             )
+            sample.lora_name = self.lora_name
             sample.sample_index = i
             sample.fork_parent = self
             group.append(sample)

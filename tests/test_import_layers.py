@@ -48,7 +48,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kvserve.prompt_check",
         ),
     ),
-    ("config", ("kvserve.config", "kvserve.spec_decode.config", "kvserve.kv_transfer.config")),
+    (
+        "config",
+        (
+            "kvserve.config",
+            "kvserve.spec_decode.config",
+            "kvserve.kv_transfer.config",
+            "kvserve.lora.config",
+            "kvserve.lora.errors",
+        ),
+    ),
     ("request", ("kvserve.request", "kvserve.structured.params", "kvserve.kv_cache.hashing")),
     # the pieces the scheduler and the runner both stand on
     (
@@ -58,6 +67,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kvserve.kv_offload",
             "kvserve.kv_transfer",
             "kvserve.model",
+            "kvserve.lora",
             "kvserve.structured",
             "kvserve.spec_decode.metrics",
         ),

@@ -22,6 +22,12 @@ from kvserve.config import (
     is_int,
 )
 from kvserve.engine.device import DEVICES_HELP, resolve_device
+from kvserve.lora.config import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    LoRAConfig,
+    parse_lora_module,
+)
 from kvserve.spec_decode.config import SpeculativeConfig
 
 
@@ -191,6 +197,21 @@ OPTIONS: tuple[_Option, ...] = (
         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
         "(docs/speculative-decoding.md; default off)",
     ),
+    _Option(
+        "enable_lora",
+        "lora",
+        bool,
+        "serve LoRA adapters over the base model, mixed in one batch (docs/lora.md)",
+    ),
+    _Option(
+        "lora_modules",
+        "lora",
+        list,
+        "adapters to load at start, NAME=PATH each (PEFT folders); a request selects one "
+        "by its model name",
+    ),
+    _Option("max_loras", "lora", int, "LoRA adapters resident at once (default 8)"),
+    _Option("max_lora_rank", "lora", int, "largest LoRA rank accepted (default 16)"),
 )
 OPTION_NAMES = tuple(o.name for o in OPTIONS)
 
@@ -221,6 +242,7 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
         "cache": {},
         "scheduler": {},
         "admission": {},
+        "lora": {},
     }
     for opt in OPTIONS:
         if opt.name not in given:
@@ -239,9 +261,36 @@ def build_engine_config(**kwargs: Any) -> EngineConfig:
             if "speculative_config" in given
             else None
         ),
+        lora=_lora_config(sections["lora"]),
     )
     config.cache.validate()
     config.admission.validate()
+    return config
+
+
+def _lora_config(options: dict[str, Any]) -> LoRAConfig | None:
+    """The LoRA section (None when no LoRA option is set); ValueError when invalid."""
+    if not options:
+        return None
+    modules: list[tuple[str, str]] = []
+    given = options.get("lora_modules") or ()
+    if isinstance(given, dict):
+        given = list(given.items())
+    for item in given:
+        if isinstance(item, str):
+            modules.append(parse_lora_module(item))
+        elif isinstance(item, dict):
+            modules.append((str(item["name"]), str(item["path"])))
+        else:
+            name, path = item
+            modules.append((str(name), str(path)))
+    config = LoRAConfig(
+        enable_lora=bool(options.get("enable_lora", bool(modules))),
+        max_loras=int(options.get("max_loras", DEFAULT_MAX_LORAS)),
+        max_lora_rank=int(options.get("max_lora_rank", DEFAULT_MAX_LORA_RANK)),
+        lora_modules=tuple(modules),
+    )
+    config.validate()
     return config
 
 
@@ -279,6 +328,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             )
         elif opt.type is tuple:
             group.add_argument(flag, type=_parse_int_list, default=None, help=opt.help)
+        elif opt.type is list:  # NAME=PATH ..., parsed by build_engine_config
+            group.add_argument(flag, nargs="+", default=None, metavar="NAME=PATH", help=opt.help)
         elif opt.type is dict:  # JSON text, parsed and validated by build_engine_config
             group.add_argument(flag, type=str, default=None, help=opt.help)
         else:

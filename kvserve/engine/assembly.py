@@ -80,6 +80,7 @@ def model_runner(
         grammar_compiler=grammar_compiler,
         speculative_config=config.speculative,
         batch_invariant=config.model.batch_invariant,
+        lora_config=config.lora,
     )
 
 

@@ -88,6 +88,8 @@ class AsyncEngine(EngineLoop):
         # Validate and build a request for submit(), arriving now (any thread may call
         # it; raises RequestError on bad input): EngineCore.make_request itself.
         self.make_request = engine.make_request
+        # resident LoRA adapters (thread-safe; kvserve.lora.manager), None: LoRA is off
+        self.lora_manager = engine.lora_manager
         self.metrics.set_stats_source(self.stats)
         connector = engine.kv_connector
         if connector is not None:

@@ -43,6 +43,8 @@ from kvserve.engine.runner import ConnectedRunner, ModelInfo, Runner
 from kvserve.engine.validation import RequestLimits, validate_request
 from kvserve.kv_cache import KVCacheManager
 from kvserve.kv_transfer.connector import KVConnector
+from kvserve.lora.errors import LoRAError
+from kvserve.lora.manager import LoRAManager
 from kvserve.request import (
     FinishReason,
     Request,
@@ -156,6 +158,8 @@ class EngineCore:
                 config.scheduler.max_num_seqs,
             )
         self._states: dict[str, RequestState] = {}
+        # the runner's adapters (kvserve.lora.manager); None: LoRA is off
+        self.lora_manager: LoRAManager | None = getattr(self.runner, "lora_manager", None)
         self._ids = itertools.count()
         self.num_failed_steps = 0
 
@@ -185,6 +189,7 @@ class EngineCore:
         prompt: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> Request:
         """Validate (:meth:`validate_request`) and build a request for :meth:`add`:
         an id when none is given, ``max_tokens`` filled in when None. Changes no
@@ -192,13 +197,16 @@ class EngineCore:
         result is sample 0, holding the other samples (``Request.group``, ids
         ``<id>#<i>``); :meth:`add` queues them all. ``truncate_prompt_tokens=k``
         keeps the prompt's last k tokens (the text is then dropped); ``bad_words``
-        are tokenized here (``bad_words_token_ids``)."""
+        are tokenized here (``bad_words_token_ids``). ``lora_name``: a resident LoRA
+        adapter (:class:`~kvserve.lora.errors.LoRAError` 404 when none has that name;
+        400 when LoRA is off)."""
         k = params.truncate_prompt_tokens
         if k is not None and k < len(prompt_token_ids):
             prompt_token_ids, prompt = prompt_token_ids[-k:], None
         if params.bad_words and params.bad_words_token_ids is None:
             params = dataclasses.replace(params, bad_words_token_ids=self._bad_word_ids(params))
         self.validate_request(prompt_token_ids, params)
+        adapter_id = self._adapter_id(lora_name)
         if params.max_tokens is None:
             params = dataclasses.replace(
                 params, max_tokens=self.max_model_len - len(prompt_token_ids)
@@ -210,10 +218,30 @@ class EngineCore:
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             arrival_time=arrival_time,
             cache_salt=cache_salt,
+            adapter_id=adapter_id,
             prompt=prompt,
         )
+        request.lora_name = lora_name
         request.with_samples()
         return request
+
+    def _adapter_id(self, lora_name: str | None) -> str | None:
+        """The block-hash id of adapter ``lora_name`` (None: the base model)."""
+        if lora_name is None:
+            return None
+        if self.lora_manager is None:
+            raise LoRAError(
+                f"the request selects LoRA adapter {lora_name!r} but this engine serves "
+                "none: start it with --enable-lora (enable_lora=True)"
+            )
+        return self.lora_manager.resolve(lora_name).adapter_id
+
+    def _drop(self, req_id: str) -> RequestState | None:
+        """Forget a finished request's state (and its use of an adapter)."""
+        state = self._states.pop(req_id, None)
+        if state is not None and self.lora_manager is not None:
+            self.lora_manager.release(req_id)
+        return state
 
     def add(self, request: Request) -> str:
         """Queue a request built by :meth:`make_request` (not validated again); returns
@@ -224,7 +252,20 @@ class EngineCore:
                 f"request id {request.req_id!r} is already in use: pick a unique id",
                 param="request_id",
             )
-        self.scheduler.add_request(request)
+        lora_name = getattr(request, "lora_name", None)
+        if lora_name is not None and self.lora_manager is not None:
+            taken: list[str] = []
+            try:  # unloading waits for these requests (404 if it began meanwhile)
+                for sample in request.group:
+                    sample.adapter_id = self.lora_manager.acquire(sample.req_id, lora_name)
+                    taken.append(sample.req_id)
+                self.scheduler.add_request(request)
+            except Exception:
+                for req_id in taken:
+                    self.lora_manager.release(req_id)
+                raise
+        else:
+            self.scheduler.add_request(request)
         shared: list[Logprobs | None] | None = None
         if request.sampling_params.prompt_logprobs is not None:
             shared = [None] * request.num_prompt_tokens
@@ -244,6 +285,7 @@ class EngineCore:
         prompt: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_name: str | None = None,
     ) -> str:
         """:meth:`make_request` then :meth:`add`: queue a request and return its id.
         Raises :class:`RequestError` (a ValueError) and changes nothing on bad input."""
@@ -255,6 +297,7 @@ class EngineCore:
                 prompt=prompt,
                 cache_salt=cache_salt,
                 arrival_time=arrival_time,
+                lora_name=lora_name,
             )
         )
 
@@ -268,7 +311,12 @@ class EngineCore:
         if not live:
             return []
         self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        return [make_delta(self._states.pop(r).request, FinishReason.ABORT) for r in live]
+        return [make_delta(self._pop(r).request, FinishReason.ABORT) for r in live]
+
+    def _pop(self, req_id: str) -> RequestState:
+        state = self._drop(req_id)
+        assert state is not None  # callers checked req_id is live
+        return state
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -307,7 +355,7 @@ class EngineCore:
         # Requests the runner cannot go on with end with an error before the update,
         # which then skips them (their sampled token is dropped, never a "stop").
         for req_id, error in runner_out.failed.items():
-            gone = self._states.pop(req_id, None)
+            gone = self._drop(req_id)
             if gone is not None:
                 self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
                 failed.append(make_delta(gone.request, FinishReason.ERROR, error=error))
@@ -321,7 +369,7 @@ class EngineCore:
                 continue
             delta = process_output(state, out, self.scheduler)
             if delta.finished:
-                del self._states[out.req_id]
+                self._drop(out.req_id)
             deltas.append(delta)
         return deltas
 
@@ -386,7 +434,7 @@ class EngineCore:
         failed = self.scheduler.take_failed_requests()
         out = []
         for request, error in failed:
-            if self._states.pop(request.req_id, None) is not None:
+            if self._drop(request.req_id) is not None:
                 out.append(make_delta(request, FinishReason.ABORT, error=error))
         return out
 

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -29,6 +30,8 @@ from kvserve.engine.vllm_compat import generation_defaults, translate_vllm_optio
 from kvserve.entrypoints.chat.prompt import ChatPromptBuilder
 from kvserve.entrypoints.chat.template import load_chat_template
 from kvserve.entrypoints.token_texts import TokenTexts
+from kvserve.lora.config import LoRARequest
+from kvserve.lora.errors import LoRAError
 from kvserve.request import RequestError, SamplingParams
 
 Message = dict[str, Any]
@@ -90,10 +93,14 @@ class LLM:
         prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt and return in order. ``prompts``: strings or
         vLLM's prompt dicts (``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``);
-        or ``prompt_token_ids`` (not both)."""
+        or ``prompt_token_ids`` (not both). ``lora_request``: one adapter for every
+        prompt, or one (or None: the base model) per prompt; the engine needs
+        ``enable_lora=True``. An adapter not yet resident is loaded first (and stays
+        loaded); a name already resident from another path is a LoRAError."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError(
                 "pass exactly one of prompts (text) or prompt_token_ids (lists of ints)"
@@ -109,7 +116,43 @@ class LLM:
                 given = [given]  # one prompt of token ids
             token_lists = [list(p) for p in given]
             texts = [None] * len(token_lists)
-        return self._run(texts, token_lists, sampling_params, use_tqdm, cache_salt)
+        loras = self._lora_names(lora_request, len(token_lists))
+        return self._run(texts, token_lists, sampling_params, use_tqdm, cache_salt, loras)
+
+    def _lora_names(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+    ) -> list[str | None]:
+        """The adapter name of each prompt, loading the adapters not yet resident."""
+        if lora_request is None:
+            return [None] * n
+        reqs = [lora_request] * n if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(reqs) != n:
+            raise ValueError(
+                f"got {len(reqs)} lora_request entries for {n} prompts: pass one for all, "
+                "or exactly one (or None) per prompt"
+            )
+        manager = self.engine.lora_manager
+        names: list[str | None] = []
+        for r in reqs:
+            if r is None:
+                names.append(None)
+                continue
+            if manager is None:
+                raise LoRAError(
+                    "lora_request needs an engine with LoRA: LLM(..., enable_lora=True)"
+                )
+            resident = {a.name: a for a in manager.adapters()}
+            have = resident.get(r.lora_name)
+            if have is None:
+                manager.load(r.lora_name, r.lora_path, r.lora_int_id)
+            elif str(Path(have.path)) != str(Path(r.lora_path).expanduser()):
+                raise LoRAError(
+                    f"LoRA adapter {r.lora_name!r} is loaded from {have.path!r}, not "
+                    f"{r.lora_path!r}: use another lora_name for another adapter",
+                    status=409,
+                )
+            names.append(r.lora_name)
+        return names
 
     def chat(
         self,
@@ -149,7 +192,7 @@ class LLM:
             )
             texts.append(prompt.text)
             token_lists.append(prompt.token_ids)
-        return self._run(texts, token_lists, sampling_params, use_tqdm, None)
+        return self._run(texts, token_lists, sampling_params, use_tqdm, None, None)
 
     # ------------------------------------------------------------------ internals
     def _encode(self, text: str) -> list[int]:
@@ -166,6 +209,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         cache_salt: str | None,
+        lora_names: list[str | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(token_lists)
@@ -187,10 +231,15 @@ class LLM:
             ]
         engine = self.engine
         requests = []
-        for i, (text, ids, params) in enumerate(zip(texts, token_lists, params_list, strict=True)):
+        loras = lora_names if lora_names is not None else [None] * len(token_lists)
+        for i, (text, ids, params, lora) in enumerate(
+            zip(texts, token_lists, params_list, loras, strict=True)
+        ):
             try:  # every prompt is validated before any is queued
                 requests.append(
-                    engine.make_request(ids, params, prompt=text, cache_salt=cache_salt)
+                    engine.make_request(
+                        ids, params, prompt=text, cache_salt=cache_salt, lora_name=lora
+                    )
                 )
             except RequestError as e:
                 raise RequestError(f"prompt {i}: {e}", param=e.param, code=e.code) from None

@@ -3,7 +3,9 @@
 Routes:
     GET  /health                 200 while the engine runs, 503 otherwise
     GET  /metrics                Prometheus text format (``kvserve.metrics``)
-    GET  /v1/models              the served model; /v1/models/{id} (404 for another id)
+    GET  /v1/models              the served model and resident LoRA adapters; /v1/models/{id}
+    POST /v1/load_lora_adapter   load a LoRA adapter (--enable-lora; entrypoints/lora_routes.py)
+    POST /v1/unload_lora_adapter unload one (waits for its running requests)
     POST /v1/completions         stream and non-stream (``openai_serving``)
     POST /v1/chat/completions    stream and non-stream; tools (``chat/tools.py``)
     POST /v1/responses           OpenAI's Responses API (``responses``)
@@ -65,6 +67,7 @@ from kvserve.entrypoints.http_guard import (
     add_cors,
     default_max_body_bytes,
 )
+from kvserve.entrypoints.lora_routes import add_lora_routes, lora_cards
 from kvserve.entrypoints.openai_errors import APIError, bad_request
 from kvserve.entrypoints.openai_serving import OpenAIServing
 from kvserve.entrypoints.openapi_doc import openapi_document
@@ -300,12 +303,17 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card()]}
+        loras = lora_cards(serving, int(started), async_engine.max_model_len)
+        return {"object": "list", "data": [card(), *loras]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        serving.check_model(model_id)
+        if serving.check_model(model_id) is not None:
+            loras = lora_cards(serving, int(started), async_engine.max_model_len)
+            return next(c for c in loras if c["id"] == model_id)
         return card()
+
+    add_lora_routes(app, serving)
 
     # ------------------------------------------------------------------ generation
     @app.post("/v1/completions")

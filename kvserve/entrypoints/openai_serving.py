@@ -47,6 +47,8 @@ from kvserve.entrypoints.serving_streams import (
 )
 from kvserve.entrypoints.token_texts import TokenTexts
 from kvserve.entrypoints.workers import CpuPool
+from kvserve.lora.errors import LoRAError
+from kvserve.lora.manager import LoRAManager
 from kvserve.request import RequestError, SamplingParams
 
 logger = logging.getLogger("kvserve.requests")
@@ -86,6 +88,7 @@ class Generation:
     n: int = 1
     num_samples: int = 1
     count_outputs: bool = True
+    model: str | None = None  # the name the response echoes (a LoRA adapter's); None: served
 
     def new_choices(self) -> list[Choice]:
         return [Choice(index=i, prompt_index=p) for i, p in enumerate(self.prompt_index)]
@@ -93,6 +96,13 @@ class Generation:
 
 def include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def lora_error_to_api(e: LoRAError) -> APIError:
+    """A LoRA refusal in OpenAI's error shape, with its status (400/404/409)."""
+    code = {404: "model_not_found", 409: "conflict"}.get(e.status, "invalid_value")
+    param = "model" if e.status == 404 else None
+    return APIError(e.status, str(e), param=param, code=code)
 
 
 class OpenAIServing:
@@ -133,6 +143,8 @@ class OpenAIServing:
         self.max_prompts_per_request = max_prompts_per_request
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
+        # resident LoRA adapters a request may name in ``model`` (None: LoRA off)
+        self.lora: LoRAManager | None = getattr(engine, "lora_manager", None)
         self.max_queue_len = max_queue_len
         self.token_texts = TokenTexts(engine.tokenizer)
         # Chat prompts (template, sandbox, safe tokenization) and the threads that
@@ -142,15 +154,28 @@ class OpenAIServing:
         self.chat_threads = chat_threads if chat_threads is not None else self.cpu
 
     # ------------------------------------------------------------------ common
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist: this server serves "
-                f"{self.served_model_name!r} (GET /v1/models lists it)",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for a name
+        that is neither the served model nor a resident adapter."""
+        if model is None or model == self.served_model_name:
+            return None
+        if self.lora is not None:
+            try:
+                return self.lora.resolve(model).name
+            except LoRAError as e:
+                raise APIError(
+                    404,
+                    f"{e} (or use the base model {self.served_model_name!r})",
+                    param="model",
+                    code="model_not_found",
+                ) from None
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist: this server serves "
+            f"{self.served_model_name!r} (GET /v1/models lists it)",
+            param="model",
+            code="model_not_found",
+        )
 
     async def submit(
         self,
@@ -158,15 +183,19 @@ class OpenAIServing:
         inputs: list[tuple[str | None, list[int], SamplingParams]],
         cache_salt: str | None,
         names: dict[str, str],
+        lora_name: str | None = None,
     ) -> list[DeltaStream]:
         """Queue every prompt, all or none: each is validated once (``make_request``)
         before any is queued. Returns one stream per sample, prompt by prompt.
         Refusals become APIError naming the request's field (``names``: engine field
-        -> request field)."""
+        -> request field). ``lora_name``: the adapter (from :meth:`check_model`); an
+        adapter unloaded meanwhile is a 404."""
         for _, ids, params in inputs:
             self.check_logprobs(params, names)
             if self.log_requests:
                 logger.info("request %s: %d prompt tokens, params %s", req_id, len(ids), params)
+
+        extra: dict[str, Any] = {} if lora_name is None else {"lora_name": lora_name}
 
         def make_all() -> list[Any]:
             return [
@@ -176,6 +205,7 @@ class OpenAIServing:
                     request_id=req_id if len(inputs) == 1 else f"{req_id}-{i}",
                     prompt=text,
                     cache_salt=cache_salt,
+                    **extra,
                 )
                 for i, (text, ids, params) in enumerate(inputs)
             ]
@@ -190,6 +220,8 @@ class OpenAIServing:
             if e.code == "grammar_compiler_busy":  # every compile worker busy: retry
                 raise retry_later(503, str(e), e.code) from None
             raise request_error_to_api(e, names) from None
+        except LoRAError as e:
+            raise lora_error_to_api(e) from None
         streams: list[DeltaStream] = []
         try:
             # All prompts' sequences are admitted together or refused together.
@@ -202,6 +234,8 @@ class OpenAIServing:
                 raise retry_later(503, str(e), "engine_unavailable") from None
             if isinstance(e, RequestError):
                 raise request_error_to_api(e, names) from None
+            if isinstance(e, LoRAError):
+                raise lora_error_to_api(e) from None
             raise
         return streams
 
@@ -261,7 +295,7 @@ class OpenAIServing:
             "id": gen.req_id,
             "object": obj,
             "created": created,
-            "model": self.served_model_name,
+            "model": gen.model or self.served_model_name,
             "choices": choices,
         }
 

@@ -67,7 +67,12 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
                 "--hash-algo builtin gives different hashes in every process, so the router "
                 "cannot predict the replicas' caches: use --hash-algo sha256 with --replicas"
             )
-        build_engine_config(**options)
+        lora = build_engine_config(**options).lora
+        if lora is not None and lora.enable_lora:
+            raise ValueError(
+                "--enable-lora cannot be combined with --replicas yet (the ingress does not "
+                "route adapters to the replicas): serve one engine with --enable-lora"
+            )
         if not args.ray_address:  # fail fast on a bad --model (and convert it once, here)
             from kvserve.model.loader import (
                 DEFAULT_MODEL_NAME,

@@ -55,7 +55,7 @@ async def render_chat(
 
 async def start_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> Generation:
     """Validate and queue the conversation."""
-    serving.check_model(req.model)
+    lora_name = serving.check_model(req.model)
     req.check()
     plan = plan_tools(
         req.tools,
@@ -94,8 +94,16 @@ async def start_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> Gene
             )
         params = dataclasses.replace(params, structured_outputs=forced)
         names = {**names, **TOOL_PARAM_NAMES}
-    streams = await serving.submit(req_id, [(text, ids, params)], req.cache_salt, names)
+    streams = await serving.submit(req_id, [(text, ids, params)], req.cache_salt, names, lora_name)
     renderer = ChatRenderer(
         req, serving.token_texts, ids, ToolOutput(plan, len(streams), max_tokens)
     )
-    return Generation(req_id, streams, renderer, include_usage(req), [0] * len(streams), n=params.n)
+    return Generation(
+        req_id,
+        streams,
+        renderer,
+        include_usage(req),
+        [0] * len(streams),
+        n=params.n,
+        model=lora_name,
+    )

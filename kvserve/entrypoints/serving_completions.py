@@ -21,7 +21,7 @@ YIELD_EVERY = 32
 
 async def start_completion(serving: OpenAIServing, req: CompletionRequest) -> Generation:
     """Validate and queue every prompt (all or none)."""
-    serving.check_model(req.model)
+    lora_name = serving.check_model(req.model)
     req.check()
     try:  # before tokenizing anything
         check_prompt_count(len(req.prompts()), serving.max_prompts_per_request)
@@ -60,7 +60,9 @@ async def start_completion(serving: OpenAIServing, req: CompletionRequest) -> Ge
             size, _echo_texts, serving, prompts, prompt_ids
         )
     req_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await serving.submit(req_id, inputs, req.cache_salt, req.param_names("max_tokens"))
+    streams = await serving.submit(
+        req_id, inputs, req.cache_salt, req.param_names("max_tokens"), lora_name
+    )
     num_samples = inputs[0][2].num_samples
     prompt_index = [i // num_samples for i in range(len(streams))]
     renderer = CompletionRenderer(req, serving.token_texts, echo_texts, prompt_ids, prompt_index)
@@ -73,6 +75,7 @@ async def start_completion(serving: OpenAIServing, req: CompletionRequest) -> Ge
         n=inputs[0][2].n,
         num_samples=num_samples,
         count_outputs=not req.echo_only,
+        model=lora_name,
     )
 
 

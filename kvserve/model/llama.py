@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.lora.weights import LoRABatch, LoRAWeights
 from kvserve.model.arch import ModelArchConfig  # noqa: F401  (re-exported)
 from kvserve.model.attention import AttentionMetadata, paged_attention
 from kvserve.model.kernels.backend import KernelBackend, default_backend
@@ -112,6 +113,9 @@ class LlamaForCausalLM(nn.Module):
         # their nn.Parameter is then an empty placeholder of the model dtype
         self._quant: dict[str, list[QuantWeight]] = {}
         self.batch_invariant = False  # see set_batch_invariant
+        # LoRA slot tensors (kvserve.lora.weights); forward applies them to the rows a
+        # LoRABatch names
+        self.lora_weights: LoRAWeights | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -381,17 +385,24 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> hidden states [T, hidden] (before final norm).
 
         ``kv_caches[i]`` is layer ``i``'s cache (layout in ``kvserve.model.attention``).
+        ``lora``: the adapter slot of each row (``self.lora_weights`` must be set); each
+        targeted linear's output gets its rows' low-rank delta (kvserve.lora.weights).
+        None: the base model only, exactly the path without LoRA.
         """
+        lw = self.lora_weights if lora is not None else None
         if (
             self._native is not None
             and attn_meta.native is not None
             and not torch.compiler.is_compiling()
         ):
-            return forward_native(self, input_ids, positions, kv_caches, attn_meta, self._native)
+            return forward_native(
+                self, input_ids, positions, kv_caches, attn_meta, self._native, lora
+            )
         c = self.config
         h, hk, d = c.num_heads, c.num_kv_heads, c.head_dim
         num_tokens = input_ids.shape[0]
@@ -402,20 +413,32 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_cos_sin(positions)  # [T, 1, D]
 
         x = self.embed(input_ids)  # [T, hidden]
-        for ops, kv_cache in zip(self._ops, kv_caches, strict=True):
+        for li, (ops, kv_cache) in enumerate(zip(self._ops, kv_caches, strict=True)):
             y = F.rms_norm(x, hidden, ops.input_layernorm, eps)
             qkv = ops.qkv(y)  # [T, (H + 2Hk) * D]
+            if lw is not None and lora is not None:
+                lw.apply(li, "qkv", y, qkv, lora)
             qk = qkv[:, :qk_size].view(num_tokens, h + hk, d)
             if ops.qk_norm is not None:
                 qk = F.rms_norm(qk, (d,), None, eps) * ops.qk_norm
             qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)  # RoPE, [T, H + Hk, D]
             v = qkv[:, qk_size:].view(num_tokens, hk, d)
             attn = paged_attention(qk[:, :h], qk[:, h:], v, kv_cache, attn_meta, self.scale)
-            x = x + ops.o(attn.reshape(num_tokens, q_size))
+            attn2 = attn.reshape(num_tokens, q_size)
+            o = ops.o(attn2)
+            if lw is not None and lora is not None:
+                lw.apply(li, "o", attn2, o, lora)
+            x = x + o
             y = F.rms_norm(x, hidden, ops.post_attention_layernorm, eps)
             gate_up = ops.gate_up(y)  # [T, 2I]
+            if lw is not None and lora is not None:
+                lw.apply(li, "gate_up", y, gate_up, lora)
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + ops.down(F.silu(gate) * up)
+            act = F.silu(gate) * up
+            down = ops.down(act)
+            if lw is not None and lora is not None:
+                lw.apply(li, "down", act, down, lora)
+            x = x + down
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

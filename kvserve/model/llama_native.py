@@ -36,6 +36,7 @@ from kvserve.model.quant.kernel import K_CODES
 from kvserve.model.quant.linear import QuantLinear
 
 if TYPE_CHECKING:
+    from kvserve.lora.weights import LoRABatch
     from kvserve.model.llama import LlamaForCausalLM, _LayerOps
 
 FUSED_DECODE_ENV_VAR = "KVSERVE_FUSED_DECODE"
@@ -94,16 +95,19 @@ def forward_native(
     kv_caches: list[torch.Tensor],
     meta: AttentionMetadata,
     kernels: KernelBackend,
+    lora: LoRABatch | None = None,
 ) -> torch.Tensor:
     """The layers with fused native ops and an fp32 residual stream.
 
     Rules: ``meta.native`` is set (the native attention backend), ``kernels.norms`` and
     ``kernels.attention`` are bound. Returns the fp32 residual stream [T, hidden]
-    (before the final norm).
+    (before the final norm). ``lora``: adapter rows (``model.lora_weights`` set); a
+    step with any runs the per-layer loop below, never the one-call decode step.
     """
     assert meta.native is not None
+    lw = model.lora_weights if lora is not None else None
     fused = model._fused_decode
-    if fused is not None and fused.supports(meta, kv_caches):
+    if lw is None and fused is not None and fused.supports(meta, kv_caches):
         return fused(model.embed(input_ids).float(), positions, kv_caches, meta)
     nk, attention = kernels.norms, kernels.attention
     assert nk is not None and attention is not None
@@ -116,9 +120,11 @@ def forward_native(
     residual = model.embed(input_ids).float()  # [T, hidden] fp32
     pending: torch.Tensor | None = None  # the last sublayer's output, not yet added
     no_write: torch.Tensor | None = None  # all -1 slots (8-bit caches are written apart)
-    for ops, kv_cache in zip(model._ops, kv_caches, strict=True):
+    for li, (ops, kv_cache) in enumerate(zip(model._ops, kv_caches, strict=True)):
         y = nk.add_rms_norm(residual, pending, ops.input_layernorm, eps)
         qkv = ops.qkv(y)  # [T, (H + 2Hk) * D]
+        if lw is not None and lora is not None:
+            lw.apply(li, "qkv", y, qkv, lora)
         if ops.qk_norm is not None:  # Qwen3: per-head RMSNorm of q and k, before RoPE
             nk.head_rms_norm(qkv, h + hk, d, ops.qk_norm, eps)
         if is_kv8(kv_cache):  # RoPE only, then the quantized write and 8-bit attention
@@ -138,14 +144,22 @@ def forward_native(
                 attn = native_attention(q, k, v, kv_cache, meta, model.scale)
             else:
                 attn = attention(q, kv_cache, seqs, tables, seg, model.scale)  # [T, H, D]
-        o = ops.o(attn.view(num_tokens, h * d))
+        attn2 = attn.view(num_tokens, h * d)
+        o = ops.o(attn2)
+        if lw is not None and lora is not None:
+            lw.apply(li, "o", attn2, o, lora)
         y = nk.add_rms_norm(residual, o, ops.post_attention_layernorm, eps)
         gu = ops.gate_up
-        if isinstance(gu, QuantLinear) and gu.fused_silu_capable:
+        if lw is None and isinstance(gu, QuantLinear) and gu.fused_silu_capable:
             act = gu.silu_mul(y)  # the same values in one native pass
         else:
-            act = nk.silu_mul(gu(y))
+            gate_up = gu(y)
+            if lw is not None and lora is not None:
+                lw.apply(li, "gate_up", y, gate_up, lora)
+            act = nk.silu_mul(gate_up)
         pending = ops.down(act)
+        if lw is not None and lora is not None:
+            lw.apply(li, "down", act, pending, lora)
     if pending is not None:
         residual += pending
     return residual

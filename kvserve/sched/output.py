@@ -48,6 +48,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
+    adapter_id: str | None = None  # the LoRA adapter's id (kvserve.lora), None: base
 
 
 @dataclass

@@ -76,6 +76,7 @@ class StepBuilder:
                 block_ids=block_ids,
                 num_computed_tokens=request.num_computed_tokens,
                 sampling_params=request.sampling_params,
+                adapter_id=request.adapter_id,
             )
         )
         self._add(request, num_tokens)

@@ -17,14 +17,20 @@ rows::
 
 Padding rows take the pad token id and repeat the last real position; their slot is
 -1 so they write no KV, and their outputs are never read.
+
+With LoRA, each row also gets its request's adapter slot (``StepInputs.lora``, -1 for
+the base model, padding of a request takes the request's slot, dummies -1); a step
+without an adapter row gets ``lora=None`` and runs the base path unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvserve.lora.weights import LoRABatch
 from kvserve.model.attention import (
     AttentionMetadata,
     ResolvedBackend,
@@ -50,6 +56,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: SamplingRequestState
+    lora_slot: int = -1  # the adapter's slot (kvserve.lora.weights), -1: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +76,7 @@ class StepInputs:
     sample_req_ids: list[str]  # request ids in logits_rows order
     num_rows: int  # real + padding + dummy rows
     prompt_logprob_rows: list[PromptLogprobsRows]  # requests with prompt_logprobs set
+    lora: LoRABatch | None = None  # adapter slot per row; None: no adapter row
 
 
 class InputBatch:
@@ -101,6 +109,8 @@ class InputBatch:
         self.eos_token_id = eos_token_id
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
+        # adapter id -> slot (the runner's LoRAManager.slot_of); None: LoRA is off
+        self.lora_slot_of: Callable[[str | None], int] | None = None
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -127,6 +137,13 @@ class InputBatch:
                     eos_token_id=self.eos_token_id,
                 ),
             )
+            if new.adapter_id is not None:
+                if self.lora_slot_of is None:
+                    raise RuntimeError(
+                        f"request {new.req_id!r} selects LoRA adapter {new.adapter_id!r} "
+                        "but this runner serves no adapters (enable_lora is off)"
+                    )
+                self.requests[new.req_id].lora_slot = self.lora_slot_of(new.adapter_id)
         cached = so.scheduled_cached_reqs
         for req_id, new_blocks, num_computed in zip(
             cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
@@ -167,6 +184,7 @@ class InputBatch:
         logits_rows: list[int] = []
         sample_req_ids: list[str] = []
         scored: list[PromptLogprobsRows] = []
+        row_slots: list[int] = []
         for req_id in prefill_ids + single_ids:
             state = self.requests[req_id]
             n = so.num_scheduled_tokens[req_id]
@@ -185,6 +203,7 @@ class InputBatch:
                 input_ids.extend([self.pad_token_id] * (rows - n))
                 positions.extend([start + n - 1] * (rows - n))
             specs.append(SeqSpec(row, rows, n, start, state.block_ids))
+            row_slots.extend([state.lora_slot] * rows)
             num_top = state.sampling.params.prompt_logprobs
             if num_top is not None:
                 prompt = state.sampling.prompt_token_ids
@@ -222,4 +241,7 @@ class InputBatch:
             sample_req_ids=sample_req_ids,
             num_rows=num_rows,
             prompt_logprob_rows=scored,
+            lora=(
+                LoRABatch.from_row_slots(row_slots, dev) if self.lora_slot_of is not None else None
+            ),
         )

@@ -21,6 +21,9 @@ import torch
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.kv_transfer.connector import KVConnectorWorker
+from kvserve.lora.config import LoRAConfig
+from kvserve.lora.manager import LoRAManager
+from kvserve.lora.weights import LoRAWeights
 from kvserve.model.attention import resolve_attention_backend
 from kvserve.model.invariance import auto_invariant_reach
 from kvserve.model.kernels.kv8 import kv_cache_fingerprint, resolve_kv_cache_dtype
@@ -92,6 +95,8 @@ class ModelRunner:
     one their params are refused by the engine before they get here.
     ``batch_invariant``: see :func:`resolve_batch_invariant`; it sets the model's linear
     routing (``model.set_batch_invariant``), so runners sharing one model must agree.
+    ``lora_config`` with ``enable_lora``: the runner builds the adapter slots on its
+    model and owns the :class:`LoRAManager` (``self.lora_manager``; None when off).
     """
 
     def __init__(
@@ -105,6 +110,7 @@ class ModelRunner:
         grammar_compiler: GrammarCompiler | None = None,
         speculative_config: SpeculativeConfig | None = None,
         batch_invariant: bool | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.loaded = loaded
         self.model: LlamaForCausalLM = loaded.model
@@ -190,6 +196,10 @@ class ModelRunner:
             invariant_max_context=self.invariant_max_context,
             kv_segment_size=self.kv_segment_size,
         )
+        self.lora_manager: LoRAManager | None = None
+        self.model.lora_weights = None  # a model reused from an earlier engine keeps none
+        if lora_config is not None and lora_config.enable_lora:
+            self.lora_manager = self._build_lora(lora_config)
         self.sampler = sampler if sampler is not None else Sampler(kernels=self.kernels)
         self.kv_connector: KVConnectorWorker | None = None
         self.structured = StructuredBatch(grammar_compiler) if grammar_compiler else None
@@ -209,6 +219,22 @@ class ModelRunner:
             self.compiled.warm_up(
                 self.kv_caches, self.kv_segment_size, loaded.dtype, self.kv_format.is_8bit
             )
+
+    def _build_lora(self, config: LoRAConfig) -> LoRAManager:
+        """The adapter slots on the model, the manager, and the ``--lora-modules``."""
+        from kvserve.lora.ops import native_lora_kernel
+
+        config.validate()
+        weights = LoRAWeights(
+            self.model.config, config.max_loras, config.max_lora_rank, device=self.device
+        )
+        weights.native = native_lora_kernel()
+        self.model.lora_weights = weights
+        manager = LoRAManager(config, self.model.config, weights)
+        for name, path in config.lora_modules:
+            manager.load(name, path)
+        self.input_batch.lora_slot_of = manager.slot_of
+        return manager
 
     def set_kv_connector(self, connector: KVConnectorWorker) -> None:
         """Use ``connector``'s worker side around every step (disaggregation)."""
@@ -261,10 +287,12 @@ class ModelRunner:
         if self.structured is not None:  # filled on the mask thread during the forward
             masks = self.structured.start_masks(inputs.sample_req_ids)
         attn_meta = inputs.attn_meta
-        if self.compiled is not None and self.compiled.supports(attn_meta):
+        if inputs.lora is None and self.compiled is not None and self.compiled.supports(attn_meta):
             hidden = self.compiled(inputs.input_ids, inputs.positions, self.kv_caches, attn_meta)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn_meta)
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, attn_meta, inputs.lora
+            )
         if kv_meta is not None and self.kv_connector is not None:
             self.kv_connector.save_kv(kv_meta)  # blocks this step completed, right after it
 

@@ -39,6 +39,7 @@ SOURCES = [
         "linear_kquant.cpp",  # GGUF K-quants (bindings: kvserve.model.quant.kernel)
         "attention_kv8.cpp",  # 8-bit KV cache (bindings: kvserve.model.kernels.kv8)
         "decode_step.cpp",  # all layers of a decode step (bindings: kvserve.model.llama_native)
+        "lora.cpp",  # the batched LoRA delta (bindings: kvserve.lora.ops)
     )
 ]
 HEADERS = [CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources

@@ -1,0 +1,204 @@
+"""The batched low-rank delta against a row-by-row reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from support.lora_adapters import ATTN, MLP, make_adapter
+from transformers import LlamaConfig
+
+from kvserve.lora.adapter import load_adapter, module_shapes
+from kvserve.lora.ops import native_lora_kernel
+from kvserve.lora.weights import FUSED_PARTS, LoRABatch, LoRAWeights, lora_delta_torch
+from kvserve.model.arch import ModelArchConfig
+
+HF = LlamaConfig(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+)
+ARCH = ModelArchConfig.from_hf_config(HF)
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[LoRAWeights, list]:
+    tmp = tmp_path_factory.mktemp("lora")
+    w = LoRAWeights(ARCH, 3, 8)
+    adapters = [
+        load_adapter(str(make_adapter(tmp / "a", HF, rank=8, seed=1, std=0.3)), ARCH, 8),
+        load_adapter(
+            str(make_adapter(tmp / "b", HF, rank=4, seed=2, std=0.3, targets=ATTN)), ARCH, 8
+        ),
+        load_adapter(
+            str(make_adapter(tmp / "c", HF, rank=2, seed=3, std=0.3, targets=MLP)), ARCH, 8
+        ),
+    ]
+    for slot, a in enumerate(adapters):
+        w.set_slot(slot, a)
+    return w, adapters
+
+
+def reference(x: torch.Tensor, f: str, layer: int, slots: list[int], adapters) -> torch.Tensor:
+    """Row by row: each part's scale * B @ (A @ x), from the adapter's own tensors."""
+    shapes = module_shapes(ARCH)
+    outs = []
+    for t, s in enumerate(slots):
+        parts = []
+        for m in FUSED_PARTS[f]:
+            a = adapters[s] if s >= 0 else None
+            pair = a.weights.get((layer, m)) if a is not None else None
+            out_f = shapes[m][0]
+            if pair is None:
+                parts.append(torch.zeros(out_f, dtype=torch.float64))
+            else:
+                A, B = pair
+                parts.append(a.scale * (B.double() @ (A.double() @ x[t].double())))
+        outs.append(torch.cat(parts))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("f", list(FUSED_PARTS))
+@pytest.mark.parametrize("use_native", [False, True])
+def test_mixed_rows_match_the_reference(weights, f: str, use_native: bool) -> None:
+    w, adapters = weights
+    if use_native and native_lora_kernel() is None:
+        pytest.skip("no native LoRA kernel here")
+    saved = w.native
+    w.native = native_lora_kernel() if use_native else None
+    try:
+        slots = [0, -1, 2, 1, 1, 0, -1, 2, 0]
+        in_f = w.in_features[f]
+        x = torch.randn(len(slots), in_f, generator=torch.Generator().manual_seed(7))
+        base = torch.randn(len(slots), w.offsets[f][-1])
+        y = base.clone()
+        w.apply(1, f, x, y, LoRABatch.from_row_slots(slots))
+        want = base.double() + reference(x, f, 1, slots, adapters)
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(y[1], base[1]) and torch.equal(y[6], base[6])  # base rows untouched
+    finally:
+        w.native = saved
+
+
+def test_groups_slices_and_gathers() -> None:
+    b = LoRABatch.from_row_slots([1, 1, -1, 0, 1])
+    assert b is not None
+    kinds = {s: r for s, r in b.groups}
+    assert kinds[0] == slice(3, 4)
+    assert isinstance(kinds[1], torch.Tensor) and kinds[1].tolist() == [0, 1, 4]
+    assert LoRABatch.from_row_slots([-1, -1]) is None
+
+
+def test_zero_b_leaves_rows_bitwise(tmp_path: Path) -> None:
+    w = LoRAWeights(ARCH, 1, 8)
+    w.set_slot(0, load_adapter(str(make_adapter(tmp_path / "z", HF, rank=8, zero_b=True)), ARCH, 8))
+    for native in (None, native_lora_kernel()):
+        w.native = native
+        x = torch.randn(5, 32)
+        y = torch.randn(5, w.offsets["qkv"][-1])
+        y0 = y.clone()
+        w.apply(0, "qkv", x, y, LoRABatch.from_row_slots([0] * 5))
+        assert torch.equal(y, y0)
+
+
+def test_bfloat16_rows(weights) -> None:
+    w, adapters = weights
+    slots = [0, 1, -1]
+    x = torch.randn(3, 32).to(torch.bfloat16)
+    y = torch.zeros(3, w.offsets["qkv"][-1], dtype=torch.bfloat16)
+    lora_delta_torch(
+        x,
+        y,
+        w.A[0]["qkv"],
+        w.Bt[0]["qkv"],
+        LoRABatch.from_row_slots(slots),
+        w.offsets["qkv"],
+        w.rank,
+    )
+    want = reference(x.float(), "qkv", 0, slots, adapters)
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_native_kernel_is_built_here() -> None:
+    """This project's CPUs build the kernels; the torch path is only the fallback."""
+    import os
+
+    if (
+        os.environ.get("KVSERVE_LORA") == "portable"
+        or os.environ.get("KVSERVE_KERNELS") == "portable"
+    ):
+        pytest.skip("the portable path was asked for")
+    assert native_lora_kernel() is not None
+
+
+def test_portable_cpp_path_matches(weights, tmp_path: Path) -> None:
+    """lora.cpp compiled without AVX-512 (its portable loops) gives the same deltas."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from kvserve.lora.ops import NativeLoRA
+    from kvserve.model.kernels._ctypes import I32, I64, PTR, CFunction
+    from kvserve.model.kernels.build import CSRC
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    so = tmp_path / "liblora_portable.so"
+    cmd = [cxx, "-O2", "-march=x86-64", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC",
+           "-std=c++17", str(CSRC / "lora.cpp"), "-o", str(so)]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True)
+    names = ["x", "x_stride", "y", "y_stride", "rows", "in_f", "out_f", "A", "Bt", "row_slot",
+             "offsets", "parts", "rank", "dtype", "nthreads"]  # fmt: skip
+    types = [PTR, I64, PTR, I64, I64, I64, I64, PTR, PTR, PTR, PTR, I32, I32, I32, I32]
+    portable = NativeLoRA(
+        CFunction(ctypes.CDLL(str(so)), "kvs_lora_delta", list(zip(names, types, strict=True)))
+    )
+    w, adapters = weights
+    saved = w.native
+    try:
+        slots = [2, 0, -1, 1]
+        for f in FUSED_PARTS:
+            x = torch.randn(len(slots), w.in_features[f])
+            y = torch.randn(len(slots), w.offsets[f][-1])
+            outs = []
+            for kernel in (portable, None):
+                w.native = kernel
+                yy = y.clone()
+                w.apply(0, f, x, yy, LoRABatch.from_row_slots(slots))
+                outs.append(yy)
+            torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    finally:
+        w.native = saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_row_is_bitwise_the_same_alone_and_in_a_batch(weights, dtype) -> None:
+    """Tiles of rows of one slot share loads, never the order of a row's sums."""
+    w, _ = weights
+    if native_lora_kernel() is None:
+        pytest.skip("no native LoRA kernel here")
+    saved = w.native
+    w.native = native_lora_kernel()
+    try:
+        slots = [0, 0, 1, 0, 0, 0, 2, 0, -1, 0]
+        for f in FUSED_PARTS:
+            x = torch.randn(len(slots), w.in_features[f]).to(dtype)
+            y = torch.randn(len(slots), w.offsets[f][-1]).to(dtype)
+            batch = y.clone()
+            w.apply(0, f, x, batch, LoRABatch.from_row_slots(slots))
+            for t, s in enumerate(slots):
+                if s < 0:
+                    assert torch.equal(batch[t], y[t])
+                    continue
+                alone = y[t : t + 1].clone()
+                one = LoRABatch.from_row_slots([s])
+                assert one is not None
+                w.apply(0, f, x[t : t + 1], alone, one)
+                assert torch.equal(alone[0], batch[t]), (f, t)
+    finally:
+        w.native = saved
