@@ -119,9 +119,9 @@ class CacheConfig:
                 minimum=2,
                 why=" (block 0 is the null block)",
             )
-        gib = self.kv_cache_memory_gib
-        if gib is not None and (
-            isinstance(gib, bool) or not isinstance(gib, int | float) or gib <= 0
+        kv_gib = self.kv_cache_memory_gib
+        if kv_gib is not None and (
+            isinstance(kv_gib, bool) or not isinstance(kv_gib, int | float) or kv_gib <= 0
         ):
             raise config_error(
                 "kv_cache_memory_gib",

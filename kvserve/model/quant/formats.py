@@ -197,7 +197,7 @@ def cat_bytes(parts: list[torch.Tensor]) -> torch.Tensor:
     if not adjacent or len(parts) == 1:
         return torch.cat(parts)
     total = sum(p.numel() for p in parts)
-    return first.new_empty(0).set_(storage, first.storage_offset(), (total,))
+    return first.new_empty(0).set_(storage, first.storage_offset(), (total,), (1,))
 
 
 def same_in_perm(parts: list[QuantWeight]) -> torch.Tensor | None:
