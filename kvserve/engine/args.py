@@ -21,7 +21,7 @@ from kvserve.config import (
     SchedulerConfig,
     is_int,
 )
-from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.speculative_config import SpeculativeConfig
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvserve.request import RequestStatus
+from kvserve.sched import spec
 from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from kvserve.spec_decode import scheduling as spec
 
 if TYPE_CHECKING:
     from kvserve.sched.base import Scheduler
@@ -48,7 +48,7 @@ def update_from_output(
                 f"update_from_output: the model runner returned no sampled token for "
                 f"{req_id!r}, which computed all its {request.num_tokens} tokens this step"
             )
-        if drafts:  # roll back the rejected drafts (kvserve.spec_decode.scheduling)
+        if drafts:  # roll back the rejected drafts (kvserve.sched.spec)
             spec.rollback(request, len(drafts), sampled, sched.spec_stats)
         new_token_ids: list[int] = []
         for token_id in sampled:

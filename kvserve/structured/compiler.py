@@ -33,7 +33,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from kvserve.request import RequestError
+from kvserve.errors import RequestError
 from kvserve.structured.budget import ClosingTables, closing_plan
 from kvserve.structured.params import StructuredOutputsParams
 
