@@ -83,12 +83,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 KNOWN_CYCLES: tuple[tuple[str, ...], ...] = (
     # llama_native / llama_weights take the model as a parameter (type-level)
     ("kvserve.model.llama", "kvserve.model.llama_native", "kvserve.model.llama_weights"),
-    # update_from_output(scheduler: Scheduler, ...) (type-level)
-    ("kvserve.sched.base", "kvserve.sched.update"),
-    # the logits rules read SamplingRequestState (type-level)
-    ("kvserve.worker.logits_rules", "kvserve.worker.sampler"),
-    # calibration takes the runner (type-level) and the runner asks for it
-    ("kvserve.worker.model_runner", "kvserve.worker.step_cost", "kvserve.worker.step_cost_store"),
 )
 KNOWN_UPWARD: tuple[tuple[str, str], ...] = (
     # Request.block_hashes is typed BlockHash (type-level)
