@@ -20,7 +20,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.model.loader import load_model
 from kvserve.request import SamplingParams
 from kvserve.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.speculative_config import SpeculativeConfig
 from kvserve.worker.model_runner import ModelRunner
 
 

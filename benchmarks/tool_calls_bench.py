@@ -21,6 +21,11 @@ non-streamed and once streamed:
   choice chunk has the finish reason). ``finish_reason`` is ``"tool_calls"``, or
   ``"length"`` when the call used all of ``max_tokens`` (the engine closed it on
   its budget: counted as ``closed_by_budget``). Target: every one.
+- **parallel**: the forced cases again with ``tool_choice: "required"`` and
+  ``parallel_tool_calls: true`` on every one (several calls in one reply), same
+  validity rules; streamed, each chunk carries at most one entry per call index,
+  indices begin 0, 1, 2, ... in order (the ``openai`` stream helper accumulates by
+  list position), and each call's accumulated arguments are one JSON value.
 - **auto** (hermes parser, ``max_tokens`` 160): the share of requests for which the
   model wrote at least one call that parses and validates (every question asks for
   a tool), and how many leaked ``<tool_call>`` markup into content.
@@ -369,6 +374,9 @@ def stream_shape(
     calls: dict[int, list[Any]] = {}
     problem = ""
     for delta, _ in deltas:
+        indices = [tc.get("index") for tc in delta.get("tool_calls") or []]
+        if len(indices) != len(set(indices)):
+            problem = problem or f"one chunk has two entries for one call index: {indices}"
         for tc in delta.get("tool_calls") or []:
             index = tc.get("index")
             if not isinstance(index, int):
@@ -376,6 +384,8 @@ def stream_shape(
                 continue
             fn_ = tc.get("function") or {}
             if index not in calls:
+                if index != len(calls):
+                    problem = problem or f"call index {index} begins after {len(calls)} calls"
                 if not (tc.get("id") and tc.get("type") == "function" and fn_.get("name")):
                     problem = problem or f"call {index}'s first delta lacks id/type/name: {tc}"
                 calls[index] = [fn_.get("name"), fn_.get("arguments") or ""]
@@ -411,7 +421,9 @@ def run_one(
         "temperature": case["temperature"],
         "seed": case["i"],
     }
-    if mode == "forced":
+    if mode == "parallel":
+        case = {**case, "choice": "required", "parallel": True}
+    if mode in ("forced", "parallel"):
         body["tool_choice"] = case["choice"]
         body["parallel_tool_calls"] = case["parallel"]
         mt = case["max_tokens"]
@@ -428,7 +440,7 @@ def run_one(
     shape = ""
     if stream:
         chunks = sse(client, {**body, "stream": True, "stream_options": {"include_usage": True}})
-        shape, calls, finish = stream_shape(chunks, mode == "forced")
+        shape, calls, finish = stream_shape(chunks, mode != "auto")
         content = "".join(
             c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")
         )
@@ -450,7 +462,7 @@ def run_one(
     # "length" with a complete call: the engine closed it on its budget (all of
     # max_tokens used); anything else must say "tool_calls"
     closed = finish == "length" and n_out == body["max_tokens"]
-    if not problem and calls and finish != "tool_calls" and not (mode == "forced" and closed):
+    if not problem and calls and finish != "tool_calls" and not (mode != "auto" and closed):
         problem = f"finish_reason {finish!r} after {n_out} of {body['max_tokens']} tokens"
     if n_out > body["max_tokens"]:
         problem = problem or f"{n_out} tokens > max_tokens {body['max_tokens']}"
@@ -487,7 +499,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--url", default=None, help="an already running server (else one starts)")
-    ap.add_argument("--modes", default="forced,auto")
+    ap.add_argument("--modes", default="forced,parallel,auto")
     ap.add_argument("--log", default="/tmp/kvserve_tool_bench_server.log")
     args = ap.parse_args()
 
@@ -537,7 +549,7 @@ def main() -> int:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
     print(json.dumps(results, indent=1))
-    forced = [v for k, v in results.items() if k.startswith("forced")]
+    forced = [v for k, v in results.items() if not k.startswith("auto")]
     return 0 if all(v["valid"].split("/")[0] == v["valid"].split("/")[1] for v in forced) else 1
 
 

@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from kvserve.engine.llm import LLM
+        from kvserve.entrypoints.llm import LLM
 
         return LLM
     if name == "RequestOutput":

@@ -20,7 +20,7 @@ from kvserve.checks import check_int as check_int  # re-exported
 from kvserve.checks import config_error as config_error
 from kvserve.checks import is_int as is_int
 from kvserve.lora.config import LoRAConfig
-from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.speculative_config import SpeculativeConfig
 
 SchedulerPolicy = Literal["mixed", "separated"]
 HashAlgo = Literal["sha256", "builtin"]
@@ -197,7 +197,7 @@ BATCH_WAIT_MAX_FACTOR = 8
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Scheduling policy and budgets (names follow vLLM and the seed documents).
+    """Scheduling policy and budgets (names follow vLLM's).
 
     Bucket lists left as None get their defaults in ``kvserve.buckets``;
     ``resolved()`` returns a copy with them filled in (and validates first).
@@ -431,7 +431,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    # Speculative decoding (None: off); see kvserve.spec_decode.config.
+    # Speculative decoding (None: off); see kvserve.speculative_config.
     speculative: SpeculativeConfig | None = None
     # Multi-LoRA serving (None: off); see kvserve.lora.config.
     lora: LoRAConfig | None = None

@@ -9,13 +9,16 @@ the implicit import of a parent package is not an edge). Each edge has a kind:
 - ``function``: inside a function or method body, executed when it runs. Such an
   import used to dodge a cycle still couples the two modules both ways, so it counts
   for both rules below;
-- ``type``: under ``if TYPE_CHECKING:``, never executed; reported, not ruled on.
+- ``type``: under ``if TYPE_CHECKING:``, never executed. The names it brings are
+  still the other module's, so it counts too.
 
-Rules (the tests):
+Rules (the tests), over edges of every kind:
 
-1. no cycle through ``module`` and ``function`` edges (strongly connected components
-   of more than one module);
-2. a module imports only modules of its own layer or a lower one (:data:`LAYERS`).
+1. no cycle (strongly connected components of more than one module);
+2. a module imports only modules of its own layer or a lower one (:data:`LAYERS`:
+   folders are the layers; the command-line modules are the one exception).
+
+The debts still owed are listed in :data:`KNOWN_CYCLES` and :data:`KNOWN_UPWARD`.
 
 Run ``python tests/test_import_layers.py [checkout]`` for the report: edges of each kind, the
 cycles, and the imports that go up the layers.
@@ -34,6 +37,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "kvserve"
 RUNTIME = ("module", "function")
+STRICT = ("module", "function", "type")
 
 # Layers, lowest first. A module belongs to the layer of the longest prefix below that
 # names it (a prefix names a module and everything under it).
@@ -52,13 +56,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "config",
         (
             "kvserve.config",
-            "kvserve.spec_decode.config",
-            "kvserve.kv_transfer.config",
+            "kvserve.speculative_config",
             "kvserve.lora.config",
             "kvserve.lora.errors",
         ),
     ),
-    ("request", ("kvserve.request", "kvserve.structured.params", "kvserve.kv_cache.hashing")),
+    ("request", ("kvserve.request", "kvserve.structured")),
     # the pieces the scheduler and the runner both stand on
     (
         "core",
@@ -68,25 +71,14 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kvserve.kv_transfer",
             "kvserve.model",
             "kvserve.lora",
-            "kvserve.structured",
-            "kvserve.spec_decode.metrics",
         ),
     ),
-    ("sched", ("kvserve.sched", "kvserve.spec_decode.scheduling")),
+    ("sched", ("kvserve.sched",)),
     ("worker", ("kvserve.worker", "kvserve.spec_decode")),
-    ("engine", ("kvserve.engine", "kvserve.metrics")),
-    # fronts on an engine: the HTTP server, the offline LLM (vLLM keeps it in
-    # vllm/entrypoints/llm.py), the simulator, the benchmarks, the public API
-    (
-        "front",
-        (
-            "kvserve.entrypoints",
-            "kvserve.engine.llm",
-            "kvserve.sim",
-            "kvserve.bench",
-            "kvserve",
-        ),
-    ),
+    ("engine", ("kvserve.engine",)),
+    # fronts on an engine: the HTTP server, the offline LLM (vllm/entrypoints/llm.py
+    # in vLLM), the simulator, the benchmarks, the public API
+    ("front", ("kvserve.entrypoints", "kvserve.sim", "kvserve.bench", "kvserve")),
     ("cluster", ("kvserve.cluster",)),
     # the command lines, which start any of the above
     (
@@ -102,6 +94,18 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
 )
 
+# Known debts, counted the strict way (``type`` edges included): each entry must still
+# be found (so the list only shrinks) and nothing else may be. Remove an entry with
+# the change that pays it.
+KNOWN_CYCLES: tuple[tuple[str, ...], ...] = (
+    # llama_native / llama_weights take the model as a parameter (type-level)
+    ("kvserve.model.llama", "kvserve.model.llama_native", "kvserve.model.llama_weights"),
+)
+KNOWN_UPWARD: tuple[tuple[str, str], ...] = (
+    # Request.block_hashes is typed BlockHash (type-level)
+    ("kvserve.request", "kvserve.kv_cache.hashing"),
+)
+
 
 @dataclass
 class ImportGraph:
@@ -109,9 +113,9 @@ class ImportGraph:
     # src -> dst -> kind (the most binding kind when a module imports another twice)
     edges: dict[str, dict[str, str]] = field(default_factory=dict)
 
-    def runtime_edges(self) -> dict[str, list[str]]:
+    def edges_of(self, kinds: tuple[str, ...]) -> dict[str, list[str]]:
         return {
-            m: sorted(d for d, k in self.edges.get(m, {}).items() if k in RUNTIME)
+            m: sorted(d for d, k in self.edges.get(m, {}).items() if k in kinds)
             for m in self.modules
         }
 
@@ -185,9 +189,9 @@ def build_graph(root: Path = ROOT) -> ImportGraph:
     return graph
 
 
-def cycles(graph: ImportGraph) -> list[list[str]]:
-    """Strongly connected components (more than one module) over runtime edges."""
-    adj = graph.runtime_edges()
+def cycles(graph: ImportGraph, kinds: tuple[str, ...] = STRICT) -> list[list[str]]:
+    """Strongly connected components (more than one module) over ``kinds`` edges."""
+    adj = graph.edges_of(kinds)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -235,13 +239,15 @@ def layer_of(module: str) -> int:
     return rank
 
 
-def upward_imports(graph: ImportGraph) -> list[tuple[str, str, str]]:
-    """``(importer, imported, kind)`` for every runtime edge to a higher layer."""
+def upward_imports(
+    graph: ImportGraph, kinds: tuple[str, ...] = STRICT
+) -> list[tuple[str, str, str]]:
+    """``(importer, imported, kind)`` for every ``kinds`` edge to a higher layer."""
     return [
         (a, b, kind)
         for a, targets in sorted(graph.edges.items())
         for b, kind in sorted(targets.items())
-        if kind in RUNTIME and layer_of(b) > layer_of(a)
+        if kind in kinds and layer_of(b) > layer_of(a)
     ]
 
 
@@ -252,7 +258,7 @@ def _describe(graph: ImportGraph, components: Iterable[list[str]]) -> str:
         lines.append("cycle: " + ", ".join(comp))
         for a in comp:
             for b, kind in sorted(graph.edges[a].items()):
-                if b in members and kind in RUNTIME:
+                if b in members:
                     lines.append(f"    {a} -> {b} ({kind}-level import)")
     return "\n".join(lines)
 
@@ -281,10 +287,17 @@ def test_reader_finds_a_cycle_through_a_function_level_import(tmp_path: Path) ->
     (pkg / "c.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import kvserve.a\n"
     )
+    (pkg / "d.py").write_text(
+        "from typing import TYPE_CHECKING\nimport kvserve.c\nif TYPE_CHECKING:\n    import kvserve.d\n"
+    )
     g = build_graph(tmp_path)
     assert g.edges["kvserve.b"] == {"kvserve.a": "function"}
     assert g.edges["kvserve.c"] == {"kvserve.a": "type"}
-    assert cycles(g) == [["kvserve.a", "kvserve.b"]]
+    assert cycles(g, RUNTIME) == [["kvserve.a", "kvserve.b"]]
+    # counted the strict way, a TYPE_CHECKING import closes a cycle too
+    (pkg / "a.py").write_text("from kvserve.b import x\nimport kvserve.c\n")
+    g = build_graph(tmp_path)
+    assert cycles(g) == [["kvserve.a", "kvserve.b", "kvserve.c"]]
 
 
 def test_reader_finds_an_import_up_the_layers(tmp_path: Path) -> None:
@@ -301,10 +314,12 @@ def test_reader_finds_an_import_up_the_layers(tmp_path: Path) -> None:
 
 
 def test_no_import_cycles(graph: ImportGraph) -> None:
+    """No cycle, TYPE_CHECKING imports included, beyond the listed debts."""
     found = cycles(graph)
-    assert not found, "import cycles (move the shared piece down a layer):\n" + _describe(
-        graph, found
-    )
+    new = [c for c in found if tuple(c) not in KNOWN_CYCLES]
+    assert not new, "import cycles (move the shared piece down a layer):\n" + _describe(graph, new)
+    paid = [c for c in KNOWN_CYCLES if list(c) not in found]
+    assert not paid, f"no longer cycles: drop them from KNOWN_CYCLES: {paid}"
 
 
 def test_every_module_has_a_layer(graph: ImportGraph) -> None:
@@ -313,7 +328,11 @@ def test_every_module_has_a_layer(graph: ImportGraph) -> None:
 
 
 def test_no_import_goes_up_the_layers(graph: ImportGraph) -> None:
-    up = upward_imports(graph)
+    """Every import counts (function-level and TYPE_CHECKING ones too)."""
+    found = upward_imports(graph)
+    up = [(a, b, k) for a, b, k in found if (a, b) not in KNOWN_UPWARD]
+    paid = [e for e in KNOWN_UPWARD if e not in {(a, b) for a, b, _ in found}]
+    assert not paid, f"no longer upward: drop them from KNOWN_UPWARD: {paid}"
     names = [name for name, _ in LAYERS]
     assert not up, (
         "imports up the layers (lowest first: "
@@ -335,11 +354,11 @@ def main(argv: list[str]) -> int:
         + ", ".join(f"{n} {k}-level" for k, n in counts.items())
     )
     found = cycles(g)
-    print(f"cycles: {len(found)}")
+    print(f"cycles (TYPE_CHECKING imports included): {len(found)}")
     if found:
         print(_describe(g, found))
     up = upward_imports(g)
-    print(f"imports up the layers: {len(up)}")
+    print(f"imports up the layers (all kinds): {len(up)}")
     for a, b, k in up:
         print(f"    {a} -> {b} ({k}-level)")
     return 1 if found or up else 0

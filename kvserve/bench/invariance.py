@@ -108,7 +108,7 @@ def check_invariance(
     ``preempt_blocks``: also run everything at once on this many KV blocks (small
     enough to force preemption). Extra ``engine_options`` go to every ``LLM``.
     """
-    from kvserve.engine.llm import LLM
+    from kvserve.entrypoints.llm import LLM
 
     rng = random.Random(seed)
     longest = max(len(p) for p in prompts) + max_tokens + 16

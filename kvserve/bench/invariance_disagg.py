@@ -42,7 +42,7 @@ def _alone_signatures(
 ) -> tuple[list[tuple[Any, ...]], Any]:
     """Greedy (text, sampled logprobs, sorted top-3 logprobs) of each prompt run alone
     through ``LLM``; also returns the LLM's runner (its mode)."""
-    from kvserve.engine.llm import LLM
+    from kvserve.entrypoints.llm import LLM
 
     llm = LLM(dtype=dtype, **opts)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3)

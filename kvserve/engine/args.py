@@ -28,7 +28,7 @@ from kvserve.lora.config import (
     LoRAConfig,
     parse_lora_module,
 )
-from kvserve.spec_decode.config import SpeculativeConfig
+from kvserve.speculative_config import SpeculativeConfig
 
 
 @dataclass(frozen=True)

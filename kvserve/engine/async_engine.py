@@ -48,6 +48,7 @@ import time
 from kvserve.engine.admission import RefusalReason, Refused, admit_sequences
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.engine_loop import AbortCommand, AddCommand, EngineLoop, StopCommand
+from kvserve.engine.metrics import EngineMetrics
 from kvserve.engine.outputs import EngineStats
 from kvserve.engine.stream import (
     EngineUnavailableError as EngineUnavailableError,
@@ -66,7 +67,6 @@ from kvserve.engine.stream import (
     RequestStream as RequestStream,
 )
 from kvserve.engine.threads import run_in_scratch_thread as run_in_scratch_thread
-from kvserve.metrics import EngineMetrics
 from kvserve.request import Request, RequestError, SamplingParams
 
 

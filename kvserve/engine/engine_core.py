@@ -70,8 +70,7 @@ class EngineCore:
     requests (the simulator passes its step number). ``kv_connector``: both sides of
     a KV connector (:mod:`kvserve.kv_transfer.connector`) for a prefill or decode
     worker; the runner must then be a :class:`~kvserve.engine.runner.ConnectedRunner`
-    (it has ``set_kv_connector``). None: a single-process
-    engine, exactly as before.
+    (it has ``set_kv_connector``). None: a single-process engine.
     """
 
     def __init__(

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from kvserve.engine.admission import AddNow, BurstGate
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.memory import IdleTrimmer
+from kvserve.engine.metrics import EngineMetrics
 from kvserve.engine.outputs import EngineStats, RequestDelta
 from kvserve.engine.stream import EngineUnavailableError, Live, RequestFailedError
-from kvserve.metrics import EngineMetrics
 from kvserve.request import Request, RequestError
 
 logger = logging.getLogger("kvserve.engine.async_engine")

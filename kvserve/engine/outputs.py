@@ -115,7 +115,7 @@ class EngineStats:
     step_predicted_ms: float = 0.0
     step_measured_ms: float = 0.0
     step_time_abs_error: float = 0.0
-    # speculative decoding (kvserve.spec_decode.metrics), cumulative
+    # speculative decoding (kvserve.sched.spec_stats), cumulative
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0

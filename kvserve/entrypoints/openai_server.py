@@ -2,7 +2,7 @@
 
 Routes:
     GET  /health                 200 while the engine runs, 503 otherwise
-    GET  /metrics                Prometheus text format (``kvserve.metrics``)
+    GET  /metrics                Prometheus text format (``kvserve.engine.metrics``)
     GET  /v1/models              the served model and resident LoRA adapters; /v1/models/{id}
     POST /v1/load_lora_adapter   load a LoRA adapter (--enable-lora; entrypoints/lora_routes.py)
     POST /v1/unload_lora_adapter unload one (waits for its running requests)
@@ -46,6 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.engine.client import EngineClient
+from kvserve.engine.metrics import CONTENT_TYPE
 from kvserve.entrypoints.chat.prompt import ChatPromptBuilder
 from kvserve.entrypoints.chat.render_pool import DEFAULT_TIMEOUT_S, RenderPool
 from kvserve.entrypoints.chat_protocol import (
@@ -83,7 +84,6 @@ from kvserve.entrypoints.server_http import (
 from kvserve.entrypoints.serving_chat import render_chat, start_chat
 from kvserve.entrypoints.serving_completions import start_completion
 from kvserve.entrypoints.workers import CpuPool
-from kvserve.metrics import CONTENT_TYPE
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.metrics import CONTENT_TYPE
 from kvserve.kv_transfer.prefill_service import PrefillService
-from kvserve.metrics import CONTENT_TYPE
 
 
 def build_prefill_app(async_engine: AsyncEngine, service: PrefillService) -> FastAPI:

@@ -1,5 +1,5 @@
 """Counters of one worker's KV transfers, shared by its connector threads and read by
-``/metrics`` (``kvserve.metrics``) and the ``disagg`` bench.
+``/metrics`` (``kvserve.engine.metrics``) and the ``disagg`` bench.
 
 Hidden share (decode side, per remote prefill)::
 

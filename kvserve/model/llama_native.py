@@ -9,7 +9,8 @@ Two forms of one computation:
 - :class:`FusedDecode`: the same loop as one call of ``kvs_decode_layers``
   (``csrc/decode_step.cpp``) for the steps it supports (:meth:`FusedDecode.supports`:
   decode rows only, a float KV cache, every linear a quantized weight on the native
-  kernels (one part or several, GGUF K-quants included, no act-order gather) or packed
+  kernels (one part or several, GGUF K-quants and act-order weights included: an
+  act-order linear's input is gathered as ``index_select`` does) or packed
   float panels in the model dtype at a row count where the layer loop runs those panels
   too). It runs the same kernels in the same order on the same arguments, so its
   output is bitwise that of :func:`forward_native` (tested); it saves the Python work
@@ -225,7 +226,7 @@ class FusedDecode:
         """The fused step for ``model``'s layer ops, or None: the switch is off, the
         library lacks a family it needs, or a layer has a linear the C++ loop cannot
         call as the Python loop does (see
-        :func:`_linear_words`: act-order inputs, the portable reference, float weights
+        :func:`_linear_words`: the portable reference, float weights
         without packed panels)."""
         if not fused_decode_enabled() or kernels.library is None:
             return None

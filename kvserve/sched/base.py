@@ -51,9 +51,9 @@ from kvserve.sched.cost_model import CostModel, StepBudget
 from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.sched.remote_kv import RemoteKV
 from kvserve.sched.samples import SampleForker, hand_over_lead
+from kvserve.sched.spec_stats import SpecDecodingStats
 from kvserve.sched.step_builder import StepBuilder
 from kvserve.sched.stop import check_stop
-from kvserve.spec_decode.metrics import SpecDecodingStats
 
 
 class SchedulerState(enum.StrEnum):

@@ -51,8 +51,8 @@ from kvserve.sched.admit import Outcome
 from kvserve.sched.base import Scheduler, SchedulerState
 from kvserve.sched.cost_model import StepBudget
 from kvserve.sched.output import SchedulerOutput
+from kvserve.sched.spec import fit_drafts
 from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
-from kvserve.spec_decode.scheduling import fit_drafts
 
 # Past the ``prefill_budget_with_decodes`` bound a waiting prompt with at most this
 # many tokens left to compute still joins the step, whole, while the step budget has

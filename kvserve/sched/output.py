@@ -94,7 +94,7 @@ class SchedulerOutput:
     forks: dict[str, list[ForkData]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding: the draft tokens among a request's scheduled tokens (its
-    # last ones); the runner verifies them (kvserve.spec_decode.scheduling).
+    # last ones); the runner verifies them (kvserve.sched.spec).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property

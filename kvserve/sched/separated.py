@@ -1,5 +1,5 @@
 """Separated policy: prefill XOR decode per step, bucket padding, KV admission control
-(the AWS Neuron scheduler of seed 003, "Scheduler Design").
+(the scheduler design of AWS Neuron's vLLM backend: fixed buckets, one prefill at a time).
 
 Each step is one of::
 
@@ -47,8 +47,8 @@ from kvserve.kv_transfer.connector import KVConnectorScheduler
 from kvserve.request import Request, RequestStatus
 from kvserve.sched.base import Scheduler, SchedulerState
 from kvserve.sched.output import SchedulerOutput
+from kvserve.sched.spec import fit_drafts
 from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode
-from kvserve.spec_decode.scheduling import fit_drafts
 
 MAX_PREFILLS_PER_BATCH = 1
 

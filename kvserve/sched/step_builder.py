@@ -8,7 +8,7 @@ from collections.abc import Callable
 from kvserve.kv_cache.blocks import KVCacheBlocks
 from kvserve.request import Request
 from kvserve.sched.output import CachedRequestData, NewRequestData, Phase
-from kvserve.spec_decode.scheduling import scheduled_drafts
+from kvserve.sched.spec import scheduled_drafts
 
 
 def is_decode(request: Request) -> bool:

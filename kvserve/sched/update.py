@@ -7,18 +7,43 @@ non-empty schedule output once, in order."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
 
-from kvserve.request import RequestStatus
+from kvserve.kv_cache.manager import KVCacheManager
+from kvserve.request import Request, RequestStatus
+from kvserve.sched import spec
 from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from kvserve.spec_decode import scheduling as spec
+from kvserve.sched.samples import SampleForker
+from kvserve.sched.spec_stats import SpecDecodingStats
 
-if TYPE_CHECKING:
-    from kvserve.sched.base import Scheduler
+
+class SchedulerView(Protocol):
+    """What applying a step reads and changes of a scheduler (``sched.base.Scheduler``
+    has it all; this module does not import it, so the two are not a cycle)."""
+
+    kv_cache_manager: KVCacheManager
+    clock: Callable[[], float]
+    requests: dict[str, Request]
+    waiting: deque[Request]
+    running: list[Request]
+    forker: SampleForker
+    spec_stats: SpecDecodingStats
+    enable_prefix_caching: bool
+    max_model_len: int
+
+    def stop_after_token(self, request: Request) -> bool: ...
+
+    def free_finished(self, request: Request) -> None: ...
+
+    def refresh_state(self) -> None: ...
 
 
 def update_from_output(
-    sched: Scheduler, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    sched: SchedulerView,
+    scheduler_output: SchedulerOutput,
+    model_runner_output: ModelRunnerOutput,
 ) -> list[EngineCoreOutput]:
     """:meth:`Scheduler.update_from_output <kvserve.sched.base.Scheduler.update_from_output>`
     on ``sched`` (its rules and errors)."""
@@ -48,7 +73,7 @@ def update_from_output(
                 f"update_from_output: the model runner returned no sampled token for "
                 f"{req_id!r}, which computed all its {request.num_tokens} tokens this step"
             )
-        if drafts:  # roll back the rejected drafts (kvserve.spec_decode.scheduling)
+        if drafts:  # roll back the rejected drafts (kvserve.sched.spec)
             spec.rollback(request, len(drafts), sampled, sched.spec_stats)
         new_token_ids: list[int] = []
         for token_id in sampled:

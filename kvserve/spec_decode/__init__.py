@@ -7,7 +7,7 @@ torch; the runner side (``verify``, ``decoder``, ``draft_model``) does.
 
 from __future__ import annotations
 
-from kvserve.spec_decode.config import SpeculativeConfig
-from kvserve.spec_decode.metrics import SpecDecodingStats
+from kvserve.sched.spec_stats import SpecDecodingStats
+from kvserve.speculative_config import SpeculativeConfig
 
 __all__ = ["SpecDecodingStats", "SpeculativeConfig"]

@@ -18,11 +18,11 @@ from typing import Any, overload
 
 import torch
 
-from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.controller import SpecController
 from kvserve.spec_decode.gain import GainMonitor
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.protocol import Proposer
+from kvserve.speculative_config import SpeculativeConfig
 from kvserve.worker.sampler import SamplingRequestState
 
 # A catch-up starts only if the remaining output saves this many times its cost

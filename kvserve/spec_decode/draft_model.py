@@ -51,8 +51,8 @@ from kvserve.kv_cache.manager import cdiv
 from kvserve.model.attention import SeqSpec, build_attention_metadata, resolve_attention_backend
 from kvserve.model.kv_cache_tensor import allocate_kv_cache, kv_cache_bytes_per_block
 from kvserve.seeding import splitmix64
-from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.target_kv import caches_match, copy_rows, flat_rows, same_norm_weights
+from kvserve.speculative_config import SpeculativeConfig
 from kvserve.worker.sampler import (
     Sampler,
     SamplingRequestState,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.decoder import SpecDecoder
+from kvserve.speculative_config import SpeculativeConfig
 
 
 def build_spec_decoder(config: SpeculativeConfig, loaded: Any, cache_config: Any) -> SpecDecoder:

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvserve.request import RequestError
+from kvserve.errors import RequestError
 from kvserve.structured.budget import ClosingTables, closing_plan
 from kvserve.structured.compile_pool import DEFAULT_TIMEOUT_S, CompilePool, CompileRefused
 from kvserve.structured.limits import check_structure

@@ -10,14 +10,10 @@ own request state only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvserve.model.kernels.sampling import Sampling
-
-if TYPE_CHECKING:
-    from kvserve.worker.sampler import SamplingRequestState
+from kvserve.worker.sampling_state import SamplingRequestState
 
 # Top-p looks at this many most likely tokens before sorting a whole row.
 _TOP_P_CANDIDATES = (256, 4096)

@@ -34,10 +34,10 @@ from kvserve.model.loader import LoadedModel
 from kvserve.sched import decode_batch_buckets
 from kvserve.sched.cost_model import CostModel
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
-from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.decoder import History, SpecDecoder
 from kvserve.spec_decode.factory import build_spec_decoder
 from kvserve.spec_decode.verify import draft_states, num_accepted, verify_sampled
+from kvserve.speculative_config import SpeculativeConfig
 from kvserve.structured.compiler import GrammarCompiler
 from kvserve.structured.matcher import StructuredBatch
 from kvserve.worker.compiled_step import CompiledDecode

@@ -66,28 +66,10 @@ from kvserve.worker.logits_rules import (
     _apply_top_p,
     _native_rows,
 )
+from kvserve.worker.sampling_state import SamplingRequestState as SamplingRequestState
 
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 _SAMPLING_EPS = 1e-5
-
-
-@dataclass
-class SamplingRequestState:
-    """What the sampler needs to know about one request (one logits row).
-
-    The caller (model runner) keeps ``output_token_ids`` equal to the tokens the
-    request has generated so far, appending each sampled id after the step; the
-    seeded draw uses ``len(output_token_ids)`` as the step number, so it must count
-    every generated token, also those generated before a preemption.
-    ``eos_token_id`` (optional) is suppressed together with ``params.stop_token_ids``
-    while fewer than ``params.min_tokens`` tokens have been generated, unless
-    ``params.ignore_eos``.
-    """
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    eos_token_id: int | None = None
 
 
 @dataclass

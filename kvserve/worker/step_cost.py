@@ -30,7 +30,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,9 +37,7 @@ from kvserve.request import SamplingParams
 from kvserve.sched.cost_model import SCALE_BOUNDS, CostModel, Features, output_features
 from kvserve.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvserve.worker import step_cost_store
-
-if TYPE_CHECKING:  # the runner calls cached_calibration (ModelRunner.step_cost_model)
-    from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.step_cost_store import TimedRunner
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +150,7 @@ def _fit_shape(shape: Shape, max_tokens: int, max_model_len: int) -> Shape | Non
 
 
 class _Calibrator:
-    def __init__(self, runner: ModelRunner, vocab_size: int) -> None:
+    def __init__(self, runner: TimedRunner, vocab_size: int) -> None:
         self.runner = runner
         self.vocab_size = max(2, vocab_size)
         self.params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -238,7 +235,7 @@ def _median(values: list[float]) -> float:
 _CACHE: dict[tuple[object, ...], CostModel] = {}
 
 
-def cached_calibration(runner: ModelRunner, *, vocab_size: int, max_model_len: int) -> CostModel:
+def cached_calibration(runner: TimedRunner, *, vocab_size: int, max_model_len: int) -> CostModel:
     """The runner's step-time fit, once per process for a model, dtype, thread count,
     block and segment size (later calls get a fresh copy with its own online state),
     persisted across starts by ``runner.scheduler_config.step_cost_cache``:
@@ -278,7 +275,7 @@ def cached_calibration(runner: ModelRunner, *, vocab_size: int, max_model_len: i
 
 
 def persisted_calibration(
-    runner: ModelRunner,
+    runner: TimedRunner,
     *,
     vocab_size: int,
     max_model_len: int,
@@ -344,14 +341,14 @@ def is_steady(model: CostModel) -> bool:
 
 
 def _fitted_shapes(
-    runner: ModelRunner, shapes: tuple[Shape, ...], max_model_len: int
+    runner: TimedRunner, shapes: tuple[Shape, ...], max_model_len: int
 ) -> list[Shape]:
     max_tokens = (runner.num_kv_blocks - 1) * runner.block_size
     return [s for s in (_fit_shape(s, max_tokens, max_model_len) for s in shapes) if s]
 
 
 def check_ratio(
-    runner: ModelRunner,
+    runner: TimedRunner,
     model: CostModel,
     *,
     vocab_size: int,
@@ -383,7 +380,7 @@ def check_ratio(
 
 
 def calibrate(
-    runner: ModelRunner,
+    runner: TimedRunner,
     *,
     vocab_size: int,
     max_model_len: int,

@@ -26,14 +26,45 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
+from kvserve.config import SchedulerConfig
+from kvserve.model.kernels.backend import KernelBackend
+from kvserve.model.loader import LoadedModel
 from kvserve.sched.cost_model import FEATURE_NAMES, NUM_FEATURES, CostModel, Features
+from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 
-if TYPE_CHECKING:
-    from kvserve.worker.model_runner import ModelRunner
+
+class TimedRunner(Protocol):
+    """What calibration reads of the runner it times (``worker.model_runner.ModelRunner``
+    has it all; neither module here imports it, so the runner and its calibration are
+    no cycle)."""
+
+    @property
+    def loaded(self) -> LoadedModel: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def kv_segment_size(self) -> int: ...
+    @property
+    def num_kv_blocks(self) -> int: ...
+    @property
+    def scheduler_config(self) -> SchedulerConfig: ...
+    @property
+    def kv_format(self) -> object: ...
+    @property
+    def attention_backend(self) -> str: ...
+    @property
+    def kernels(self) -> KernelBackend: ...
+    @property
+    def compiled(self) -> object | None: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +101,7 @@ def _cpu() -> dict[str, str]:
     }
 
 
-def fit_key(runner: ModelRunner, max_model_len: int, shapes: object) -> dict[str, str]:
+def fit_key(runner: TimedRunner, max_model_len: int, shapes: object) -> dict[str, str]:
     """Everything a fit's coefficients depend on: the machine (processor, cores,
     torch and its thread count), the model (fingerprint, dtype, KV format, kernels in
     use and their build), the cache layout and the calibration shapes."""

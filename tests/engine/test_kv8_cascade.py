@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.engine.llm import LLM
+from kvserve.entrypoints.llm import LLM
 from kvserve.model.attention_metadata import CASCADE_MIN_SHARED_TOKENS
 from kvserve.request import SamplingParams
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from kvserve.engine.args import build_engine_config
-from kvserve.engine.llm import LLM
+from kvserve.entrypoints.llm import LLM
 from kvserve.request import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")

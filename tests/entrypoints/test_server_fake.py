@@ -19,9 +19,9 @@ from kvserve.engine.async_engine import (
     AsyncEngine,
 )
 from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.metrics import EngineMetrics
 from kvserve.engine.outputs import EngineStats
 from kvserve.entrypoints.openai_server import build_app
-from kvserve.metrics import EngineMetrics
 
 
 @pytest.fixture(scope="module")

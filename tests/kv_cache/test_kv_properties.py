@@ -13,7 +13,7 @@ Besides the manager's own ``check_invariants``, the machine keeps an independent
 
 Speculative decoding (rule ``speculate``): a decode computes its token plus random
 drafts, a random prefix of them is accepted (the real rollback of
-``kvserve.spec_decode.scheduling``), and the shadow content of rejected positions is
+``kvserve.sched.spec``), and the shadow content of rejected positions is
 what the drafts wrote: a prefix hit must never return a block holding a rejected
 draft's KV, and blocks holding only rejected drafts must be gone (every request holds
 exactly ``cdiv(num_computed_tokens, B)`` blocks).
@@ -27,8 +27,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvserve.kv_cache import KVCacheBlock, KVCacheManager, cdiv
 from kvserve.request import Request, SamplingParams
-from kvserve.spec_decode import scheduling as spec
-from kvserve.spec_decode.metrics import SpecDecodingStats
+from kvserve.sched import spec as spec
+from kvserve.sched.spec_stats import SpecDecodingStats
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 16  # 15 usable: a few requests of up to 12 blocks fill it

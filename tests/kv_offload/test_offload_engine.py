@@ -87,7 +87,7 @@ def test_restart_serves_from_disk_and_metrics_count_it(tmp_path: Path, engines: 
     assert stats.kv_offload_read_seconds > 0
     llm.engine.check_no_leaks()
 
-    from kvserve.metrics import EngineMetrics
+    from kvserve.engine.metrics import EngineMetrics
 
     metrics = EngineMetrics("m")
     metrics.set_stats_source(lambda: stats)

@@ -13,13 +13,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvserve.engine.metrics import EngineMetrics
 from kvserve.kv_cache import KVCacheManager
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.decode_connector import DecodeConnector
 from kvserve.kv_transfer.prefill_connector import PrefillConnector
 from kvserve.kv_transfer.transport import in_process_pair
 from kvserve.kv_transfer.wire import Cancel, Claim, PrefillRequest, decode_message
-from kvserve.metrics import EngineMetrics
 from kvserve.request import Request, RequestStatus, SamplingParams
 
 B = 4

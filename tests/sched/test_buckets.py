@@ -1,4 +1,4 @@
-"""Bucket defaults, validation and lookup (seed 003, "Bucket Configuration")."""
+"""Bucket defaults, validation and lookup (``kvserve.buckets``)."""
 
 from __future__ import annotations
 

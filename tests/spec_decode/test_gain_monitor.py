@@ -9,8 +9,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from kvserve.spec_decode import gain as gain_mod
-from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.decoder import SpecDecoder
+from kvserve.speculative_config import SpeculativeConfig
 
 
 class Clock:

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from kvserve.engine.args import build_engine_config
-from kvserve.spec_decode.config import SpeculativeConfig
 from kvserve.spec_decode.controller import PROBE_EVERY, SpecController
 from kvserve.spec_decode.decoder import History, SpecDecoder
 from kvserve.spec_decode.ngram import INDEX_MAX_N, NgramProposer, ngram_lookup
+from kvserve.speculative_config import SpeculativeConfig
 
 
 def lookup(tokens: list[int], lo: int = 1, hi: int = 4, k: int = 3) -> list[int]:

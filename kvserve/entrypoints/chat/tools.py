@@ -50,6 +50,7 @@ from kvserve.entrypoints.chat.tool_parsers import (
 )
 from kvserve.entrypoints.chat.tool_parsers.base import new_call_id
 from kvserve.entrypoints.chat.tool_parsers.llama3_json import JsonCallSequence
+from kvserve.entrypoints.chat.tool_stream import ToolCallStream
 from kvserve.entrypoints.openai_errors import bad_request
 from kvserve.structured.params import StructuredOutputsParams
 
@@ -327,6 +328,7 @@ class ToolOutput:
     def __init__(self, plan: ToolPlan, num_choices: int, max_tokens: int | None = None) -> None:
         self.plan = plan
         self.parsers = [plan.new_parser() for _ in range(num_choices)]
+        self.streams = [ToolCallStream() for _ in range(num_choices)]
         self.called = [False] * num_choices
         self.max_tokens = max_tokens
 
@@ -367,8 +369,7 @@ class ToolOutput:
         if finished:
             deltas += parser.finish()
         content = "".join(d.content for d in deltas if d.content is not None)
-        calls = [d.as_openai_tool_call() for d in deltas if d.index is not None]
-        calls = _merge_call_deltas(calls)
+        calls = self.streams[index].entries(deltas)
         out: dict[str, Any] = {}
         if content:
             out["content"] = content
@@ -388,23 +389,3 @@ class ToolOutput:
             return text, []
         self.called[index] = True
         return found.content, [c.as_openai() for c in found.calls]
-
-
-def _merge_call_deltas(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Join consecutive argument fragments of the same call (one entry per call
-    and chunk, the header entry kept first as OpenAI sends it)."""
-    out: list[dict[str, Any]] = []
-    for c in calls:
-        prev = out[-1] if out else None
-        if (
-            prev is not None
-            and prev["index"] == c["index"]
-            and "id" not in c
-            and "name" not in c["function"]
-        ):
-            prev["function"]["arguments"] = prev["function"].get("arguments", "") + c[
-                "function"
-            ].get("arguments", "")
-            continue
-        out.append(c)
-    return out

@@ -1,6 +1,6 @@
 // Paged attention over kvserve's KV cache, read where it lies (no gather copy).
 //
-// Plain C ABI (loaded with ctypes by kvserve/model/native.py), so it builds in a
+// Plain C ABI (loaded with ctypes by kvserve/model/kernels/paged_attention.py), so it builds in a
 // second with any C++17 compiler and needs no PyTorch headers. OpenMP threads come
 // from the libgomp that PyTorch already loaded (same soname), so there is one pool.
 //

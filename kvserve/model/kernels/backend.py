@@ -8,8 +8,7 @@ environment, when the model is prepared) and passes it down: the model keeps it
 per process (see docs/kernels.md for the table):
 
 =========================  ==================================================================
-``KVSERVE_KERNELS``        ``portable``: every family off (what ``KVSERVE_ATTENTION=portable``
-                           did before the switches were split)
+``KVSERVE_KERNELS``        ``portable``: every family off
 ``KVSERVE_ATTENTION``      ``portable``: paged attention (decode and prefill kernels) off
 ``KVSERVE_LINEAR``         ``portable``: the panel linears off (oneDNN/PyTorch matmuls)
 ``KVSERVE_QUANT_LINEAR``   ``portable``: the quantized-weight kernels off (PyTorch reference)
@@ -18,7 +17,7 @@ per process (see docs/kernels.md for the table):
                            (then the layers run as PyTorch ops around native attention)
 =========================  ==================================================================
 
-Two per-step switches stay read at each use, as before: ``KVSERVE_PREFILL_AMX=0`` and
+Two per-step switches are read at each use: ``KVSERVE_PREFILL_AMX=0`` and
 ``KVSERVE_PREFILL_VEC`` (see :mod:`~kvserve.model.kernels.prefill_amx`,
 :mod:`~kvserve.model.kernels.prefill_vec`). Where the library does not build (no
 compiler), every family is None and a warning is logged once.

@@ -90,6 +90,41 @@ def test_forced_call_streamed_like_openai(client: openai.OpenAI) -> None:
     assert (call.function.name, call.function.arguments) == (first.function.name, arguments)
 
 
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_streamed_required_parallel_calls_accumulate(client: openai.OpenAI, seed: int) -> None:
+    """``required`` with parallel calls, streamed: the ``openai`` stream helper's
+    accumulation (by position) and a plain one by ``index`` give the non-streamed
+    calls, each call's arguments one JSON value (issue 41)."""
+    body: dict = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Paris and the time in Tokyo?"}],
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=True,
+        max_tokens=[60, 120, 90][seed % 3],
+        temperature=1.0,
+        seed=seed,
+    )
+    with client.chat.completions.stream(**body) as stream:
+        by_index: dict[int, list[str]] = {}
+        for event in stream:
+            if event.type != "chunk" or not event.chunk.choices:
+                continue
+            for tc in event.chunk.choices[0].delta.tool_calls or []:
+                entry = by_index.setdefault(tc.index, ["", ""])
+                entry[0] += (tc.function.name or "") if tc.function else ""
+                entry[1] += (tc.function.arguments or "") if tc.function else ""
+        final = stream.get_final_completion()
+    helper = [(t.function.name, t.function.arguments) for t in final.choices[0].message.tool_calls]
+    assert helper == [tuple(by_index[k]) for k in sorted(by_index)]
+    for name, arguments in helper:
+        check_call(name, arguments)
+    full = client.chat.completions.create(**body)
+    assert helper == [
+        (t.function.name, t.function.arguments) for t in full.choices[0].message.tool_calls
+    ]
+
+
 def test_auto_with_hermes_parser_and_history(client: openai.OpenAI) -> None:
     """The model decides; whatever it wrote is returned as calls (valid JSON) or text,
     streamed and not alike; then a tool result in the history is answered in text."""

@@ -66,20 +66,6 @@ class ToolDelta:
     name: str | None = None
     arguments: str | None = None
 
-    def as_openai_tool_call(self) -> dict[str, Any]:
-        """The ``delta.tool_calls[]`` entry OpenAI streams for this piece."""
-        out: dict[str, Any] = {"index": self.index}
-        function: dict[str, Any] = {}
-        if self.id is not None:
-            out["id"] = self.id
-            out["type"] = "function"
-        if self.name is not None:
-            function["name"] = self.name
-        if self.arguments is not None or self.name is not None:
-            function["arguments"] = self.arguments or ""
-        out["function"] = function
-        return out
-
 
 def json_value_end(text: str, start: int) -> int | None:
     """The index just past the JSON value that starts at ``text[start]`` (after

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from kvserve.kv_cache.manager import KVCacheManager, cdiv
 from kvserve.request import Request
-from kvserve.spec_decode.metrics import SpecDecodingStats
+from kvserve.sched.spec_stats import SpecDecodingStats
 
 
 def fit_drafts(kv: KVCacheManager, request: Request, num_tokens: int) -> int:
