@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.allocator import tune_allocator
@@ -44,7 +44,6 @@ from kvserve.engine.validation import RequestLimits, validate_request
 from kvserve.kv_cache import KVCacheManager
 from kvserve.kv_transfer.connector import KVConnector
 from kvserve.lora.errors import LoRAError
-from kvserve.lora.manager import LoRAManager
 from kvserve.request import (
     FinishReason,
     Request,
@@ -56,6 +55,9 @@ from kvserve.sched import make_scheduler
 from kvserve.sched.cost_model import CostModel, output_rows, prompt_features, step_features
 from kvserve.sched.output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from kvserve.structured.compiler import GrammarCompiler
+
+if TYPE_CHECKING:  # the runner owns the manager; torch stays out of the simulator's imports
+    from kvserve.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
