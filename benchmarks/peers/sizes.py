@@ -75,9 +75,11 @@ def workload_args(shape: str, workload: str, rate: str) -> list[str]:
         "ttft512": (512, 1, 1),
     }
     inp, out, conc = spec[workload]
+    # a seed per workload: rand8's prompts again would be prefix-cache hits in ttft512
+    seed = {"single": 11, "rand4": 12, "rand8": 11, "ttft512": 13}[workload]
     return shlex.split(
         f"--dataset-name random --random-input-len {inp} --random-output-len {out} "
-        f"--num-prompts {n} --request-rate inf --max-concurrency {conc} --seed 11"
+        f"--num-prompts {n} --request-rate inf --max-concurrency {conc} --seed {seed}"
     )
 
 
@@ -215,6 +217,27 @@ def run(lay: peers.Layout, targets: list[str], workloads: list[str], rate: str, 
             peers._stop(proc)
 
 
+OUTPUT_LEN = {"single": 128, "rand4": 128, "rand8": 128, "ttft512": 1}
+
+
+def corrected(r: dict, workload: str) -> tuple[float, float]:
+    """(output tok/s, mean TPOT ms) from the request count and the fixed output length.
+
+    The client counts a server's output tokens by re-tokenizing its text where the
+    server sends no usage (llama-server's stream): the synthetic vocabulary's padding
+    tokens ``<|xN|>`` re-tokenize into ~6 tokens each, so its own figures inflate
+    llama.cpp's tok/s ~6x and deflate its TPOT. With ``ignore_eos`` and a fixed length
+    every completed request made exactly ``OUTPUT_LEN`` tokens; TPOT is then
+    (mean E2EL - mean TTFT) / (length - 1). The interference rows keep the client's
+    figures (their lengths vary): compare TTFT and ITL there, not tok/s."""
+    n = OUTPUT_LEN.get(workload)
+    if n is None:
+        return float(r["output_throughput"]), float(r["mean_tpot_ms"])
+    tps = r["completed"] * n / r["duration"]
+    tpot = (r["mean_e2el_ms"] - r["mean_ttft_ms"]) / (n - 1) if n > 1 else 0.0
+    return tps, tpot
+
+
 def table(lay: peers.Layout) -> str:
     """One line per (target, workload) from the saved results, with the ratio to the
     llama.cpp row of the same shape and format (vLLM's for bf16)."""
@@ -232,11 +255,12 @@ def table(lay: peers.Layout) -> str:
         fmt = parts[2] if len(parts) > 2 else "hf-bf16"
         peer = f"llamacpp:{parts[1]}:{fmt}" if fmt.startswith("gguf") else f"vllm:{parts[1]}"
         base = rows.get((peer, w)) if parts[0] == "kvserve" else None
-        ratio = f"{r['output_throughput'] / base['output_throughput']:.2f}" if base else ""
-        tr = (f"{r['mean_tpot_ms'] / base['mean_tpot_ms']:.2f}"
-              if base and base.get("mean_tpot_ms") else "")  # fmt: skip
-        lines.append(f"{target:44} {w:12} {r['output_throughput']:7.1f} {ratio:>6} "
-                     f"{r['mean_tpot_ms']:8.1f} {tr:>10} {r['mean_ttft_ms']:8.0f} "
+        tps, tpot = corrected(r, w)
+        btps, btpot = corrected(base, w) if base else (0.0, 0.0)
+        ratio = f"{tps / btps:.2f}" if base and btps else ""
+        tr = f"{tpot / btpot:.2f}" if base and btpot else ""
+        lines.append(f"{target:44} {w:12} {tps:7.1f} {ratio:>6} "
+                     f"{tpot:8.1f} {tr:>10} {r['mean_ttft_ms']:8.0f} "
                      f"{r['p99_itl_ms']:8.0f} {r.get('failed', 0):6}")  # fmt: skip
     return "\n".join(lines)
 
