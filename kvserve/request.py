@@ -17,14 +17,17 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NewType
 
 from kvserve.errors import RequestError as RequestError  # re-exported: callers import it here
 from kvserve.seeding import splitmix64
 
 if TYPE_CHECKING:
-    from kvserve.kv_cache.hashing import BlockHash
     from kvserve.structured.params import StructuredOutputsParams
+
+# A full block's hash in the prefix-cache chain (kvserve.kv_cache.hashing computes it);
+# defined here, below the KV cache, because a Request carries its blocks' hashes.
+BlockHash = NewType("BlockHash", bytes)
 
 # Samples one request may ask for (n, best_of): each is a sequence the scheduler runs.
 MAX_SAMPLES = 128

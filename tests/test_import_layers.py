@@ -18,7 +18,9 @@ Rules (the tests), over edges of every kind:
 2. a module imports only modules of its own layer or a lower one (:data:`LAYERS`:
    folders are the layers; the command-line modules are the one exception).
 
-The debts still owed are listed in :data:`KNOWN_CYCLES` and :data:`KNOWN_UPWARD`.
+Both hold with no exception: a shared piece moves down a layer (e.g.
+``model/llama_params.py`` under ``llama.py``, ``llama_native.py`` and
+``llama_weights.py``), a deferred or ``TYPE_CHECKING`` import does not pay for it.
 
 Run ``python tests/test_import_layers.py [checkout]`` for the report: edges of each kind, the
 cycles, and the imports that go up the layers.
@@ -92,18 +94,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kvserve.sim.cli",
         ),
     ),
-)
-
-# Known debts, counted the strict way (``type`` edges included): each entry must still
-# be found (so the list only shrinks) and nothing else may be. Remove an entry with
-# the change that pays it.
-KNOWN_CYCLES: tuple[tuple[str, ...], ...] = (
-    # llama_native / llama_weights take the model as a parameter (type-level)
-    ("kvserve.model.llama", "kvserve.model.llama_native", "kvserve.model.llama_weights"),
-)
-KNOWN_UPWARD: tuple[tuple[str, str], ...] = (
-    # Request.block_hashes is typed BlockHash (type-level)
-    ("kvserve.request", "kvserve.kv_cache.hashing"),
 )
 
 
@@ -274,7 +264,7 @@ def test_graph_reads_the_imports(graph: ImportGraph) -> None:
     assert edges["kvserve.config"]["kvserve.buckets"] == "module"
     assert edges["kvserve.worker.model_runner"]["kvserve.sched.output"] == "module"
     assert edges["kvserve.request"]["kvserve.structured.params"] == "function"
-    assert edges["kvserve.request"]["kvserve.kv_cache.hashing"] == "type"
+    assert edges["kvserve.engine.engine_core"]["kvserve.lora.manager"] == "type"
     assert len(graph.modules) > 150
 
 
@@ -314,12 +304,11 @@ def test_reader_finds_an_import_up_the_layers(tmp_path: Path) -> None:
 
 
 def test_no_import_cycles(graph: ImportGraph) -> None:
-    """No cycle, TYPE_CHECKING imports included, beyond the listed debts."""
+    """No cycle, function-level and TYPE_CHECKING imports included."""
     found = cycles(graph)
-    new = [c for c in found if tuple(c) not in KNOWN_CYCLES]
-    assert not new, "import cycles (move the shared piece down a layer):\n" + _describe(graph, new)
-    paid = [c for c in KNOWN_CYCLES if list(c) not in found]
-    assert not paid, f"no longer cycles: drop them from KNOWN_CYCLES: {paid}"
+    assert not found, "import cycles (move the shared piece down a layer):\n" + _describe(
+        graph, found
+    )
 
 
 def test_every_module_has_a_layer(graph: ImportGraph) -> None:
@@ -329,10 +318,7 @@ def test_every_module_has_a_layer(graph: ImportGraph) -> None:
 
 def test_no_import_goes_up_the_layers(graph: ImportGraph) -> None:
     """Every import counts (function-level and TYPE_CHECKING ones too)."""
-    found = upward_imports(graph)
-    up = [(a, b, k) for a, b, k in found if (a, b) not in KNOWN_UPWARD]
-    paid = [e for e in KNOWN_UPWARD if e not in {(a, b) for a, b, _ in found}]
-    assert not paid, f"no longer upward: drop them from KNOWN_UPWARD: {paid}"
+    up = upward_imports(graph)
     names = [name for name, _ in LAYERS]
     assert not up, (
         "imports up the layers (lowest first: "

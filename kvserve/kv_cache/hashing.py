@@ -24,11 +24,10 @@ import functools
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import NewType, get_args
+from typing import get_args
 
 from kvserve.config import HashAlgo
-
-BlockHash = NewType("BlockHash", bytes)
+from kvserve.request import BlockHash as BlockHash  # re-exported: the KV cache's name for it
 
 HASH_ALGOS: tuple[HashAlgo, ...] = get_args(HashAlgo)
 

@@ -33,12 +33,12 @@ from kvserve.model.kernels._ctypes import DTYPE_CODES, F32, I32, I64, PTR, CFunc
 from kvserve.model.kernels.backend import KernelBackend
 from kvserve.model.kernels.kv8 import is_kv8, kv8_paged_attention
 from kvserve.model.linear import NATIVE_BF16_MAX_M, NATIVE_F32_MAX_M, FastLinear
+from kvserve.model.llama_params import LayerOps, LlamaParams
 from kvserve.model.quant.kernel import K_CODES
 from kvserve.model.quant.linear import QuantLinear
 
 if TYPE_CHECKING:
     from kvserve.lora.weights import LoRABatch
-    from kvserve.model.llama import LlamaForCausalLM, _LayerOps
 
 FUSED_DECODE_ENV_VAR = "KVSERVE_FUSED_DECODE"
 
@@ -90,13 +90,14 @@ _PARAMS = [
 
 
 def forward_native(
-    model: LlamaForCausalLM,
+    model: LlamaParams,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     kv_caches: list[torch.Tensor],
     meta: AttentionMetadata,
     kernels: KernelBackend,
     lora: LoRABatch | None = None,
+    fused: FusedDecode | None = None,
 ) -> torch.Tensor:
     """The layers with fused native ops and an fp32 residual stream.
 
@@ -104,10 +105,10 @@ def forward_native(
     ``kernels.attention`` are bound. Returns the fp32 residual stream [T, hidden]
     (before the final norm). ``lora``: adapter rows (``model.lora_weights`` set); a
     step with any runs the per-layer loop below, never the one-call decode step.
+    ``fused``: the model's one-call decode step, run for the steps it supports.
     """
     assert meta.native is not None
     lw = model.lora_weights if lora is not None else None
-    fused = model._fused_decode
     if lw is None and fused is not None and fused.supports(meta, kv_caches):
         return fused(model.embed(input_ids).float(), positions, kv_caches, meta)
     nk, attention = kernels.norms, kernels.attention
@@ -194,7 +195,7 @@ class FusedDecode:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: LlamaParams,
         library: Path,
         layers: list[list[int]],
         dtype: torch.dtype,
@@ -222,7 +223,7 @@ class FusedDecode:
         self._tables: list[torch.Tensor] = []  # parts tables the layer words point at
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, kernels: KernelBackend) -> FusedDecode | None:
+    def build(cls, model: LlamaParams, kernels: KernelBackend) -> FusedDecode | None:
         """The fused step for ``model``'s layer ops, or None: the switch is off, the
         library lacks a family it needs, or a layer has a linear the C++ loop cannot
         call as the Python loop does (see
@@ -403,7 +404,7 @@ class _LayerWords(NamedTuple):
     keep: list[torch.Tensor]
 
 
-def _layer_words(ops: _LayerOps, dtype: torch.dtype) -> _LayerWords | None:
+def _layer_words(ops: LayerOps, dtype: torch.dtype) -> _LayerWords | None:
     """How the fused step runs one layer, or None where a linear has no call that is
     the loop's (see :func:`_linear_words`) or a norm weight is not in ``dtype``."""
     found = [

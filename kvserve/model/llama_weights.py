@@ -1,23 +1,20 @@
-"""Copying a checkpoint's HF-named tensors into :class:`~kvserve.model.llama.LlamaForCausalLM`'s
+"""Copying a checkpoint's HF-named tensors into :class:`~kvserve.model.llama_params.LlamaParams`'
 fused parameters (``qkv_proj`` = [q; k; v], ``gate_up_proj`` = [gate; up]), keeping
 quantized tensors (:class:`~kvserve.model.quant.formats.QuantWeight`) quantized."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from kvserve.model.llama_params import LlamaParams
 from kvserve.model.quant.formats import QuantWeight
-
-if TYPE_CHECKING:
-    from kvserve.model.llama import LlamaForCausalLM
 
 
 def load_llama_weights(
-    model: LlamaForCausalLM,
+    model: LlamaParams,
     tensors: Iterable[tuple[str, torch.Tensor | QuantWeight]],
     dtype: torch.dtype,
     device: torch.device | str,
