@@ -389,7 +389,7 @@ def _resolve_key(config: SchedulerConfig) -> tuple[object, ...]:
 @dataclass(frozen=True)
 class AdmissionConfig:
     """How the server's engine front (:class:`~kvserve.engine.async_engine.AsyncEngine`,
-    :mod:`kvserve.engine.admission`) hands requests to the engine core; the scheduler
+    :mod:`kvserve.engine.request_limits`) hands requests to the engine core; the scheduler
     never reads it.
 
     - ``batch_wait_ms``: number from 0 (off) to 1000. An engine that was idle waits,

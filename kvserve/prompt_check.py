@@ -1,6 +1,6 @@
 """The one rule for a prompt's tokens and length (:func:`check_prompt`), applied by
 content validation (``kvserve.engine.validation.validate_request``) and again by the
-scheduler's admission (``kvserve.sched.admission.check_schedulable``, for requests
+scheduler's admission (``kvserve.sched.schedulable.check_schedulable``, for requests
 built without it). It only reads its arguments, so any layer may call it.
 """
 

@@ -45,11 +45,11 @@ import concurrent.futures
 import threading
 import time
 
-from kvserve.engine.admission import RefusalReason, Refused, admit_sequences
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.engine_loop import AbortCommand, AddCommand, EngineLoop, StopCommand
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.engine.outputs import EngineStats
+from kvserve.engine.request_limits import RefusalReason, Refused, admit_sequences
 from kvserve.engine.stream import (
     EngineUnavailableError as EngineUnavailableError,
 )

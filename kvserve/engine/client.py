@@ -80,6 +80,6 @@ class EngineClient(Protocol):
         self, requests: list[Request], *, max_waiting: int | None = None
     ) -> Sequence[Sequence[DeltaStream]]:
         """Queue the requests of one HTTP request all or none (their sequences are
-        admitted together, ``kvserve.engine.admission``); the streams of each
+        admitted together, ``kvserve.engine.request_limits``); the streams of each
         request's samples, request by request."""
         ...

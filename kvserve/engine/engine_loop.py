@@ -3,7 +3,7 @@ thread that touches :class:`EngineCore`.
 
 It takes commands (:class:`AddCommand`, :class:`AbortCommand`,
 :class:`StopCommand`) queued by the event loop thread, holds the adds of a burst
-still arriving (``engine/admission.py``'s :class:`BurstGate`), steps the engine,
+still arriving (``engine/request_limits.py``'s :class:`BurstGate`), steps the engine,
 records latency metrics from each delta and hands the deltas back to the event
 loop (``call_soon_threadsafe``), where :meth:`EngineLoop._dispatch` puts them on
 the requests' queues.
@@ -26,11 +26,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvserve.engine.admission import AddNow, BurstGate
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.memory import IdleTrimmer
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.engine.outputs import EngineStats, RequestDelta
+from kvserve.engine.request_limits import AddNow, BurstGate
 from kvserve.engine.stream import EngineUnavailableError, Live, RequestFailedError
 from kvserve.request import Request, RequestError
 
@@ -83,7 +83,7 @@ class EngineLoop:
         self._dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._requests: dict[str, Live] = {}  # see the module docstring
-        # Adds of a burst still arriving (engine thread); see engine/admission.py.
+        # Adds of a burst still arriving (engine thread); see engine/request_limits.py.
         engine.config.admission.validate()
         self._burst: BurstGate[AddCommand] = BurstGate(engine.config.admission.batch_wait_ms)
         self._trimmer = IdleTrimmer()  # memory back to the OS after 2 idle minutes
@@ -143,7 +143,7 @@ class EngineLoop:
 
     def _drain_commands(self, *, hold: bool = True) -> None:
         """Apply queued commands; with ``hold``, adds reaching a busy engine are held
-        (:class:`~kvserve.engine.admission.BurstGate`)."""
+        (:class:`~kvserve.engine.request_limits.BurstGate`)."""
         while True:
             with self._lock:
                 if not self._commands:

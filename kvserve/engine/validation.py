@@ -17,7 +17,7 @@ Rules a caller must keep: call it before queueing anything; it raises
 :class:`~kvserve.request.RequestError` (a ValueError naming the field in ``param``,
 with the fix in the message) and changes nothing. What depends on the engine's
 state (queue room, KV cache size) is admission's, not validation's
-(:mod:`kvserve.engine.admission`, :mod:`kvserve.sched.admission`).
+(:mod:`kvserve.engine.request_limits`, :mod:`kvserve.sched.schedulable`).
 """
 
 from __future__ import annotations

@@ -44,9 +44,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.engine.client import EngineClient
 from kvserve.engine.metrics import CONTENT_TYPE
+from kvserve.engine.request_limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.entrypoints.chat.prompt import ChatPromptBuilder
 from kvserve.entrypoints.chat.render_pool import DEFAULT_TIMEOUT_S, RenderPool
 from kvserve.entrypoints.chat_protocol import (
@@ -120,7 +120,7 @@ def build_app(
     ``model`` may take. ``max_queue_len``: a request whose sequences (prompts x n)
     do not fit beside the running ones and this many waiting ones gets 429 with
     Retry-After (None: no limit); ``max_prompts_per_request``: more prompts in one
-    request is a 400 (None: no limit); see ``kvserve.engine.admission``. The engine thread starts with the
+    request is a 400 (None: no limit); see ``kvserve.engine.request_limits``. The engine thread starts with the
     app's lifespan (or at the first request); lifespan shutdown stops it.
 
     ``chat_template``: the template text (``chat.template.load_chat_template`` reads

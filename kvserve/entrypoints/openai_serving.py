@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.engine.async_engine import (
     EngineUnavailableError,
     KVTransferFailedError,
@@ -33,6 +32,7 @@ from kvserve.engine.async_engine import (
     RequestFailedError,
 )
 from kvserve.engine.client import DeltaStream, EngineClient
+from kvserve.engine.request_limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.entrypoints.chat.prompt import ChatPromptBuilder
 from kvserve.entrypoints.chat_protocol import ChatCompletionRequest
 from kvserve.entrypoints.completions_protocol import CompletionRequest

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvserve.engine.admission import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.engine.args import add_engine_arguments
+from kvserve.engine.request_limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from kvserve.entrypoints import vllm_flags
 from kvserve.entrypoints.http_protocol import (
     DEFAULT_HEADER_TIMEOUT_S,

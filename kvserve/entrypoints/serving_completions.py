@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import uuid
 
-from kvserve.engine.admission import check_prompt_count
+from kvserve.engine.request_limits import check_prompt_count
 from kvserve.entrypoints.completions_protocol import CompletionRequest
 from kvserve.entrypoints.openai_errors import request_error_to_api
 from kvserve.entrypoints.openai_protocol import COMPLETIONS_DEFAULT_MAX_TOKENS

@@ -11,10 +11,10 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from kvserve.engine.admission import RETRY_AFTER_S
 from kvserve.engine.async_engine import EngineUnavailableError, RequestFailedError
 from kvserve.engine.client import DeltaStream
 from kvserve.engine.outputs import RequestDelta
+from kvserve.engine.request_limits import RETRY_AFTER_S
 from kvserve.entrypoints.openai_errors import APIError
 
 

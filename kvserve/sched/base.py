@@ -44,13 +44,13 @@ from kvserve.kv_cache.hashing import BlockHash
 from kvserve.kv_cache.manager import KVCacheManager
 from kvserve.kv_transfer.connector import KVConnectorScheduler
 from kvserve.request import Request, RequestStatus
-from kvserve.sched import admit, update
-from kvserve.sched.admission import check_schedulable, running_seqs
-from kvserve.sched.admit import Admission, Admitter, Budget, Outcome
+from kvserve.sched import kv_admission, update
 from kvserve.sched.cost_model import CostModel, StepBudget
+from kvserve.sched.kv_admission import Admission, Admitter, Budget, Outcome
 from kvserve.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.sched.remote_kv import RemoteKV
 from kvserve.sched.samples import SampleForker, hand_over_lead
+from kvserve.sched.schedulable import check_schedulable, running_seqs
 from kvserve.sched.spec_stats import SpecDecodingStats
 from kvserve.sched.step_builder import StepBuilder
 from kvserve.sched.stop import check_stop
@@ -190,7 +190,7 @@ class Scheduler(abc.ABC):
         self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
-        """:func:`~kvserve.sched.admission.check_schedulable` against this scheduler's
+        """:func:`~kvserve.sched.schedulable.check_schedulable` against this scheduler's
         queues, ``max_num_seqs``, ``max_model_len`` and KV cache. Changes nothing."""
         check_schedulable(
             request,
@@ -285,12 +285,12 @@ class Scheduler(abc.ABC):
 
     def _in_flight_blocks(self) -> set[BlockHash]:
         """Hashes of the full prompt blocks that running requests have not computed
-        yet (:func:`~kvserve.sched.admit.in_flight_blocks`); see :meth:`_admit`."""
-        return admit.in_flight_blocks(self.running, self.kv_cache_manager.block_size)
+        yet (:func:`~kvserve.sched.kv_admission.in_flight_blocks`); see :meth:`_admit`."""
+        return kv_admission.in_flight_blocks(self.running, self.kv_cache_manager.block_size)
 
     def _add_in_flight(self, request: Request, in_flight: set[BlockHash]) -> None:
         """Add ``request``'s not yet computed full prompt blocks to ``in_flight``."""
-        admit.add_in_flight(request, in_flight, self.kv_cache_manager.block_size)
+        kv_admission.add_in_flight(request, in_flight, self.kv_cache_manager.block_size)
 
     def _admit(
         self,
@@ -301,7 +301,7 @@ class Scheduler(abc.ABC):
         in_flight: set[BlockHash] | None = None,
     ) -> Admission:
         """Try to move ``request`` (in ``waiting``, usually its head) to ``running``
-        with its first chunk (:meth:`~kvserve.sched.admit.Admitter.admit`): ``RUN``
+        with its first chunk (:meth:`~kvserve.sched.kv_admission.Admitter.admit`): ``RUN``
         with the tokens scheduled (added to ``step``), ``PARK`` when the connector
         loads part of the prompt (now in ``waiting_for_remote``), ``NO_FIT`` when the
         budget or the blocks do not fit and, only with ``in_flight`` (from

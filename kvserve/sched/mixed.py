@@ -47,9 +47,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvserve.request import Request, RequestStatus
-from kvserve.sched.admit import Outcome
 from kvserve.sched.base import Scheduler, SchedulerState
 from kvserve.sched.cost_model import StepBudget
+from kvserve.sched.kv_admission import Outcome
 from kvserve.sched.output import SchedulerOutput
 from kvserve.sched.spec import fit_drafts
 from kvserve.sched.step_builder import StepBuilder, chunk_size, is_decode

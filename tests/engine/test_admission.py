@@ -1,4 +1,4 @@
-"""Admission (kvserve/engine/admission.py): sequences (prompts x n) are counted per
+"""Admission (kvserve/engine/request_limits.py): sequences (prompts x n) are counted per
 request against max_num_seqs + --max-queue-len, a request is admitted or refused
 whole, --max-prompts-per-request bounds a batch, and the burst gate holds adds.
 Issue 21 item 4: one request of 1,000 prompts x n=4 used to be admitted under
@@ -15,7 +15,8 @@ import pytest
 from support.fake_runner import fake_engine
 from support.server_helpers import scrape, serve_thread
 
-from kvserve.engine.admission import (
+from kvserve.engine.async_engine import AsyncEngine, QueueFullError
+from kvserve.engine.request_limits import (
     AddNow,
     Admitted,
     BurstGate,
@@ -25,7 +26,6 @@ from kvserve.engine.admission import (
     admit_sequences,
     check_prompt_count,
 )
-from kvserve.engine.async_engine import AsyncEngine, QueueFullError
 from kvserve.entrypoints.openai_server import build_app
 from kvserve.request import RequestError, SamplingParams
 

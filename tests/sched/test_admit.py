@@ -1,4 +1,4 @@
-"""kvserve.sched.admit: typed admission results, the in-flight rule and the Admitter;
+"""kvserve.sched.kv_admission: typed admission results, the in-flight rule and the Admitter;
 kvserve.sched.samples.hand_over_lead; kvserve.sched.remote_kv without a connector."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from kvserve.kv_cache import KVCacheManager
 from kvserve.request import Request, RequestStatus, SamplingParams
-from kvserve.sched import admit
-from kvserve.sched.admit import (
+from kvserve.sched import kv_admission as admit
+from kvserve.sched.kv_admission import (
     DEFER_MIN_IN_FLIGHT_TOKENS,
     Admission,
     Admitter,

@@ -517,7 +517,7 @@ def test_short_in_flight_tail_is_recomputed_not_waited_for():
     # prefix the followers share, only 32 tokens (2 blocks) are then in flight, at
     # most DEFER_MIN_IN_FLIGHT_TOKENS: they compute those themselves in the same step
     # as r0 instead of starting a step later.
-    from kvserve.sched.admit import DEFER_MIN_IN_FLIGHT_TOKENS
+    from kvserve.sched.kv_admission import DEFER_MIN_IN_FLIGHT_TOKENS
 
     assert DEFER_MIN_IN_FLIGHT_TOKENS >= 32
     sched, kv = make(max_num_batched_tokens=1000)

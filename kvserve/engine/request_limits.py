@@ -1,5 +1,7 @@
-"""Admission at the engine front: does a request get in, wait for its burst, or get
-refused — answered with typed results, never sentinels.
+"""Engine-front request limits: queue capacity, prompts per request, burst holding.
+
+Does a request get in, wait for its burst, or get refused: typed results, never
+sentinels.
 
     HTTP request: P prompts x S samples (n / best_of) = P*S sequences
       check_prompt_count(P)                   > max_prompts_per_request: RequestError (400)
@@ -17,7 +19,7 @@ running, waiting, waiting for remote KV, samples not yet forked — plus adds ha
 over but not yet taken), so one request of 1,000 prompts x n=4 cannot slip past a
 queue limit of 2 a prompt at a time. The scheduler's own rules (a group of samples
 fits ``max_num_seqs``, a request fits the KV cache) are
-:mod:`kvserve.sched.admission`; the request's content is validated before any of
+:mod:`kvserve.sched.schedulable`; the request's content is validated before any of
 this by :mod:`kvserve.engine.validation`.
 
 Rules a caller must keep: count a request's sequences in ``in_system`` from the

@@ -1,5 +1,6 @@
-"""The scheduler's side of admission: what a request must satisfy to ever be
-scheduled, and how many sequences are running.
+"""Scheduler entry check: what a request must satisfy to ever be scheduled.
+
+Also how many sequences are running (:func:`running_seqs`).
 
 The request's *content* (token ids, ``max_tokens``, ``logit_bias``, grammar) is
 validated once, before it reaches the scheduler, by
@@ -7,7 +8,7 @@ validated once, before it reaches the scheduler, by
 the scheduler knows: its queues (a request id already queued), ``max_num_seqs`` (a
 group of samples runs together) and the KV cache's size (a request that could never
 fit would wait forever). The engine front's admission (queue limits, bursts) is
-:mod:`kvserve.engine.admission`.
+:mod:`kvserve.engine.request_limits`.
 """
 
 from __future__ import annotations

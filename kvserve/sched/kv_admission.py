@@ -1,4 +1,6 @@
-"""Admitting a waiting request: what :meth:`Scheduler._admit` decides, as a typed result.
+"""KV admission: one waiting request to running (prefix lookup, KV blocks), typed.
+
+What :meth:`Scheduler._admit` decides each step.
 
 A waiting request (usually the head of ``waiting``) is looked up in the prefix cache,
 then one of four things happens, each an :class:`Outcome`:
