@@ -52,6 +52,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kvserve.seeding",
             "kvserve.buckets",
             "kvserve.prompt_check",
+            "kvserve.switches",
         ),
     ),
     (

@@ -20,9 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-tokens", type=int, default=128, help="tokens to generate (default 128)"
     )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_arguments(parser)
 

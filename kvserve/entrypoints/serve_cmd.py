@@ -4,7 +4,7 @@
                   [--served-model-name NAME] [engine options: --model, --max-num-seqs, ...]
                   [--kv-role both|prefill|decode ...]   (docs/disaggregation.md)
                   [vLLM's flags: --seed, --generation-config, --enable-auto-tool-choice
-                   --tool-call-parser hermes, --tensor-parallel-size 1, ... (vllm_flags)]
+                   --tool-call-parser hermes, --tensor-parallel-size 1, ... (serve_args)]
 
 ``--kv-role prefill`` serves only ``/health`` and ``/metrics`` over HTTP and takes
 prefill work on ``--kv-address``; ``--kv-role decode`` serves the OpenAI API and
@@ -33,12 +33,13 @@ from types import FrameType
 
 import uvicorn
 
-from kvserve.engine.args import build_engine_config, engine_kwargs_from_args
+from kvserve.engine.args import build_engine_config
 from kvserve.engine.vllm_compat import generation_defaults
-from kvserve.entrypoints import vllm_flags
 from kvserve.entrypoints.serve_args import (
     add_arguments,
+    engine_options_from_args,
     http_options_from_args,
+    metrics_prefix,
     uvicorn_limits_from_args,
 )
 from kvserve.kv_transfer.factory import build_connector, kv_transfer_config_from_args
@@ -73,10 +74,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         http_options = http_options_from_args(args)
         uvicorn_limits = uvicorn_limits_from_args(args)
-        options, notices = vllm_flags.engine_options(args, engine_kwargs_from_args(args))
+        options, notices = engine_options_from_args(args)
         for notice in notices:
             logger.info("%s", notice)
-        prefix = vllm_flags.metrics_prefix(args.metrics_prefix)
+        prefix = metrics_prefix(args.metrics_prefix)
         config = build_engine_config(**options)
         kv_config = kv_transfer_config_from_args(args)
 

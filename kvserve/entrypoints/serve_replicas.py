@@ -12,9 +12,12 @@ import os
 import sys
 from pathlib import Path
 
-from kvserve.engine.args import build_engine_config, engine_kwargs_from_args
-from kvserve.entrypoints import vllm_flags
-from kvserve.entrypoints.serve_args import http_options_from_args
+from kvserve.engine.args import build_engine_config
+from kvserve.entrypoints.serve_args import (
+    MAX_LOGPROBS,
+    engine_options_from_args,
+    http_options_from_args,
+)
 
 
 def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
@@ -44,7 +47,7 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
     n = args.replicas
     threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // max(n, 1))
     try:
-        options, notices = vllm_flags.engine_options(args, engine_kwargs_from_args(args))
+        options, notices = engine_options_from_args(args)
         for notice in notices:
             print(f"kvserve serve: {notice}", file=sys.stderr)
         unsupported = [
@@ -52,7 +55,7 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             for flag, on in (
                 ("--enable-auto-tool-choice", args.enable_auto_tool_choice),
                 ("--seed", args.seed is not None),
-                ("--max-logprobs", args.max_logprobs != vllm_flags.MAX_LOGPROBS),
+                ("--max-logprobs", args.max_logprobs != MAX_LOGPROBS),
                 ("--enable-log-requests", args.log_requests),
             )
             if on
