@@ -1,8 +1,7 @@
-"""uvicorn's httptools protocol with connection-level bounds (issue 43 item 2).
+"""uvicorn's httptools protocol with connection-level bounds.
 
-uvicorn alone accepted an 8 MB header line (and a 64 MB one, slowing ``/health`` to
-1.4 s) and held a connection that sends one header line every 5 s forever
-(slowloris). :class:`GuardedHttpProtocol` adds, per connection:
+uvicorn alone bounds neither a request's header bytes nor the time its headers
+take (slowloris). :class:`GuardedHttpProtocol` adds, per connection:
 
     max_header_bytes   the request line and headers of one request may take at
                        most this many bytes, else **431** and the connection closes

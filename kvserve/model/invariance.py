@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 # The automatic mode's reach where the invariant prefill kernel serves: requests whose
 # context (prompt + generated) is at most this many tokens are batch invariant by
-# default. Past it, the fast kernels and cascade attention take over as before (rows
+# default. Past it, the fast kernels and cascade attention serve them (rows
 # within the reach are never cascade-grouped: the cascade's split at the shared prefix
 # changes a row's sum order). Measured cost: docs/determinism.md.
 AUTO_INVARIANT_MAX_CONTEXT_VEC = 4096

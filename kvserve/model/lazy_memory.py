@@ -1,8 +1,6 @@
 """CPU tensors whose memory is committed as it is touched (the lazily sized KV pool).
 
-``--gpu-memory-utilization 0.9`` pasted from a GPU launch line used to reserve and
-zero 0.9 x the host's RAM (21.5 GB resident for a 135M model, issue 43). On CPU that
-flag is a *ceiling* for the KV pool: :func:`lazy_zeros` maps anonymous memory
+On CPU ``--gpu-memory-utilization`` is a *ceiling* for the KV pool: :func:`lazy_zeros` maps anonymous memory
 (``mmap``), which reads as zeros and takes a physical page only when a KV block is
 first written there, so the process holds what its requests have used, not what it
 may use. No huge-page advice on such a pool: one touched 2 MB page per layer, K/V

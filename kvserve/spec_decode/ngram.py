@@ -15,11 +15,8 @@ prompt, an edit of given code, or JSON that repeats keys find long matches.
 reference the tests hold the proposer to). :class:`NgramProposer` keeps an index
 per request instead: for each length ``n`` a dict from every n-gram of the history
 (that has a token after it) to the start of its latest occurrence, updated with the
-few tokens a step appends, so a proposal is ``max_n`` dict lookups. The search
-re-scanned the whole history every step: 0.26 ms per call measured inside the engine
-(a 420-token history, one thread; the interpreter and numpy run cold after the
-forward), about 3 % of a verification step of the default model at one stream. The
-index costs ``max_n`` dict entries per history token (a few MB for an 8k-token
+few tokens a step appends, so a proposal is ``max_n`` dict lookups (the search
+re-scans the whole history each call). The index costs ``max_n`` dict entries per history token (a few MB for an 8k-token
 request), dropped with the request; a ``prompt_lookup_max`` above ``INDEX_MAX_N``
 searches every call instead.
 """

@@ -1,8 +1,8 @@
 """Grammar compiles tried first in worker processes, each bounded in time and memory.
 
 Why: llguidance walks grammars, regexes and schemas with native recursion; a
-hostile one overflowed the server's stack and killed every stream in flight
-(issue 43). :mod:`kvserve.structured.limits` bounds sizes and depths first; this
+hostile one can overflow the server's stack and kill every stream in flight.
+:mod:`kvserve.structured.limits` bounds sizes and depths first; this
 pool is the second line. Each new constraint is compiled once in a worker
 (``compile_worker``) whose compile thread has a smaller stack than the server's
 own; only when it compiled there does the server compile it itself (the matcher

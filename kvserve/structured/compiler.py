@@ -64,7 +64,7 @@ class GrammarCompiler:
     The llguidance tokenizer (about 0.5 s to build) is built on first use, or by
     :meth:`warm` (the server's startup calls it).
 
-    Hostile input (issue 43): a new constraint is first bounded in size and depth
+    Hostile input: a new constraint is first bounded in size and depth
     (``structured.limits``), then, with ``isolate`` (the default, when the tokenizer
     is a HF fast tokenizer), compiled in a worker process bounded by
     ``compile_timeout_s`` (``structured.compile_pool``), and only then compiled here

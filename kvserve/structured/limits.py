@@ -1,8 +1,8 @@
 """Bounds on the request-supplied structures a native grammar library walks.
 
 llguidance parses Lark grammars, regexes and JSON schemas with recursive native
-code: a grammar of 3,000 chained rules overflowed its stack and killed the whole
-server (issue 43). Everything a request can hand the compiler is therefore checked
+code: a deep enough structure overflows its stack and kills the whole server.
+Everything a request can hand the compiler is therefore checked
 here first, in pure Python with loops (no recursion), in time linear in its size:
 
     grammar   at most MAX_GRAMMAR_BYTES bytes, MAX_GRAMMAR_RULES rules,
