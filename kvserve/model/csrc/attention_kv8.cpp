@@ -44,6 +44,7 @@
 #include <omp.h>
 
 #include "kvs_common.h"
+#include "paged_walk.h"
 
 namespace {
 
@@ -51,8 +52,12 @@ using kvs::bf16_t;
 using kvs::from_f32;
 using kvs::to_f32;
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kPart = 512;  // keys per softmax pass at most (absolute boundaries)
+using kvs::walk::Args;
+using kvs::walk::batch_row;
+using kvs::walk::finish_row;
+using kvs::walk::kNegInf;
+using kvs::walk::Task;
+constexpr int64_t kPart = kvs::walk::kPartMax;  // keys per softmax pass at most
 // Pages (K and V of one block) are prefetched into L2 (_MM_HINT_T1) this many blocks
 // ahead of the key walk, as one unbroken stream over the task's keys (across parts,
 // from its first block). L1 hints (_MM_HINT_T0) keep fewer misses in flight: on Zen 5
@@ -152,86 +157,32 @@ void write_rows(const T* k, const T* v, int64_t row_stride, int64_t rows, int Hk
 
 // ------------------------------------------------------------------ attention
 
-struct Args {
-  const void* q;
-  int64_t q_row_stride, q_head_stride;
-  void* out;
-  const uint8_t* kv;
-  int64_t num_blocks;
-  int block_size, num_heads, num_kv_heads, head_dim;
-  const int64_t* seqs;
-  const int64_t* block_tables;
-  int64_t max_blocks;
-  int seg;
-  float scale;
-  float* lse;
-  const int64_t* row_map;
-  int merge;
-};
-
-struct Task {
-  int64_t seq, r0, r1;
-  int kvh;
-};
-
-inline int64_t batch_row(const Args& a, int64_t i) { return a.row_map ? a.row_map[i] : i; }
-
-// end of the part that starts at p0: the next absolute boundary (segment, kPart) or lmax
+// end of the part that starts at p0: the next absolute boundary (kvs::walk::part_end) or lmax
 inline int64_t part_end(const Args& a, int64_t p0, int64_t lmax) {
-  int64_t p1 = std::min<int64_t>(lmax, (p0 / kPart + 1) * kPart);
-  if (a.seg > 0) p1 = std::min<int64_t>(p1, (p0 / a.seg + 1) * a.seg);
-  return p1;
+  return std::min<int64_t>(lmax, kvs::walk::part_end(a.seg, p0));
 }
 
-inline void finish_row(const Args& a, int64_t row, int64_t head, float mx, float l, float& w_old,
-                       float& w_acc) {
-  const float mine = l > 0.f ? mx + std::log(l) : kNegInf;
-  float lse_new = mine;
-  w_old = 0.f;
-  w_acc = l > 0.f ? 1.f / l : 0.f;
-  if (a.merge && a.lse[row * a.num_heads + head] != kNegInf) {
-    const float old = a.lse[row * a.num_heads + head];
-    lse_new = std::max(old, mine) + std::log1p(std::exp(-std::fabs(old - mine)));
-    w_old = std::exp(old - lse_new);
-    w_acc *= mine == kNegInf ? 0.f : std::exp(mine - lse_new);
-  }
-  if (a.lse) a.lse[row * a.num_heads + head] = lse_new;
-}
-
+// What every task reads (kvs::walk::TaskRows) and its K/V page bases (rb bytes a row).
 template <typename T>
-struct View {
-  int D, bs, g;
-  int64_t rb, row_start, num_tokens, ctx, prior_only, r_end;
-  int M;
-  const int64_t* bt;
-  const T* q;
-  T* out;
+struct View : kvs::walk::TaskRows<T> {
+  using Rows = kvs::walk::TaskRows<T>;
+  using Rows::bs;
+  using Rows::bt;
+  using Rows::D;
+  using Rows::g;
+  using Rows::out;
+  using Rows::q;
+  using Rows::row_start;
+  int64_t rb;
   const uint8_t* kbase;
   const uint8_t* vbase;
 
-  View(const Args& a, const Task& task) {
-    D = a.head_dim;
-    bs = a.block_size;
-    g = a.num_heads / a.num_kv_heads;
-    rb = D + 4;
-    const int64_t* s = a.seqs + 5 * task.seq;
-    row_start = s[0];
-    num_tokens = s[2];
-    ctx = s[3];
-    prior_only = s[4];
-    bt = a.block_tables + a.max_blocks * task.seq;
-    q = static_cast<const T*>(a.q);
-    out = static_cast<T*>(a.out);
+  View(const Args& a, const Task& task) : kvs::walk::TaskRows<T>(a, task) {
+    rb = a.head_dim + 4;
+    const uint8_t* kv = static_cast<const uint8_t*>(a.kv);
     const int64_t head_bytes = a.num_blocks * bs * rb;
-    kbase = a.kv + static_cast<int64_t>(task.kvh) * head_bytes;
-    vbase = a.kv + (static_cast<int64_t>(a.num_kv_heads) + task.kvh) * head_bytes;
-    r_end = std::min<int64_t>(task.r1, num_tokens);
-    M = static_cast<int>(std::max<int64_t>(0, r_end - task.r0)) * g;
-    for (int64_t r = std::max(task.r0, num_tokens); r < task.r1; ++r)
-      for (int j = 0; j < g; ++j) {
-        T* o = out + batch_row(a, row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
-        for (int i = 0; i < D; ++i) from_f32(0.f, o + i);
-      }
+    kbase = kv + static_cast<int64_t>(task.kvh) * head_bytes;
+    vbase = kv + (static_cast<int64_t>(a.num_kv_heads) + task.kvh) * head_bytes;
   }
   // the cache row of position t (K or V base)
   const uint8_t* row(const uint8_t* base, int64_t t) const {

@@ -52,6 +52,7 @@
 #include <omp.h>
 
 #include "kvs_common.h"
+#include "paged_walk.h"
 
 namespace {
 
@@ -98,37 +99,13 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-struct Args {
-  const void* q;
-  int64_t q_row_stride, q_head_stride;
-  void* out;
-  const void* kv;
-  int64_t num_blocks;
-  int block_size, num_heads, num_kv_heads, head_dim;
-  const int64_t* seqs;
-  const int64_t* block_tables;
-  int64_t max_blocks;
-  int seg;
-  float scale;
-  float* lse;
-  const int64_t* row_map;
-  int merge;
-};
-
-inline int64_t batch_row(const Args& a, int64_t i) { return a.row_map ? a.row_map[i] : i; }
-
-constexpr int64_t kPartMax = 512;  // keys per part at most (the AVX-512 score buffer)
-
-// End of the key part that starts at the absolute position p0 (itself a split point):
-// the next multiple of seg (seg <= 0: no segments) or of kPartMax, whichever is first.
-// Depends on seg and p0 only (batch invariance, see the top of the file).
-inline int64_t part_end(int seg, int64_t p0) {
-  int64_t e = (p0 / kPartMax + 1) * kPartMax;
-  if (seg > 0) e = std::min<int64_t>(e, (p0 / seg + 1) * seg);
-  return e;
-}
+using kvs::walk::Args;
+using kvs::walk::batch_row;
+using kvs::walk::finish_row;
+using kvs::walk::kNegInf;
+using kvs::walk::kPartMax;
+using kvs::walk::part_end;
+using kvs::walk::Task;
 
 // The key parts of a task: part k is [part_start(k), part_start(k + 1)) clipped at
 // lmax, split points from part_end (absolute positions).
@@ -137,29 +114,6 @@ inline int64_t count_parts(int seg, int64_t lmax) {
   for (int64_t p0 = 0; p0 < lmax; p0 = part_end(seg, p0)) ++n;
   return n;
 }
-
-// How a finished row is written: out = old * w_old + acc * w_acc, where acc is the
-// unnormalised sum (running sum l, max mx). Also stores the row's log-sum-exp, merged
-// with the one already there when a.merge.
-inline void finish_row(const Args& a, int64_t row, int64_t head, float mx, float l, float& w_old,
-                       float& w_acc) {
-  const float mine = l > 0.f ? mx + std::log(l) : kNegInf;
-  float lse_new = mine;
-  w_old = 0.f;
-  w_acc = l > 0.f ? 1.f / l : 0.f;
-  if (a.merge && a.lse[row * a.num_heads + head] != kNegInf) {
-    const float old = a.lse[row * a.num_heads + head];
-    lse_new = std::max(old, mine) + std::log1p(std::exp(-std::fabs(old - mine)));
-    w_old = std::exp(old - lse_new);
-    w_acc *= mine == kNegInf ? 0.f : std::exp(mine - lse_new);
-  }
-  if (a.lse) a.lse[row * a.num_heads + head] = lse_new;
-}
-
-struct Task {
-  int64_t seq, r0, r1;
-  int kvh;
-};
 
 // Keys a task sees (the walk's lmax): rows [r0, min(r1, num_tokens)) of its request.
 inline int64_t task_keys(const Args& a, const Task& t) {
@@ -178,42 +132,17 @@ struct Work {
   int64_t part;
 };
 
-// What every task reads: its request's rows, block table, and K/V base pointers;
-// the constructor zeroes the output of the task's padding rows.
+// What every task reads (kvs::walk::TaskRows) and its K/V base pointers.
 template <typename T>
-struct TaskView {
-  int D, bs, g;
-  int64_t row_start, num_tokens, ctx, prior_only, r_end;
-  int M;  // queries: real rows of the tile x query heads of the KV head
-  const int64_t* bt;
-  const T* q;
-  T* out;
+struct TaskView : kvs::walk::TaskRows<T> {
   const T* kbase;
   const T* vbase;
 
-  TaskView(const Args& a, const Task& task) {
-    D = a.head_dim;
-    bs = a.block_size;
-    g = a.num_heads / a.num_kv_heads;
-    const int64_t* s = a.seqs + 5 * task.seq;
-    row_start = s[0];
-    num_tokens = s[2];
-    ctx = s[3];
-    prior_only = s[4];
-    bt = a.block_tables + a.max_blocks * task.seq;
-    q = static_cast<const T*>(a.q);
-    out = static_cast<T*>(a.out);
+  TaskView(const Args& a, const Task& task) : kvs::walk::TaskRows<T>(a, task) {
     const T* kv = static_cast<const T*>(a.kv);
-    const int64_t head_stride = a.num_blocks * bs * D;  // elements per (K|V, head)
+    const int64_t head_stride = a.num_blocks * this->bs * this->D;  // elements per (K|V, head)
     kbase = kv + static_cast<int64_t>(task.kvh) * head_stride;
     vbase = kv + (static_cast<int64_t>(a.num_kv_heads) + task.kvh) * head_stride;
-    r_end = std::min<int64_t>(task.r1, num_tokens);
-    M = static_cast<int>(std::max<int64_t>(0, r_end - task.r0)) * g;
-    for (int64_t r = std::max(task.r0, num_tokens); r < task.r1; ++r)
-      for (int j = 0; j < g; ++j) {
-        T* o = out + batch_row(a, row_start + r) * a.num_heads * D + (task.kvh * g + j) * D;
-        for (int i = 0; i < D; ++i) from_f32(0.f, o + i);
-      }
   }
 };
 

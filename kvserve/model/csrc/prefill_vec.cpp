@@ -288,7 +288,7 @@ void pack_v_pairs(const Args& a, const int64_t* bt, int h, int64_t keys, uint32_
 constexpr int64_t kPartMax = 512;
 constexpr int kPfKeys = 8;  // K rows prefetched this many keys ahead in the score loop
 
-inline int64_t part_end(int seg, int64_t p0) {  // as paged_attention.cpp
+inline int64_t part_end(int seg, int64_t p0) {  // as kvs::walk::part_end (paged_walk.h)
   int64_t e = (p0 / kPartMax + 1) * kPartMax;
   if (seg > 0) e = std::min<int64_t>(e, (p0 / seg + 1) * seg);
   return e;
@@ -639,7 +639,7 @@ void run_task_inv(const Args& a, int seg, const Task* tasks, int ntiles, const u
   auto& obuf = OBUF[ti];
   auto& mxa = MXA[ti];
   auto& la = LA[ti];
-  for (int m = 0; m < m_hi; ++m) {  // finish_row of paged_attention.cpp
+  for (int m = 0; m < m_hi; ++m) {  // kvs::walk::finish_row (paged_walk.h)
     const int64_t r = t.r0 + m, row = batch_row(a, row_start + r / g);
     const int head = t.h * g + static_cast<int>(r % g);
     T* o = out + (row * a.num_heads + head) * D;

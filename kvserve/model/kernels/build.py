@@ -42,7 +42,8 @@ SOURCES = [
         "lora.cpp",  # the batched LoRA delta (bindings: kvserve.lora.ops)
     )
 ]
-HEADERS = [CSRC / "kvs_common.h"]  # part of the cache key, found next to the sources
+# part of the cache key, found next to the sources
+HEADERS = [CSRC / "kvs_common.h", CSRC / "paged_walk.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
