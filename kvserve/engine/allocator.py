@@ -6,14 +6,11 @@ kernel when freed (``munmap`` or a heap trim) and the next layer faults them in
 again, zero-filled: about 30,000 page faults and 60-90 ms of system time per
 2,048-token step here. :func:`tune_allocator` serves them from the heap instead
 (``M_MMAP_THRESHOLD`` 32 MiB, glibc's largest; ``M_TRIM_THRESHOLD`` 1 GiB; one
-arena), the way a server preloads tcmalloc or jemalloc: measured 4 x 512-token
-prefills went from 458-472 ms to 347-393 ms, with 3-75 page faults instead of
-30,000-39,000. Call it before the process starts threads (``kvserve``'s CLI does,
-first thing; engines call it again, which is then a no-op).
+arena), the way a server preloads tcmalloc or jemalloc (figures: docs/performance.md,
+"glibc keeps step buffers"). Call it before the process starts threads (``kvserve``'s
+CLI does, first thing; engines call it again, which is then a no-op).
 
-The cost: the process keeps its peak heap instead of returning it (measured, bf16
-server after the 32-request random workload: 2,027 MB resident against 2,023 MB
-without the thresholds, whose peak was 2,059 MB). Set
+The cost: the process keeps its peak heap instead of returning it. Set
 ``KVSERVE_MALLOPT=0`` to leave the allocator alone (also for non-glibc systems,
 where this is a no-op)."""
 
