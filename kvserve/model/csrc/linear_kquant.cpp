@@ -39,6 +39,8 @@
 
 namespace {
 
+using kvs::half_to_float;
+
 constexpr int64_t kCols = 16;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuper = 256;
@@ -74,33 +76,6 @@ inline bool kformat_of(int code, KFormat* f) {
     case 18: *f = {2, false}; return true;  // kq6 (GGUF Q6_K)
     default: return false;
   }
-}
-
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  uint32_t u;
-  if (exp == 0) {
-    if (mant == 0) {
-      u = sign;
-    } else {
-      exp = 127 - 15 + 1;
-      while ((mant & 0x400u) == 0) {
-        mant <<= 1;
-        --exp;
-      }
-      mant &= 0x3ffu;
-      u = sign | (exp << 23) | (mant << 13);
-    }
-  } else if (exp == 31) {
-    u = sign | 0x7f800000u | (mant << 13);
-  } else {
-    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 // value u of column col at k j (0..31) of a block

@@ -37,6 +37,8 @@
 
 namespace {
 
+using kvs::half_to_float;
+
 constexpr int64_t kCols = 16;   // columns per panel
 constexpr int64_t kBlock = 32;  // k per block
 constexpr int64_t kRowTile = 8;
@@ -66,33 +68,6 @@ inline bool format_of(int code, Format* f) {
 
 inline int64_t block_bytes(const Format& f) {
   return f.bits * 64 + 32 + (f.has_min ? 32 : 0);
-}
-
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  uint32_t u;
-  if (exp == 0) {
-    if (mant == 0) {
-      u = sign;
-    } else {  // subnormal: normalize
-      exp = 127 - 15 + 1;
-      while ((mant & 0x400u) == 0) {
-        mant <<= 1;
-        --exp;
-      }
-      mant &= 0x3ffu;
-      u = sign | (exp << 23) | (mant << 13);
-    }
-  } else if (exp == 31) {
-    u = sign | 0x7f800000u | (mant << 13);
-  } else {
-    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 // Quantized activations of a call: per row, nb blocks of 32 int8, d_x, sum(q) and
