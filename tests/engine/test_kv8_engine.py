@@ -50,6 +50,22 @@ def test_float_kv_dtype_must_match_the_model_dtype():
         LLM(dtype="bfloat16", kv_cache_dtype="float32", kv_cache_memory_gib=0.01)
 
 
+def _same_greedy_or_near_tie(eager, compiled) -> None:
+    """Compiled greedy tokens equal eager's up to the first difference, and there the
+    two tokens were a near tie in eager's own logprobs (inductor fuses float32 norms in
+    another order; on an Intel AMX CPU, 2026-12-05, the int8 cache flipped a 0.078-nat tie at token 5).
+    A broken kernel diverges by far more than that margin."""
+    a, b = list(eager.token_ids), list(compiled.token_ids)
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x != y:
+            top = eager.logprobs[i]
+            assert y in top, f"token {i}: compiled {y} not in eager's top-2 {list(top)}"
+            gap = top[x].logprob - top[y].logprob
+            assert 0.0 <= gap < 0.15, f"token {i}: eager prefers {x} by {gap:.4f} nats"
+            return
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_name", ["int8", "fp8_e4m3"])
 def test_compile_with_8bit_kv_reads_the_cache_in_place(kv_name, tmp_path, monkeypatch):
@@ -75,7 +91,7 @@ def test_compile_with_8bit_kv_reads_the_cache_in_place(kv_name, tmp_path, monkey
         num_kv_blocks=64,
     )
     prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):")]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     eager = LLM(**common).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     llm = LLM(compile=True, **common)
     compiled = llm.engine.runner.compiled  # type: ignore[attr-defined]
@@ -84,7 +100,7 @@ def test_compile_with_8bit_kv_reads_the_cache_in_place(kv_name, tmp_path, monkey
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert compiled.num_calls > warm, "decode steps ran through the compiled graphs"
     for a, b in zip(eager, outs, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        _same_greedy_or_near_tie(a.outputs[0], b.outputs[0])
     llm.engine.check_no_leaks()
     code = "\n".join(p.read_text() for p in tmp_path.rglob("*.py"))
     assert "def call(" in code and "kvserve.kv8_write_and_attend" in code
