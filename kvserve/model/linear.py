@@ -19,13 +19,13 @@ _SMALL_M = 2
 # oneDNN's prepacked GEMM from 8 to 32 rows (30 layers' weights, out of cache), even
 # at 64 rows, and as fast as the [K, N] product at 1-2 rows.
 NATIVE_F32_MAX_M = 32
-# bfloat16 rows up to which the native panel kernel (AVX512-BF16 dot products) runs:
-# 1.5-2x oneDNN's prepacked AMX GEMM at 1-4 rows, even at 8, behind it from 16 on.
+# bfloat16 rows up to which the native panel kernel (AVX512-BF16 dot products) runs
+# where AMX tiles can take over: 1.5-2x oneDNN's prepacked AMX GEMM at 1-4 rows. Past it
+# the same panels run on AMX tiles (``kvs_linear_bf16_amx``, K a multiple of 32) at every
+# M: 1.5-2.5x oneDNN's AMX GEMM at 8-16 rows, 1.3-1.9x at 32, and level with it from 64 on
+# (L2-sized panel groups). Without AMX the AVX512-BF16 panels run at every M (level with
+# oneDNN's AVX512-BF16 GEMM at 128-512 rows), so bfloat16 weights need no oneDNN copy.
 NATIVE_BF16_MAX_M = 4
-# bfloat16 rows up to which the same panels run on AMX tiles (``kvs_linear_bf16_amx``,
-# K a multiple of 32) past NATIVE_BF16_MAX_M: 1.5-2.5x oneDNN's AMX GEMM at 8-16 rows
-# and 1.3-1.9x at 32 (the model's linears, 30 layers' weights); even with it at 64.
-NATIVE_BF16_AMX_MAX_M = 32
 
 
 def mkldnn_linear_works(dtype: torch.dtype) -> bool:
@@ -48,17 +48,22 @@ class FastLinear:
 
     - float32 with the native kernel (``native`` given, AVX-512), ``M <=
       NATIVE_F32_MAX_M`` (decode): the native panel kernel on a packed copy;
-    - bfloat16 with the native kernel (AVX512-BF16, even K), ``M <=
-      NATIVE_BF16_MAX_M``: the native bfloat16 panel kernel on a packed copy, and up
-      to ``NATIVE_BF16_AMX_MAX_M`` rows the same panels on AMX tiles (where the CPU
-      has AMX-BF16 and K is a multiple of 32);
+    - bfloat16 with the native kernel (AVX512-BF16, even K): the native bfloat16 panel
+      kernel up to ``NATIVE_BF16_MAX_M`` rows, and past that the same panels on AMX
+      tiles where the CPU has AMX-BF16 and K is a multiple of 32, else the AVX512-BF16
+      panels, at every M. bfloat16 with panels keeps *only* the panels (``weight`` is
+      None, no oneDNN copy), so its weights are resident once;
     - float32 without it, ``M <= 2``: ``x @ wt`` on a contiguous [K, N] copy;
-    - otherwise (bfloat16 at any M, float32 prefill and batched decode): oneDNN with a
-      prepacked weight (about 1.5x MKL's sgemm for float32, and 1.6x ``F.linear`` for
-      bfloat16 even at M = 1, on this kind of CPU), falling back to ``F.linear``.
+    - otherwise (bfloat16 without panels, float32 prefill and batched decode): oneDNN
+      with a prepacked weight (about 1.5x MKL's sgemm for float32, and 1.6x
+      ``F.linear`` for bfloat16 even at M = 1, on this kind of CPU), falling back to
+      ``F.linear``.
 
     ``fast=False`` (or a non-CPU device) keeps plain ``F.linear``. ``weight`` stays a
-    valid [N, K] tensor (a view of ``wt`` when there is one) for anything else.
+    valid [N, K] tensor (a view of ``wt`` when there is one) except for bfloat16 panels,
+    where it is None and :meth:`dense` rebuilds the [N, K] matrix from the panels.
+    Rule for the caller: once ``weight`` is None, drop its own reference to the dense
+    tensor too (or the weights stay resident twice).
 
     ``invariant`` (batch-invariant mode, see docs/determinism.md): the native panel
     kernel of the weight's dtype at *every* M (never AMX tiles, oneDNN or MKL), so a
@@ -74,6 +79,7 @@ class FastLinear:
         "handle",
         "invariant",
         "native",
+        "out_features",
         "packed",
         "panel_bias",
         "panels",
@@ -91,7 +97,8 @@ class FastLinear:
         native: LinearPanels | None = None,
     ) -> None:
         self.bias = bias
-        self.weight = weight
+        self.weight: torch.Tensor | None = weight
+        self.out_features = int(weight.shape[0])
         self.handle = next(_handles)  # how compiled graphs name it (``kvserve::fast_linear``)
         _LINEARS[self.handle] = self
         self.wt: torch.Tensor | None = None
@@ -122,13 +129,33 @@ class FastLinear:
                     padded = torch.zeros(self.panels.shape[0] * 32)
                     padded[: bias.shape[0]] = bias.float()
                     self.panel_bias = padded
+                self.packed = None  # the panels serve every M: one resident copy
+                self.weight = None
             if self.panels is None and (f32 or self.packed is None):
                 self.wt = weight.t().contiguous()  # [K, N]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque operator in compiled graphs
-            return torch.ops.kvserve.fast_linear(x, self.handle, self.weight.shape[0])
+            return torch.ops.kvserve.fast_linear(x, self.handle, self.out_features)
         return self.eager(x)
+
+    def dense(self) -> torch.Tensor:
+        """The [N, K] weight: ``weight`` itself, or unpacked from the bfloat16 panels
+        (a new tensor, bitwise the values packed)."""
+        if self.weight is not None:
+            return self.weight
+        assert self.panels is not None
+        p = self.panels
+        return p.permute(0, 2, 1, 3).reshape(p.shape[0] * 32, p.shape[1] * 2)[: self.out_features]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] of the [N, K] weight -> [T, K] (a tied embedding's lookup
+        when only the panels are resident). Rule: ids in ``[0, out_features)``."""
+        if self.weight is not None:
+            return F.embedding(ids, self.weight)
+        assert self.panels is not None
+        p = self.panels
+        return p[ids // 32, :, ids % 32, :].reshape(ids.shape[0], p.shape[1] * 2)
 
     @property
     def invariant_capable(self) -> bool:
@@ -139,14 +166,13 @@ class FastLinear:
         """The kernel choice of the class docstring, outside any graph."""
         if self.panels is not None:
             assert self.native is not None
+            n = self.out_features
             if self.panels.dtype == torch.float32:
                 if self.invariant or x.shape[0] <= NATIVE_F32_MAX_M:
-                    return self.native.linear_f32(x, self.panels, self.weight.shape[0], self.bias)
-            elif self.invariant or x.shape[0] <= NATIVE_BF16_MAX_M:
-                n = self.weight.shape[0]
+                    return self.native.linear_f32(x, self.panels, n, self.bias)
+            elif self.invariant or x.shape[0] <= NATIVE_BF16_MAX_M or not self.amx:
                 return self.native.linear_bf16(x, self.panels, n, self.panel_bias)
-            elif self.amx and x.shape[0] <= NATIVE_BF16_AMX_MAX_M:
-                n = self.weight.shape[0]
+            else:
                 return self.native.linear_bf16_amx(x, self.panels, n, self.panel_bias)
         if self.wt is not None and x.shape[0] <= _SMALL_M:
             if self.bias is None:
@@ -154,6 +180,7 @@ class FastLinear:
             return torch.addmm(self.bias, x, self.wt)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
 
 

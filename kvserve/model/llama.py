@@ -77,14 +77,21 @@ class LlamaForCausalLM(LlamaParams):
     def prepare(self, fast: bool = True, kernels: KernelBackend | None = None) -> None:
         """Build the per-layer kernels from the parameters (call after changing weights).
 
-        With ``fast`` on CPU each projection gets a [K, N] copy for decode-sized
-        batches and a oneDNN-packed copy for larger ones; the parameter becomes a view
-        of the [K, N] copy, so the extra memory is about one more copy of the weights.
+        With ``fast`` on CPU each projection gets its kernels' copies (FastLinear): in
+        float32 a [K, N] copy or native panels for decode-sized batches and a
+        oneDNN-packed copy for larger ones, the parameter becoming a view of the [K, N]
+        copy; in bfloat16 with native panels the panels alone, and the parameter (and a
+        tied embedding) an empty [0, K] placeholder, so the weights are resident once
+        (``embed`` reads a tied embedding's rows from the panels; preparing again
+        restores the dense parameters from the panels first).
         ``kernels``: the native kernel families to use (default: :func:`default_backend`,
         from the switches in docs/kernels.md); kept as ``self.kernels`` for the runner to
         pass on (attention metadata, sampler). Without ``fast`` or off the CPU the
         layers use no native family (attention still follows the metadata).
         """
+        old_ops: list[LayerOps] = getattr(self, "_ops", [])
+        old_head = getattr(self, "_lm_head", None)
+        self._restore_dense(old_ops, old_head)
         self._ops = []
         cpu = self.embed_tokens.device.type == "cpu"
         pack = fast and cpu and mkldnn_linear_works(self.embed_tokens.dtype)
@@ -116,6 +123,8 @@ class LlamaForCausalLM(LlamaParams):
                 if lin.wt is not None:
                     param.data = lin.wt.t()  # same values, no second [N, K] copy
                     lin.weight = param.data
+                elif lin.weight is None:  # bfloat16 panels only: drop the dense copy
+                    param.data = _placeholder(param.data)
                 lins.append(lin)
             self._ops.append(
                 LayerOps(
@@ -138,6 +147,8 @@ class LlamaForCausalLM(LlamaParams):
             self._lm_head = FastLinear(
                 self.lm_head_weight.data, None, fast=fast, pack=pack, native=native
             )
+            if self._lm_head.weight is None:  # panels only; a tied embedding reads them
+                self.lm_head_weight.data = _placeholder(self.lm_head_weight.data)
         usable = (
             kernels.attention is not None
             and kernels.norms is not None
@@ -147,6 +158,24 @@ class LlamaForCausalLM(LlamaParams):
         self._fused_decode = None if self._native is None else FusedDecode.build(self, kernels)
         self.batch_invariant = False
         self.set_batch_invariant(self.batch_invariant_default)
+
+    def _restore_dense(self, old_ops: list[LayerOps], old_head: Linear | None) -> None:
+        """Give the parameters that an earlier :meth:`prepare` emptied (bfloat16 panels
+        only) their dense values back from those panels, so preparing again (other
+        kernels, fast off) starts from the weights."""
+        for layer, ops in zip(self.layers, old_ops, strict=False):
+            for name, lin in (
+                ("qkv_proj", ops.qkv),
+                ("o_proj", ops.o),
+                ("gate_up_proj", ops.gate_up),
+                ("down_proj", ops.down),
+            ):
+                param = getattr(layer, name)
+                if param.numel() == 0 and isinstance(lin, FastLinear):
+                    param.data = lin.dense()
+        head = self.lm_head_weight
+        if head.numel() == 0 and isinstance(old_head, FastLinear):
+            head.data = old_head.dense()
 
     def _linears(self) -> list[Linear]:
         lins = [lin for ops in self._ops for lin in (ops.qkv, ops.o, ops.gate_up, ops.down)]
@@ -218,7 +247,7 @@ class LlamaForCausalLM(LlamaParams):
             if isinstance(lin, QuantLinear):
                 total += int(lin.nbytes)
             else:
-                w = lin.panels if lin.panels is not None else lin.weight
+                w = lin.panels if lin.panels is not None else lin.dense()
                 total += w.numel() * w.element_size()
         return total
 
@@ -346,3 +375,9 @@ class LlamaForCausalLM(LlamaParams):
             y = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         assert self._lm_head is not None, "load_weights() or prepare() first"
         return self._lm_head(y).float()
+
+
+def _placeholder(weight: torch.Tensor) -> torch.Tensor:
+    """An empty [0, K] stand-in (same dtype and device) for a weight whose only resident
+    copy is a FastLinear's panels."""
+    return weight.new_empty(0, weight.shape[1])

@@ -105,10 +105,15 @@ class LlamaParams(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, hidden] in the model dtype (dequantized rows when the
-        embedding is quantized)."""
-        if self._embed_quant is None:
-            return F.embedding(input_ids, self.embed_tokens)
-        return self._embed_quant(input_ids)
+        embedding is quantized, rows of the lm_head's panels when a tied bfloat16
+        embedding is resident only there)."""
+        if self._embed_quant is not None:
+            return self._embed_quant(input_ids)
+        if self.embed_tokens.numel() == 0:  # tied, resident only as the lm_head's panels
+            head = self._lm_head
+            assert isinstance(head, FastLinear)
+            return head.rows(input_ids.reshape(-1)).reshape(*input_ids.shape, -1)
+        return F.embedding(input_ids, self.embed_tokens)
 
     # ------------------------------------------------------------------ rope
 

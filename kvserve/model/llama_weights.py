@@ -76,7 +76,10 @@ def load_llama_weights(
             quant[key] = value
             param.data = torch.empty(0, param.shape[1], device=device, dtype=dtype)
         else:
-            param.data = value.to(device=device, dtype=dtype).contiguous()
+            data = value.to(device=device, dtype=dtype).contiguous()
+            if data.dim() == 1:  # norms, biases: own memory, never a view that pins a
+                data = data.clone()  # whole mmap'd checkpoint once the big weights are packed
+            param.data = data
 
     embed = take("model.embed_tokens.weight")
     put(model.embed_tokens, embed, "model.embed_tokens.weight", "embed_tokens")

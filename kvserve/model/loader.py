@@ -399,6 +399,7 @@ def load_model(
     net = net.to_empty(device=dev)
     net.load_weights(tensors, dtype=torch_dtype, device=dev)
     net.eval().requires_grad_(False)
+    _return_freed_memory()
 
     dtype_name = str(torch_dtype).removeprefix("torch.")
     weights_tag = net.weight_formats()
@@ -418,6 +419,24 @@ def load_model(
         device=dev,
         quantization=weights_tag,
     )
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap that loading freed (unpacked tensors, repacking buffers) back to
+    the OS (glibc's ``malloc_trim``), so the resident set after load is the weights, not
+    the weights plus a high-water mark: 1.9x the file for a 1B Q8_0 GGUF without it, 1.1x
+    with. A no-op where the C library has no ``malloc_trim``."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:
+        trim(0)
 
 
 def _with_gguf_rope_freqs(arch: Any, gguf_path: Path) -> Any:

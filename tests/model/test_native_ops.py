@@ -243,9 +243,10 @@ def test_linear_bf16_amx_rejects_k_not_a_multiple_of_32(lk) -> None:
 
 
 def test_fast_linear_routes_bfloat16_rows_to_the_panel_kernels(lk, monkeypatch) -> None:
-    """bfloat16 FastLinear uses its vector panel kernel up to NATIVE_BF16_MAX_M rows,
-    the AMX panel kernel up to NATIVE_BF16_AMX_MAX_M (K a multiple of 32 and AMX
-    here), and oneDNN above; every route agrees with F.linear."""
+    """bfloat16 FastLinear keeps only its panels (no dense weight, no oneDNN copy) and
+    runs them at every M: the vector panel kernel up to NATIVE_BF16_MAX_M rows, then the
+    AMX panel kernel (K a multiple of 32 and AMX here) or the vector one; every route
+    agrees with F.linear, and dense()/rows() give back the packed values bitwise."""
     import kvserve.model.linear as lin_mod
 
     if not lk.linear_bf16_available:
@@ -255,6 +256,10 @@ def test_fast_linear_routes_bfloat16_rows_to_the_panel_kernels(lk, monkeypatch) 
     pack = lin_mod.mkldnn_linear_works(torch.bfloat16)
     lin = lin_mod.FastLinear(w, b, fast=True, pack=pack, native=lk)
     assert lin.panels is not None and lin.panels.dtype == torch.bfloat16
+    assert lin.weight is None and lin.packed is None and lin.wt is None
+    assert torch.equal(lin.dense(), w)
+    ids = torch.tensor([0, 95, 33, 31, 32, 7])
+    assert torch.equal(lin.rows(ids), w[ids])
     assert lin.amx == lk.linear_bf16_amx_available
     calls: list[tuple[str, int]] = []
     for name in ("linear_bf16", "linear_bf16_amx"):
@@ -264,15 +269,16 @@ def test_fast_linear_routes_bfloat16_rows_to_the_panel_kernels(lk, monkeypatch) 
             name,
             lambda x, *a, name=name, real=real: calls.append((name, x.shape[0])) or real(x, *a),
         )
-    small, amx = lin_mod.NATIVE_BF16_MAX_M, lin_mod.NATIVE_BF16_AMX_MAX_M
-    for rows in (1, small, small + 1, amx, amx + 1, 64):
+    small = lin_mod.NATIVE_BF16_MAX_M
+    sizes = (1, small, small + 1, 32, 33, 64, 200)
+    for rows in sizes:
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         expect = F.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(lin(x).float(), expect, atol=3e-2, rtol=2e-2)
-    expect_calls = [("linear_bf16", 1), ("linear_bf16", small)]
-    if lk.linear_bf16_amx_available:
-        expect_calls += [("linear_bf16_amx", small + 1), ("linear_bf16_amx", amx)]
-    assert calls == expect_calls
+    big = "linear_bf16_amx" if lk.linear_bf16_amx_available else "linear_bf16"
+    assert calls == [("linear_bf16", 1), ("linear_bf16", small)] + [
+        (big, rows) for rows in sizes[2:]
+    ]
     # an input size that is not a multiple of 32 never goes to the AMX kernel
     odd = lin_mod.FastLinear(w[:, :40].contiguous(), None, fast=True, pack=pack, native=lk)
     assert not odd.amx
