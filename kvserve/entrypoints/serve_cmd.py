@@ -161,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
     kv_pool = kv_pool_line(engine)
     if kv_pool:
         logger.info("%s", kv_pool)
+    budget = step_budget_line(engine)
+    if budget:
+        logger.info("%s", budget)
     logger.info(
         "loaded %s in %.1f s (dtype=%s, attention=%s, max_model_len=%d, %d KV blocks, "
         "kv-role %s); serving on http://%s:%d%s",
@@ -217,6 +220,29 @@ def kv_pool_line(engine: object) -> str | None:
         f"{total / 2**30:.2f} GiB {'ceiling, committed as used' if lazy else 'reserved'}); "
         f"resident now {now}"
     )
+
+
+def step_budget_line(engine: object) -> str | None:
+    """One log line: the step budget the scheduler runs with -- its token budget, the
+    step-time targets and, where a step-time model is attached, the prompt tokens that
+    fit beside decodes in one step by that model (what the start's calibration chose),
+    and the model itself. None for an engine without a scheduler."""
+    sched = getattr(engine, "scheduler", None)
+    cfg = getattr(sched, "config", None)
+    if sched is None or cfg is None:
+        return None
+    tokens = int(getattr(sched, "max_num_batched_tokens", cfg.max_num_batched_tokens))
+    line = f"step budget: {tokens} tokens per step"
+    model = getattr(sched, "cost_model", None)
+    if model is None or not cfg.max_step_ms:
+        return line + " (no step-time target)"
+    step = float(cfg.max_step_ms)
+    chunk = model.max_chunk(step, 0, tokens)
+    line += f"; steps with decodes aim at {step:g} ms: up to {chunk} prompt tokens beside them"
+    short = float(cfg.short_prompt_step_ms)
+    if 0 < short < step:
+        line += f" ({model.max_chunk(short, 0, tokens)} when only short prompts, {short:g} ms)"
+    return f"{line}; step-time model {model.describe()}, scale {model.scale:.2f}"
 
 
 class _Server(uvicorn.Server):

@@ -1,0 +1,111 @@
+"""Is throughput the same from one server start to the next?
+
+Starts ``kvserve serve`` (default model, bfloat16, no flags beyond ``--kv-flags``) N
+times, each a fresh process, and runs the shared-prefix row (``prefix``) and the
+interference row (the shared JSONL workload at ``--rate`` requests/s) with vLLM's own
+bench client, as ``benchmarks/peers/peers.py`` does. Prints every start's output tok/s,
+the max/min ratio per row (target: <= 1.15), and each start's "step budget" and
+step-time model lines from its log, so a spread can be traced to the budget chosen.
+
+``--fit auto`` (default) is what a user gets: the first start calibrates and stores the
+step-time fit when it is steady, later starts check it and reuse it. ``--fit refresh``
+makes every start calibrate again (the spread of fresh fits); ``--clear-fit`` deletes
+the stored fits before the first start.
+
+Usage, from the repository root after ``make setup`` and ``peers.py install vllm``, on
+a quiet machine::
+
+    python benchmarks/steady_starts.py --starts 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+import peers  # noqa: E402
+
+INTERFERENCE = peers.REPO.parent / "shared" / "peer" / "workloads" / "interference.jsonl"
+
+
+def spread(values: list[float]) -> float:
+    """max / min of positive values (inf when one is 0 or absent)."""
+    if not values or min(values) <= 0:
+        return float("inf")
+    return max(values) / min(values)
+
+
+def log_lines(log: Path, needles: tuple[str, ...]) -> list[str]:
+    """The lines of a server log that hold any of ``needles``."""
+    if not log.exists():
+        return []
+    text = log.read_text(errors="replace").splitlines()
+    return [line.strip() for line in text if any(n in line for n in needles)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "kvserve-peers")
+    ap.add_argument("--starts", type=int, default=5)
+    ap.add_argument("--rate", default="3", help="interference requests/s")
+    ap.add_argument("--fit", choices=("auto", "refresh"), default="auto")
+    ap.add_argument("--clear-fit", action="store_true", help="delete stored fits first")
+    ap.add_argument("--kv-flags", default="", help="extra flags for kvserve serve")
+    ap.add_argument("--port", type=int, default=8320)
+    args = ap.parse_args(argv)
+    if args.starts < 2:
+        raise SystemExit("--starts must be at least 2")
+    lay = peers.Layout(args.root)
+    if args.clear_fit:
+        from kvserve.worker.step_cost_store import store_dir
+
+        shutil.rmtree(store_dir(), ignore_errors=True)
+    flags = f"--step-cost-cache {args.fit} {args.kv_flags}".strip()
+    workloads = ["prefix", "interference"]
+    jsonl = {"interference": (str(INTERFERENCE), args.rate)}
+    figures: dict[str, list[float]] = {w: [] for w in workloads}
+    notes: list[list[str]] = []
+    for i in range(args.starts):
+        suffix = f"_steady{i}"
+        peers.run_targets(
+            lay, ["kvserve:bfloat16"], workloads, None, args.rate, flags, args.port,
+            suffix=suffix, jsonl=jsonl,
+        )  # fmt: skip
+        for w in workloads:
+            path = lay.results / f"{w}_kvserve_bfloat16{suffix}.json"
+            tok_s = json.loads(path.read_text())["output_throughput"] if path.exists() else 0.0
+            figures[w].append(float(tok_s))
+        log = lay.logs / f"server_kvserve_bfloat16{suffix}.log"
+        notes.append(log_lines(log, ("step budget:", "step-time model", "step-time fit")))
+    print(f"\n{args.starts} starts, --step-cost-cache {args.fit}, output tok/s:")
+    for w in workloads:
+        vals = figures[w]
+        cells = "  ".join(f"{v:7.1f}" for v in vals)
+        print(f"  {w:13s} {cells}   max/min {spread(vals):.3f}")
+    for i, lines in enumerate(notes):
+        print(f"start {i}:")
+        for line in lines:
+            print(f"    {line}")
+    out = lay.results / f"steady_starts_{args.fit}.json"
+    out.write_text(
+        json.dumps(
+            {
+                "fit": args.fit,
+                "figures": figures,
+                "max_min": {w: spread(v) for w, v in figures.items()},
+                "logs": notes,
+            },
+            indent=1,
+        )
+    )
+    print(f"written {out}")
+    return 0 if all(spread(v) <= 1.15 for v in figures.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
