@@ -339,8 +339,8 @@ def load_model(
 
     ``quantization``: ``auto`` runs a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K tensors
     as they are (other tensor types dequantized, that tensor in float), a GPTQ / AWQ /
-    compressed-tensors int4 folder quantized, and a float checkpoint in float; ``none`` dequantizes everything (the float32 conversion of the GGUF, as
-    before quantized execution existed); ``int8`` / ``int4`` also quantize a float
+    compressed-tensors int4 folder quantized, and a float checkpoint in float; ``none``
+    dequantizes everything (a GGUF runs from its float conversion); ``int8`` / ``int4`` also quantize a float
     checkpoint's linear weights at load (group-wise, 32 per group; see
     docs/quantization.md). Quantized weights need the CPU. Raises ValueError for
     unknown names, missing files, unreadable GGUF files, unsupported architectures,
