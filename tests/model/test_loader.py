@@ -102,6 +102,41 @@ def test_concurrent_conversions_run_once_and_publish_atomically(tmp_path, monkey
     assert leftovers == []
 
 
+def test_file_digest_memo_is_safe_across_threads(tmp_path, monkeypatch) -> None:
+    """Threads of one process share a pid: each writer needs its own temporary file, or
+    one truncates the memo another already renamed into place and a reader sees ''."""
+    import hashlib
+
+    from kvserve.model import model_files
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"weights" * 1000)
+    want = hashlib.sha256(f.read_bytes()).hexdigest()
+    memo_dir = tmp_path / "cache" / "fingerprints"
+    for _ in range(20):
+        if memo_dir.exists():
+            for p in memo_dir.iterdir():
+                p.unlink()
+        got: list[str] = []
+
+        def digest(out: list[str] = got) -> None:
+            out.append(model_files._file_digest_memo(f))
+
+        threads = [threading.Thread(target=digest) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == [want] * 8
+    assert [p.name for p in memo_dir.iterdir() if p.suffix != ".txt"] == []
+    # a truncated memo (an interrupted writer) is recomputed, not trusted
+    (memo,) = memo_dir.iterdir()
+    memo.write_text("")
+    assert model_files._file_digest_memo(f) == want
+    assert memo.read_text() == want
+
+
 def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / "m.gguf"
