@@ -31,8 +31,12 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(VENV)/bin/kvserve serve --host 127.0.0.1 --port 8000
 
+# Two pytest workers by default (TEST_WORKERS=0 runs in one process): a file's tests stay
+# on one worker (--dist loadfile) so its module fixtures (servers, the Ray cluster) start
+# once; while one worker waits on a server or a subprocess, the other computes.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check kvserve tests benchmarks

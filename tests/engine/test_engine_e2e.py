@@ -11,6 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from support.hf_reference import hf_greedy_batch  # noqa: E402
+
 from kvserve import LLM, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.model
@@ -77,30 +79,8 @@ def prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_reference(prompts, hf_model) -> list[list[int]]:
-    """HF transformers greedy continuations, one prompt at a time (no padding effects)."""
-    # ignore_eos semantics: EOS may be chosen but does not stop generation, so HF must not
-    # stop on it either (and must not mask it, as min_new_tokens would). The session's HF
-    # model is shared: its generation config is restored afterwards.
-    gen = hf_model.generation_config
-    eos = gen.eos_token_id
-    gen.eos_token_id = None
-    refs = []
-    try:
-        with torch.inference_mode():
-            for p in prompts:
-                ids = torch.tensor([p])
-                out = hf_model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=MAX_TOKENS,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-                refs.append(out[0, len(p) :].tolist())
-                assert len(refs[-1]) == MAX_TOKENS
-    finally:
-        gen.eos_token_id = eos
-    return refs
+    """HF transformers greedy continuations (ignore_eos semantics), one padded batch."""
+    return hf_greedy_batch(hf_model, prompts, MAX_TOKENS)
 
 
 CONFIGS = {

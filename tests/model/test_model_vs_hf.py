@@ -7,12 +7,12 @@ a temporary folder (nothing downloaded).
 
 from __future__ import annotations
 
-import inspect
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from support.hf_reference import hf_greedy_batch
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata
 from kvserve.model.llama import LlamaForCausalLM
@@ -115,23 +115,6 @@ def test_prefix_hit_logits_match_hf(loaded_model, hf_model, prompt_ids) -> None:
 # ---------------------------------------------------------------- greedy, real scheduler
 
 
-def hf_greedy(hf, token_ids: list[int], num_new: int) -> list[int]:
-    """Plain greedy decoding with HF's KV cache: argmax, no EOS handling."""
-    out: list[int] = []
-    # transformers >= 5.2x calls the KV cache ``cache``; older ones ``past_key_values``
-    new_api = "cache" in inspect.signature(hf.forward).parameters
-    with torch.inference_mode():
-        res = hf(torch.tensor([token_ids]), use_cache=True, logits_to_keep=1)
-        for _ in range(num_new):
-            nxt = int(res.logits[0, -1].argmax())
-            out.append(nxt)
-            if new_api:
-                res = hf(torch.tensor([[nxt]]), cache=res.cache, use_cache=True)
-            else:
-                res = hf(torch.tensor([[nxt]]), past_key_values=res.past_key_values, use_cache=True)
-    return out
-
-
 @pytest.mark.slow
 def test_greedy_continuations_match_hf_with_real_scheduler(loaded_model, hf_model) -> None:
     """Five prompts batched by the mixed scheduler; the long one (two KV segments)
@@ -180,8 +163,9 @@ def test_greedy_continuations_match_hf_with_real_scheduler(loaded_model, hf_mode
         for out in scheduler.update_from_output(so, result):
             outputs[out.req_id].extend(out.new_token_ids)
     assert long_chunks >= 3
-    for i, p in enumerate(prompts):
-        assert outputs[f"r{i}"] == hf_greedy(hf_model, p, 32), f"prompt {i} diverged"
+    want = hf_greedy_batch(hf_model, prompts, 32)
+    for i in range(len(prompts)):
+        assert outputs[f"r{i}"] == want[i], f"prompt {i} diverged"
 
 
 # ---------------------------------------------------------------- other architectures
