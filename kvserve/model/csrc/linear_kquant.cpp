@@ -20,9 +20,15 @@
 // (VNNI vpdpbusd; AVX2 vpmaddubsw + vpmaddwd, exact since u <= 63). kq4/kq5:
 // acc = fma(float(a), (D * sc) * d_x, acc), then acc = fma(-(M * mn), d_x * float(sum q),
 // acc); kq6, per 16-k half h: acc = fma(float(a_h - 32 s_h), (D * sc_h) * d_x, acc), s_h
-// the half's sum of q; blocks in order, bias added at the end. (Tried: combining the
-// scales in int32 with vpmulld: slower.) A row's result does not depend on the other rows (per-row quantization,
-// one accumulation order at any M).
+// the half's sum of q; blocks in order, bias added at the end. The int32 dots are exact,
+// so a path may sum their terms in any order (the VNNI kq4/kq5 dot runs two chains); the
+// fp32 steps are the same on every path. A row's result does not depend on the other
+// rows (per-row quantization, one accumulation order at any M).
+//
+// Bandwidth: one-row decode reads each weight byte once, so the SIMD paths prefetch the
+// whole tile stream, scales and D/M included, kPrefetchBytes ahead into L2
+// (prefetch_slice); the OpenMP split gives each thread one contiguous range of (row
+// chunk, panel) pairs (at decode: of panels).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -45,7 +51,7 @@ constexpr int64_t kCols = 16;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuper = 256;
 constexpr int64_t kRowTile = 8;
-constexpr int64_t kPrefetchBytes = 4096;  // weight stream prefetched into L2 this far ahead
+constexpr int64_t kPrefetchBytes = 8192;  // weight stream prefetched into L2 this far ahead
 constexpr int64_t kRowChunk = 64;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -209,6 +215,19 @@ void panel_scalar(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a
   }
 }
 
+// Software prefetch of the weight stream: block b of a tile prefetches the b-th eighth
+// of the tile kPrefetchBytes ahead (rounded up to whole lines), so every line of every
+// tile, its scales included, is requested once the stream is running.
+#if defined(__AVX2__) || defined(__AVX512F__)
+inline void prefetch_slice(const uint8_t* tile, int64_t tile_bytes, int b) {
+  const int64_t slice = (tile_bytes / 8 + 63) / 64 * 64;
+  const uint8_t* p = tile + kPrefetchBytes + b * (tile_bytes / 8);
+  for (int64_t l = 0; l < slice; l += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T1);
+  }
+}
+#endif
+
 // ---------------------------------------------------------------- AVX512-VNNI
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -237,9 +256,7 @@ void panel_vnni_t(const uint8_t* wp, int64_t nsb, const Act& a, int64_t K, int64
                                : _mm512_setzero_ps();
     for (int b = 0; b < 8; ++b) {
       const uint8_t* blk = tile + b * f.block_bytes();
-      for (int64_t l = 0; l < f.block_bytes(); l += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + l), _MM_HINT_T1);
-      }
+      prefetch_slice(tile, f.tile_bytes(), b);
       __m512i u[8];
       for (int c = 0; c < 4; ++c) {
         const __m512i nib = _mm512_loadu_si512(blk + c * 64);
@@ -264,8 +281,12 @@ void panel_vnni_t(const uint8_t* wp, int64_t nsb, const Act& a, int64_t K, int64
         for (int r = 0; r < nr; ++r) {
           const int64_t row = r0 + r;
           const int8_t* q = a.q + row * K + bi * kBlock;
-          __m512i dot = _mm512_setzero_si512();
-          for (int j = 0; j < 8; ++j) dot = _mm512_dpbusd_epi32(dot, u[j], _mm512_set1_epi32(load_i32(q + 4 * j)));
+          __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+          for (int j = 0; j < 8; j += 2) {
+            d0 = _mm512_dpbusd_epi32(d0, u[j], _mm512_set1_epi32(load_i32(q + 4 * j)));
+            d1 = _mm512_dpbusd_epi32(d1, u[j + 1], _mm512_set1_epi32(load_i32(q + 4 * j + 4)));
+          }
+          const __m512i dot = _mm512_add_epi32(d0, d1);
           const __m512 ddx = _mm512_mul_ps(ds, _mm512_set1_ps(a.d[row * a.nb + bi]));
           __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ddx, acc[r]);
           acc[r] = _mm512_fnmadd_ps(mm, _mm512_set1_ps(a.dsq[row * a.nb + bi]), v);
@@ -347,6 +368,7 @@ void panel_avx2_t(const uint8_t* wp, int64_t nsb, const Act& a, int64_t K, int64
                                  : _mm256_setzero_ps();
       for (int b = 0; b < 8; ++b) {
         const uint8_t* blk = tile + b * f.block_bytes();
+        if (h == 0) prefetch_slice(tile, f.tile_bytes(), b);  // the h = 1 pass finds it in L2
         __m256i u[8];
         for (int c = 0; c < 4; ++c) {
           const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + c * 64 + h * 32));
