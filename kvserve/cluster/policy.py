@@ -14,9 +14,10 @@ it until that replica's queue outweighs the blocks it would save, then the next
 request computes it on another replica, which then holds it too. There is no
 fleet-wide "imbalanced, stop using affinity" switch.
 
-``queue_len(r)`` is the larger of the requests this router has in flight on ``r``
-(exact, updated at once) and the running + waiting requests ``r`` last reported
-(covers other routers' traffic). ``free_blocks(r)`` comes from the same report.
+``queue_len(r)`` is the larger of the sequences this router has in flight on ``r``
+(exact, updated at once; a request of ``n``/``best_of`` samples counts as that
+many) and the running + waiting sequences ``r`` last reported (covers other
+routers' traffic). ``free_blocks(r)`` comes from the same report.
 
 Rules a caller must keep: one thread calls a :class:`RoutingLogic` (the router's
 loop); every :meth:`RoutingLogic.choose` with a ``request_id`` is matched by one
@@ -130,8 +131,8 @@ class RoutingLogic:
     def __init__(self, config: RoutingConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.index = PrefixIndex(config.pending_ttl_s, clock=clock)
-        self._in_flight: dict[str, int] = {}
-        self._request_replica: dict[str, str] = {}
+        self._in_flight: dict[str, int] = {}  # replica -> sequences routed, not finished
+        self._request_replica: dict[str, tuple[str, int]] = {}  # id -> (replica, seqs)
         self._reports: dict[str, ReplicaReport] = {}
         self._turn = 0
 
@@ -148,9 +149,10 @@ class RoutingLogic:
 
     def request_finished(self, request_id: str) -> None:
         """The request ended on its replica (any outcome). Unknown ids are ignored."""
-        replica = self._request_replica.pop(request_id, None)
-        if replica is not None and replica in self._in_flight:
-            self._in_flight[replica] = max(0, self._in_flight[replica] - 1)
+        routed = self._request_replica.pop(request_id, None)
+        if routed is not None and routed[0] in self._in_flight:
+            replica, num_seqs = routed
+            self._in_flight[replica] = max(0, self._in_flight[replica] - num_seqs)
         self.index.request_finished(request_id)
 
     def retain(self, replicas: Sequence[str]) -> None:
@@ -182,18 +184,22 @@ class RoutingLogic:
         *,
         request_id: str | None = None,
         num_blocks_needed: int | None = None,
+        num_seqs: int = 1,
     ) -> Decision:
         """Rank ``candidates`` for a request whose full blocks have index ``keys``
         (:func:`~kvserve.cluster.prefix_index.block_key` of the engine's hashes).
 
         With a ``request_id`` the choice is recorded: the chosen replica's in-flight
-        count goes up and the index marks its keys pending there (call
-        :meth:`request_finished` later). ``num_blocks_needed``: the KV blocks the
-        request will take (default ``len(keys) + 1``). Raises ValueError when there is
-        no candidate.
+        count goes up by ``num_seqs`` (the request's samples, which all run there) and
+        the index marks its keys pending there (call :meth:`request_finished` later).
+        ``num_blocks_needed``: the KV blocks the request will take (default
+        ``len(keys) + 1``). Raises ValueError when there is no candidate or
+        ``num_seqs`` < 1.
         """
         if not candidates:
             raise ValueError("no replica to route to: the deployment has no running replica")
+        if num_seqs < 1:
+            raise ValueError(f"invalid num_seqs={num_seqs!r}: a request has at least 1 sequence")
         n = len(keys)
         order = self._rotation(candidates)
         policy = self.config.policy
@@ -221,7 +227,7 @@ class RoutingLogic:
                 reason = LOAD_OVER_PREFIX
         chosen = ranked[0]
         if request_id is not None:
-            self._record(chosen, request_id, keys)
+            self._record(chosen, request_id, keys, num_seqs)
         return Decision(chosen, policy, reason, matched[chosen], n, tuple(ranked), scores)
 
     def _score(self, replica: str, matched: int, n: int, needed: int) -> float:
@@ -239,11 +245,12 @@ class RoutingLogic:
         self._turn += 1
         return ordered[k:] + ordered[:k]
 
-    def _record(self, replica: str, request_id: str, keys: Sequence[bytes]) -> None:
+    def _record(self, replica: str, request_id: str, keys: Sequence[bytes], num_seqs: int) -> None:
         previous = self._request_replica.get(request_id)
-        if previous is not None and previous in self._in_flight:  # a retry moved it
-            self._in_flight[previous] = max(0, self._in_flight[previous] - 1)
-        self._request_replica[request_id] = replica
-        self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
+        if previous is not None and previous[0] in self._in_flight:  # a retry moved it
+            old, old_seqs = previous
+            self._in_flight[old] = max(0, self._in_flight[old] - old_seqs)
+        self._request_replica[request_id] = (replica, num_seqs)
+        self._in_flight[replica] = self._in_flight.get(replica, 0) + num_seqs
         if self.config.policy == "prefix-aware":
             self.index.record_routed(replica, request_id, keys)

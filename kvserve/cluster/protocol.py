@@ -41,13 +41,31 @@ class RoutedRequest:
     blocks (computed once, at the ingress, with ``facts``); ``keys`` are their index
     keys. The router sets ``decision`` (the ingress reads it once the replica
     answered). ``hashed_with`` is the fingerprint/block size/algo the hashes were
-    computed with: a replica whose engine differs drops them and rehashes."""
+    computed with: a replica whose engine differs drops them and rehashes.
+    ``request`` is unsplit: its params still ask for every ``n``/``best_of``
+    sample, which the replica forks (``Request.with_samples``)."""
 
     request: Request
     keys: tuple[bytes, ...]
     hashed_with: tuple[str, int, str]
     max_waiting: int | None = None
     decision: Decision | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request runs on its replica: its ``n``/``best_of`` samples
+        (the ingress sends it unsplit; the replica forks them)."""
+        if len(self.request.group) > 1:
+            return len(self.request.group)
+        return self.request.sampling_params.num_samples
+
+    @property
+    def num_blocks_needed(self) -> int:
+        """KV blocks the request takes at most: the prompt's once (the samples share
+        them), ``max_tokens`` per sample."""
+        params = self.request.sampling_params
+        tokens = len(self.request.prompt_token_ids) + self.num_seqs * (params.max_tokens or 0)
+        return -(-tokens // self.hashed_with[1])
 
 
 @dataclass(frozen=True)

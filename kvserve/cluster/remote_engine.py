@@ -7,7 +7,10 @@ engine ``Request``, compute its chained block hashes ONCE with the engine's code
 (``extend_block_hashes``, with the replicas' fingerprint, block size, algorithm and
 the request's ``cache_salt``), then call ``EngineReplica.generate`` through the Serve
 handle; the custom request router (``router.py``) reads the hashes to pick the
-replica, and the replica's engine reuses them instead of hashing again.
+replica, and the replica's engine reuses them instead of hashing again. A request
+with ``n``/``best_of`` above 1 goes whole to that one replica, whose engine computes
+the prompt once and forks the samples; their deltas come back on the one call,
+tagged with ``sample_index``, and are handed to one stream per sample.
 
 Faults: a replica that dies before it accepted the request (no ``Accepted`` yet, so
 nothing was queued anywhere) is retried on another replica, at most
@@ -22,6 +25,7 @@ error event).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -46,13 +50,98 @@ from kvserve.structured.compiler import GrammarCompiler
 logger = logging.getLogger("kvserve.cluster")
 
 
-class RemoteStream:
-    """The deltas of one request served by a replica (a ``DeltaStream``)."""
+class _ReplicaCall:
+    """One accepted ``EngineReplica.generate`` call: the deltas of every sample of one
+    request, tagged with their ``sample_index``, on one Ray stream.
 
-    def __init__(self, gen: Any, request_id: str, replica: str) -> None:
+    Whichever sample stream needs a delta that has not arrived reads the next one off
+    the call (one reader at a time) and hands it to the queue of its sample, so the
+    streams of a request can be iterated in any order or concurrently. Rules: a
+    failure of the call (the replica died, the stream ended early, a foreign item)
+    fails every sample's stream with the same :class:`RequestFailedError`; the call
+    is cancelled (the replica aborts whatever is left of the request) once every
+    sample has finished or been aborted and at least one was aborted."""
+
+    def __init__(self, gen: Any, replica: str, num_samples: int) -> None:
         self._gen = gen
-        self.request_id = request_id
         self.replica = replica
+        self._queues: list[collections.deque[RequestDelta]] = [
+            collections.deque() for _ in range(num_samples)
+        ]
+        self._open = set(range(num_samples))  # no finished delta read, not aborted
+        self._any_aborted = False
+        self._lock = asyncio.Lock()
+        self._error: RequestFailedError | None = None
+        self.cancelled = False
+
+    async def next_delta(self, index: int) -> RequestDelta:
+        queue = self._queues[index]
+        while not queue:
+            if self._error is not None:
+                raise self._error
+            async with self._lock:
+                if not queue and self._error is None:
+                    await self._read_one()
+        return queue.popleft()
+
+    async def _read_one(self) -> None:
+        try:
+            item = await self._gen.__anext__()
+        except StopAsyncIteration:
+            self._fail(
+                f"replica {self.replica} ended this request's stream before it finished; "
+                "retry the request"
+            )
+            return
+        except RayError as e:
+            self._fail(
+                f"replica {self.replica} failed while serving this request "
+                f"({type(e).__name__}: the replica process died or became unreachable); "
+                "the partial completion is lost, retry the request"
+            )
+            return
+        if not isinstance(item, RequestDelta) or not 0 <= item.sample_index < len(self._queues):
+            self._fail(f"replica {self.replica} sent {type(item).__name__}")
+            return
+        index = item.sample_index
+        if index in self._open:  # an aborted sample's late deltas are dropped
+            self._queues[index].append(item)
+            if item.finished:
+                self._open.discard(index)
+                self._cancel_if_done()
+
+    def _fail(self, message: str) -> None:
+        self._error = RequestFailedError(message)
+        self._open.clear()
+        if not self.cancelled:
+            self.cancelled = True
+            self._gen.cancel()
+
+    def abort(self, index: int) -> None:
+        """Sample ``index``'s stream was aborted: drop its deltas; once no sample is
+        left open, cancel the call."""
+        self._queues[index].clear()
+        if index in self._open:
+            self._open.discard(index)
+            self._any_aborted = True
+            self._cancel_if_done()
+
+    def _cancel_if_done(self) -> None:
+        """No sample left open and one was aborted: the replica still runs it."""
+        if not self._open and self._any_aborted and not self.cancelled:
+            self.cancelled = True
+            self._gen.cancel()
+
+
+class RemoteStream:
+    """The deltas of one sample of a request served by a replica (a ``DeltaStream``).
+    The samples of one request share one call (:class:`_ReplicaCall`)."""
+
+    def __init__(self, call: _ReplicaCall, sample_index: int, request_id: str) -> None:
+        self._call = call
+        self.sample_index = sample_index
+        self.request_id = request_id
+        self.replica = call.replica
         self.finished = False
 
     def __aiter__(self) -> RemoteStream:
@@ -62,32 +151,20 @@ class RemoteStream:
         if self.finished:
             raise StopAsyncIteration
         try:
-            item = await self._gen.__anext__()
-        except StopAsyncIteration:
+            delta = await self._call.next_delta(self.sample_index)
+        except RequestFailedError:
             self.finished = True
-            raise RequestFailedError(
-                f"replica {self.replica} ended this request's stream before it finished; "
-                "retry the request"
-            ) from None
-        except RayError as e:
+            raise
+        if delta.finished:
             self.finished = True
-            raise RequestFailedError(
-                f"replica {self.replica} failed while serving this request "
-                f"({type(e).__name__}: the replica process died or became unreachable); "
-                "the partial completion is lost, retry the request"
-            ) from None
-        if not isinstance(item, RequestDelta):
-            self.finished = True
-            raise RequestFailedError(f"replica {self.replica} sent {type(item).__name__}")
-        if item.finished:
-            self.finished = True
-        return item
+        return delta
 
     def abort(self) -> None:
-        """Cancel the call: the replica aborts the request and frees its blocks."""
+        """Stop this sample: its deltas are dropped; the replica aborts the request (and
+        frees its blocks) once every sample of it is finished or aborted. Idempotent."""
         if not self.finished:
             self.finished = True
-            self._gen.cancel()
+            self._call.abort(self.sample_index)
 
 
 class RemoteEngine:
@@ -193,15 +270,21 @@ class RemoteEngine:
     async def submit_samples(
         self, request: Request, *, max_waiting: int | None = None
     ) -> list[RemoteStream]:
-        """One stream per sample. Replicas serve one sample per request: ``n`` or
-        ``best_of`` above 1 is refused (RequestError) before anything is queued."""
-        if request.sampling_params.num_samples > 1:
-            raise RequestError(
-                "n and best_of above 1 are not supported with --replicas yet: send n "
-                "separate requests (each with its own seed), or serve one engine",
-                param="n",
-            )
-        return [await self.submit(request, max_waiting=max_waiting)]
+        """Route ``request`` with every sample it asks for (``n``/``best_of``) to ONE
+        replica and return one stream per sample, in sample order, once it accepted.
+        That replica's engine computes the prompt once and forks the samples from it
+        (``Request.with_samples``), as one engine does. The caller must drain or abort
+        every stream (the replica aborts the request once all are aborted or done)."""
+        return await self._route(request, max_waiting)
+
+    async def submit(self, request: Request, *, max_waiting: int | None = None) -> RemoteStream:
+        """Route and queue ``request``; return the stream of its first sample once a
+        replica accepted it (the other samples, if any, are aborted: use
+        :meth:`submit_samples` for them)."""
+        streams = await self._route(request, max_waiting)
+        for stream in streams[1:]:
+            stream.abort()
+        return streams[0]
 
     async def submit_all(
         self, requests: list[Request], *, max_waiting: int | None = None
@@ -220,8 +303,9 @@ class RemoteEngine:
             raise
         return out
 
-    async def submit(self, request: Request, *, max_waiting: int | None = None) -> RemoteStream:
-        """Route and queue ``request``; returns once a replica accepted it."""
+    async def _route(self, request: Request, max_waiting: int | None) -> list[RemoteStream]:
+        """Send ``request`` (unsplit: the replica forks its samples) to the replica the
+        router picks; resend while replicas die before accepting it."""
         if not self._accepting:
             raise EngineUnavailableError("the server is shutting down; retry on another server")
         routed = RoutedRequest(
@@ -259,7 +343,12 @@ class RemoteEngine:
                 raise EngineUnavailableError(f"a replica answered {type(first).__name__} first")
             if routed.decision is not None:
                 self.router_metrics.observe(routed.decision)
-            return RemoteStream(gen, request.req_id, first.replica)
+            num_samples = request.sampling_params.num_samples
+            call = _ReplicaCall(gen, first.replica, num_samples)
+            return [
+                RemoteStream(call, i, request.req_id if i == 0 else f"{request.req_id}#{i}")
+                for i in range(num_samples)
+            ]
         raise EngineUnavailableError(
             f"no replica accepted the request after {self.max_attempts} attempts "
             f"(last error: {type(last_error).__name__}); retry in a few seconds"

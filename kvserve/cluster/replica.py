@@ -5,8 +5,10 @@ KV cache, scheduler) driven by an :class:`AsyncEngine`, and ``torch`` limited to
 ``threads`` intra-op threads. Methods Ray Serve calls:
 
 - ``generate(routed)``: the request's stream (``protocol``): Accepted or Refused,
-  then its deltas. Cancelling the call (the client went away) aborts the request in
-  the engine, which frees its KV blocks.
+  then the deltas of all its samples (``n``/``best_of``: forked here from the one
+  prompt computation, as one engine does; each delta names its ``sample_index``).
+  Cancelling the call (the client went away) aborts every sample in the engine,
+  which frees their KV blocks.
 - ``info()``: :class:`EngineFacts` for the ingress.
 - ``record_routing_stats()``: a :class:`ReplicaReport` (load and every cached
   block's index key), collected by the Serve controller every
@@ -107,12 +109,17 @@ class EngineReplica:
     ) -> AsyncIterator[Accepted | Refused | RequestDelta]:
         """Queue ``routed.request`` in this engine and stream it (module docstring)."""
         from kvserve.engine.async_engine import EngineUnavailableError, QueueFullError
+        from kvserve.entrypoints.serving_streams import merge
 
         request = routed.request
         if routed.hashed_with != self._hashed_with:
             request.block_hashes = []  # hashed for another engine: let ours rehash
+        if len(request.group) == 1:  # the ingress sends it unsplit: fork as make_request does
+            request.with_samples()
         try:
-            stream = await self.async_engine.submit(request, max_waiting=routed.max_waiting)
+            streams = await self.async_engine.submit_samples(
+                request, max_waiting=routed.max_waiting
+            )
         except RequestError as e:
             yield Refused("request", str(e), e.param, e.code)
             return
@@ -123,9 +130,12 @@ class EngineReplica:
             yield Refused("unavailable", f"replica {self.name}: {e}")
             return
         yield Accepted(self.name)
-        async with stream:
-            async for delta in stream:
+        try:
+            async for _, delta in merge(streams):  # each delta carries its sample_index
                 yield delta
+        finally:  # cancelled (the client went away) or failed: free what is left
+            for stream in streams:
+                stream.abort()
 
     # ------------------------------------------------------------------ Serve hooks
     def record_routing_stats(self) -> dict[str, Any]:

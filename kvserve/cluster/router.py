@@ -76,15 +76,12 @@ class KVServeRequestRouter(RequestRouter):
             decision = self._control.choose(list(by_name))
         else:
             assert pending_request is not None
-            n = len(routed.request.prompt_token_ids) + (
-                routed.request.sampling_params.max_tokens or 0
-            )
-            block_size = routed.hashed_with[1]
             decision = self.logic.choose(
                 list(by_name),
                 routed.keys,
                 request_id=pending_request.metadata.internal_request_id,
-                num_blocks_needed=-(-n // block_size),
+                num_blocks_needed=routed.num_blocks_needed,
+                num_seqs=routed.num_seqs,
             )
             routed.decision = decision
         routing_state.count_chosen(decision.ranked[0])

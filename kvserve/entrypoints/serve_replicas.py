@@ -11,13 +11,24 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvserve.engine.args import build_engine_config
-from kvserve.entrypoints.serve_args import (
-    MAX_LOGPROBS,
-    engine_options_from_args,
-    http_options_from_args,
-)
+from kvserve.entrypoints.serve_args import engine_options_from_args, http_options_from_args
+
+
+def ingress_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``build_app`` options the ingress applies itself, as one server does:
+    function calling (the ingress parses tool calls out of the replicas' text),
+    ``--seed`` (the ingress seeds unseeded requests in arrival order),
+    ``--max-logprobs`` and request logging."""
+    return {
+        "tool_parser": args.tool_call_parser,
+        "enable_auto_tool_choice": bool(args.enable_auto_tool_choice),
+        "default_seed": args.seed,
+        "max_logprobs": args.max_logprobs,
+        "log_requests": bool(args.log_requests),
+    }
 
 
 def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
@@ -50,21 +61,6 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
         options, notices = engine_options_from_args(args)
         for notice in notices:
             print(f"kvserve serve: {notice}", file=sys.stderr)
-        unsupported = [
-            flag
-            for flag, on in (
-                ("--enable-auto-tool-choice", args.enable_auto_tool_choice),
-                ("--seed", args.seed is not None),
-                ("--max-logprobs", args.max_logprobs != MAX_LOGPROBS),
-                ("--enable-log-requests", args.log_requests),
-            )
-            if on
-        ]
-        if unsupported:
-            raise ValueError(
-                f"{', '.join(unsupported)} cannot be combined with --replicas yet (the Ray "
-                "Serve ingress does not pass them on): drop them or serve one engine"
-            )
         if options.get("hash_algo") == "builtin":
             raise ValueError(
                 "--hash-algo builtin gives different hashes in every process, so the router "
@@ -99,7 +95,7 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             api_key=api_key,
             max_queue_len=args.max_queue_len,
             min_healthy_replicas=args.min_healthy_replicas,
-            http_options=http_options_from_args(args),
+            http_options={**http_options_from_args(args), **ingress_options(args)},
         )
     except (ValueError, TypeError) as e:
         print(f"kvserve serve: {e}", file=sys.stderr)

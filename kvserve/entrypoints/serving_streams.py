@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from kvserve.engine.async_engine import EngineUnavailableError, RequestFailedError
@@ -39,7 +39,7 @@ def check_finish(delta: RequestDelta) -> None:
         )
 
 
-async def merge(streams: list[DeltaStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+async def merge(streams: Sequence[DeltaStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
     """Interleave several streams as (index, delta) in arrival order."""
     if len(streams) == 1:
         async for delta in streams[0]:

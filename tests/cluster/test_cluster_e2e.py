@@ -3,7 +3,8 @@ engine replicas of one thread each on the default model, real HTTP.
 
 One prefix-aware cluster serves the module (started once); prefix-aware against
 round-robin on the engine's own KV managers is tests/cluster/test_router_logic.py
-(no second cluster). The kill test runs last.
+(no second cluster). The request shapes (n, best_of, structured outputs, tools, prompt logprobs,
+cache_salt, streaming, disconnects) run before the kill tests.
 """
 
 from __future__ import annotations
@@ -23,16 +24,26 @@ from typing import Any
 import httpx
 import pytest
 from support.server_helpers import ServerProcess, serve_process
+from support.tool_defs import TEMPLATE, TIME, WEATHER
 
 pytest.importorskip("ray.serve", reason="the 'ray' extra is not installed")
 
-pytestmark = [pytest.mark.slow, pytest.mark.model, pytest.mark.timeout(600)]
+# One Ray cluster per module: under xdist every test of it runs on one worker.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.model,
+    pytest.mark.timeout(600),
+    pytest.mark.xdist_group("ray-cluster"),
+]
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false"}
 CLUSTER_ARGS = [
     "--replicas", "2", "--threads-per-replica", "1", "--num-kv-blocks", "512",
     "--max-model-len", "2048", "--no-access-log",
     "--max-step-ms", "0",  # no step-time calibration in each (re)started replica
+    # the ingress's own options, as on one server: tool calls, the logprobs cap
+    "--chat-template", str(TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    "--max-logprobs", "5",
 ]  # fmt: skip
 NUM_PREFIXES, PER_PREFIX, PREFIX_LEN = 4, 8, 384
 
@@ -180,6 +191,248 @@ def _requests_after(
 
     with ThreadPoolExecutor(num_clients) as pool:
         return [x for part in pool.map(client, range(num_clients)) for x in part]
+
+
+# ---------------------------------------------------------------- request shapes
+PERSON = {
+    "type": "object",
+    # bounded, so the grammar ends well within max_tokens (a cut output cannot parse)
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z ]{1,24}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def _settled(base: str, name: str, before: dict[str, float], want: float) -> dict[str, float]:
+    """Per replica, how much ``name`` grew since ``before``, once its sum reached
+    ``want`` (replicas push every 0.5 s; at most 15 s)."""
+    deadline = time.monotonic() + 15
+    while True:
+        now = _series_by_replica(base, name)
+        grown = {r: v - before.get(r, 0.0) for r, v in now.items() if v != before.get(r, 0.0)}
+        if sum(grown.values()) >= want or time.monotonic() > deadline:
+            return grown
+        time.sleep(0.2)
+
+
+def test_n_samples_compute_the_prompt_once_on_one_replica(cluster: ServerProcess) -> None:
+    """n=4 goes whole to one replica: its prompt is looked up and computed once there
+    (prefix-cache queries grow by the prompt's length, not 4x), every sample finishes
+    there, the usage counts the prompt once, and sample 0 draws what n=1 draws."""
+    base = cluster.base_url
+    rng = random.Random(39)
+    prompt = [rng.randrange(1000, 40000) for _ in range(200)]  # no replica holds it yet
+    time.sleep(1.2)  # two pushes: the counters hold every earlier test's requests
+    queries0 = _series_by_replica(base, "kvserve:prefix_cache_queries_total")
+    done0 = _series_by_replica(base, "kvserve:request_success_total")
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 1.0, "seed": 7, "ignore_eos": True}
+    r = httpx.post(base + "/v1/completions", json={**body, "n": 4}, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert len({c["text"] for c in out["choices"]}) > 1  # each sample its own seed
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == 200 and usage["completion_tokens"] == 16
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    done = _settled(base, "kvserve:request_success_total", done0, 4)
+    assert list(done.values()) == [4.0], done  # all 4 samples on one replica
+    queries = _series_by_replica(base, "kvserve:prefix_cache_queries_total")
+    grown = {r: v - queries0.get(r, 0.0) for r, v in queries.items()}
+    assert sum(grown.values()) == 200, grown  # the prompt once, not once per sample
+    one = httpx.post(base + "/v1/completions", json={**body, "n": 1}, timeout=120)
+    assert one.status_code == 200, one.text
+    assert one.json()["choices"][0]["text"] == out["choices"][0]["text"]
+    # the prompt is now cached where the samples ran: the n=1 request followed it
+    assert one.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 192
+
+
+def test_streamed_samples_and_best_of(cluster: ServerProcess) -> None:
+    base = cluster.base_url
+    body = {
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 4,
+        "temperature": 1.0,
+        "seed": 3,
+        "ignore_eos": True,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for event in events[:-1]:
+        chunk = json.loads(event)
+        assert "error" not in chunk, chunk
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+            if c["finish_reason"]:
+                finished[c["index"]] = c["finish_reason"]
+    assert finished == {0: "length", 1: "length"} and all(texts.values())
+    usage = json.loads(events[-2])["usage"]
+    assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] > 0
+    # best_of: 3 generated on one replica, the best 2 returned (ranked by logprob)
+    r = httpx.post(
+        base + "/v1/completions",
+        json={
+            "prompt": "Once upon a time",
+            "max_tokens": 3,
+            "temperature": 1.0,
+            "seed": 5,
+            "ignore_eos": True,
+            "n": 2,
+            "best_of": 3,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert r.json()["usage"]["completion_tokens"] == 9  # all 3 generated
+    r = httpx.post(
+        base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 99}, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text  # > max_num_seqs
+
+
+def test_structured_outputs_tools_and_prompt_logprobs(cluster: ServerProcess) -> None:
+    import jsonschema
+
+    base = cluster.base_url
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Describe a person as JSON."}],
+            "response_format": fmt,
+            "max_tokens": 200,
+            "n": 2,
+            "temperature": 0.7,
+            "seed": 4,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        jsonschema.validate(json.loads(choice["message"]["content"]), PERSON)
+    # a forced (named) tool call on both samples, arguments valid for the function
+    schema = TIME["function"]["parameters"]
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "What time is it in Tokyo?"}],
+            "tools": [WEATHER, TIME],
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            "max_tokens": 80,
+            "n": 2,
+            "temperature": 0.7,
+            "seed": 1,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls"
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_time"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+    # tool_choice auto: the ingress parses the text with --tool-call-parser (not refused)
+    r = httpx.post(
+        base + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [WEATHER],
+            "tool_choice": "auto",
+            "max_tokens": 8,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    # prompt logprobs: scored once on the replica, the same list on every sample
+    r = httpx.post(
+        base + "/v1/completions",
+        json={"prompt": "The capital of France is", "max_tokens": 1, "prompt_logprobs": 1, "n": 2},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    num_prompt = r.json()["usage"]["prompt_tokens"]
+    assert [len(c["prompt_logprobs"]) for c in choices] == [num_prompt] * 2
+    assert choices[0]["prompt_logprobs"][0] is None and choices[0]["prompt_logprobs"][1]
+    assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+    r = httpx.post(
+        base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logprobs": 6}, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+
+
+def _running_total(base: str) -> float:
+    return sum(_replica_running(base).values())
+
+
+def _until_running(base: str, want: float, timeout_s: float) -> float | None:
+    """Seconds until the replicas report ``want`` running requests in all (None: not
+    within ``timeout_s``)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if _running_total(base) == want:
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    return None
+
+
+def _num_aborted(base: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base + "/metrics", timeout=30).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "kvserve:request_success_total" and s.labels["finished_reason"] == "abort"
+    )
+
+
+def _until_aborted(base: str, want: float, timeout_s: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while (n := _num_aborted(base)) < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return n
+
+
+def test_client_disconnect_aborts_every_sample(cluster: ServerProcess) -> None:
+    """A client that goes away (streamed, or not) has all its samples aborted on the
+    replica: both counted as aborted, none left running (each would take ~20 s to
+    its 1,500 tokens)."""
+    base = cluster.base_url
+    assert _until_running(base, 0, 10) is not None
+    aborted0 = _num_aborted(base)
+    body = {"prompt": "Tell a long story.", "max_tokens": 1500, "ignore_eos": True, "n": 2}
+    with httpx.stream(
+        "POST", base + "/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as resp:
+        seen: set[int] = set()
+        lines = resp.iter_lines()  # kept: dropping the iterator closes the connection
+        for line in lines:
+            if line.startswith("data: ") and line != "data: [DONE]":
+                seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+                if seen == {0, 1}:
+                    break
+        assert _until_running(base, 2, 10) is not None, _replica_running(base)
+    streamed_s = _until_running(base, 0, 10)
+    assert streamed_s is not None, "the streamed samples kept running after the disconnect"
+    assert _until_aborted(base, aborted0 + 2) == aborted0 + 2
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=3.0))
+    whole_s = _until_running(base, 0, 10)
+    assert whole_s is not None, "the samples kept running after the client went away"
+    assert _until_aborted(base, aborted0 + 4) == aborted0 + 4
+    print(f"disconnect: samples aborted {streamed_s:.2f} s (streamed), {whole_s:.2f} s (not)")
 
 
 def test_replica_kill(cluster: ServerProcess) -> None:

@@ -53,6 +53,24 @@ def test_bad_replica_options_fail_before_ray_starts(
     assert message in capsys.readouterr().err
 
 
+def test_the_ingress_applies_the_server_options_one_engine_would() -> None:
+    """Tool calling, --seed, --max-logprobs and request logging are the ingress's own
+    (it renders and parses as one server does), so --replicas passes them on."""
+    from kvserve.entrypoints.serve_replicas import ingress_options
+
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_arguments(parser)
+    argv = ["--replicas", "2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    argv += ["--seed", "7", "--max-logprobs", "3", "--enable-log-requests"]
+    assert ingress_options(parser.parse_args(argv)) == {
+        "tool_parser": "hermes",
+        "enable_auto_tool_choice": True,
+        "default_seed": 7,
+        "max_logprobs": 3,
+        "log_requests": True,
+    }
+
+
 def test_replica_texts_merge_with_a_replica_label() -> None:
     text = (
         "# HELP kvserve:prefix_cache_hits_total Hits.\n"

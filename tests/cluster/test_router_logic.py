@@ -149,6 +149,24 @@ def test_load_penalty_spills_a_hot_prefix_then_both_hold_it() -> None:
     assert logic.in_flight("r1") + logic.in_flight("r2") == 12
 
 
+def test_a_multi_sample_request_weighs_its_samples_until_it_ends() -> None:
+    """n=4 on one replica is 4 sequences of its queue (as its reports count them), and
+    its end (or a retry moving it) takes all 4 back."""
+    logic = RoutingLogic(RoutingConfig(policy="least-loaded"))
+    logic.choose(["r1", "r2"], request_id="wide", num_seqs=4)
+    wide_on = "r1" if logic.in_flight("r1") else "r2"
+    other = "r2" if wide_on == "r1" else "r1"
+    assert logic.in_flight(wide_on) == 4
+    # three single requests go to the other replica: 1, 2, 3 < 4
+    assert [logic.choose(["r1", "r2"], request_id=f"s{i}").replica for i in range(3)] == [other] * 3
+    logic.choose([other], request_id="wide", num_seqs=4)  # a retry moved it
+    assert logic.in_flight(wide_on) == 0 and logic.in_flight(other) == 7
+    logic.request_finished("wide")
+    assert logic.in_flight(other) == 3
+    with pytest.raises(ValueError, match="num_seqs"):
+        logic.choose(["r1"], num_seqs=0)
+
+
 def test_reported_queue_and_kv_shortfall_penalise() -> None:
     logic = RoutingLogic(RoutingConfig(queue_weight=0.1, kv_weight=1.0))
     keys = keys_for(PREFIX_A)
