@@ -3,7 +3,8 @@
     HTTP :port ── Serve proxy ── KVServeIngress (1, tokenize + hash, OpenAI routes)
                                       │ DeploymentHandle + KVServeRequestRouter
                                       ▼
-                        EngineReplica × N (one engine process each, T threads)
+                        EngineReplica × N (one engine process each, T threads;
+                                      │  N fixed, or autoscaled: autoscaling.py)
                                       │ metrics push
                                       ▼
                         MetricsHub (1) ◀── /metrics reads it at scrape time
@@ -20,6 +21,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from kvserve.cluster.autoscaling import Autoscaling
 from kvserve.cluster.ingress import KVServeIngress
 from kvserve.cluster.metrics_hub import MetricsHub
 from kvserve.cluster.policy import RoutingConfig
@@ -33,9 +35,15 @@ APP_NAME = "kvserve"
 class ClusterOptions:
     """``engine_options``: flat engine options (``kvserve.engine.args``) for every
     replica. ``routing``: the router's settings. ``max_ongoing_requests``: per
-    replica, past which Ray offers the request to the next-ranked replica."""
+    replica, past which Ray offers the request to the next-ranked replica.
 
-    num_replicas: int
+    The size: ``num_replicas`` (fixed, >= 2) or ``autoscaling`` (then
+    ``num_replicas`` must be None: ``Autoscaling.initial_replicas`` is the start).
+    ``graceful_shutdown_timeout_s``: how long a replica that is scaled away (or
+    replaced) lets its in-flight requests finish before Serve kills it.
+    ValueError names the bad flag."""
+
+    num_replicas: int | None
     threads_per_replica: int
     engine_options: dict[str, Any] = field(default_factory=dict)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -45,27 +53,80 @@ class ClusterOptions:
     min_healthy_replicas: int | None = None  # None: all of them
     # build_app's chat and HTTP-guard options (chat_template, max_request_body_bytes...)
     http_options: dict[str, Any] = field(default_factory=dict)
+    autoscaling: Autoscaling | None = None
+    graceful_shutdown_timeout_s: float = 30.0
     max_ongoing_requests: int = 256
     stats_period_s: float = 0.5
     health_check_period_s: float = 1.0
     metrics_push_s: float = 0.5
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_replicas, int) or self.num_replicas < 2:
+        scaling = self.autoscaling
+        if scaling is None and (not isinstance(self.num_replicas, int) or self.num_replicas < 2):
             raise ValueError(
                 f"invalid --replicas {self.num_replicas!r}: scale-out needs at least 2 replicas "
                 "(for one engine, leave --replicas out)"
             )
+        if scaling is not None and self.num_replicas is not None:
+            raise ValueError(
+                "num_replicas and autoscaling are exclusive: pass the starting size as "
+                "Autoscaling(initial_replicas=...)"
+            )
         m = self.min_healthy_replicas
-        if m is not None and (not isinstance(m, int) or not 1 <= m <= self.num_replicas):
+        if scaling is not None:
+            if m is not None and (not isinstance(m, int) or not 1 <= m <= scaling.min_replicas):
+                raise ValueError(
+                    f"invalid --min-healthy-replicas {m!r}: with autoscaling use 1 to "
+                    f"--min-replicas ({scaling.min_replicas}), or leave it out for "
+                    "--min-replicas (more would turn /health 503 after every scale-down)"
+                )
+            if scaling.target_ongoing_requests > self.max_ongoing_requests:
+                raise ValueError(
+                    f"--target-ongoing-requests {scaling.target_ongoing_requests} is more than "
+                    f"a replica takes at once ({self.max_ongoing_requests}): use at most that"
+                )
+        elif m is not None and (not isinstance(m, int) or not 1 <= m <= self.fixed_replicas):
             raise ValueError(
                 f"invalid --min-healthy-replicas {m!r}: use 1 to --replicas "
                 f"({self.num_replicas}), or leave it out for all of them"
+            )
+        if not self.graceful_shutdown_timeout_s >= 0:
+            raise ValueError(
+                f"invalid --graceful-shutdown-timeout {self.graceful_shutdown_timeout_s!r}: "
+                "use seconds >= 0"
             )
         if not isinstance(self.threads_per_replica, int) or self.threads_per_replica < 1:
             raise ValueError(
                 f"invalid --threads-per-replica {self.threads_per_replica!r}: must be >= 1"
             )
+
+    @property
+    def fixed_replicas(self) -> int:
+        """The fixed size (0 when autoscaled)."""
+        return self.num_replicas if self.autoscaling is None and self.num_replicas else 0
+
+    @property
+    def start_replicas(self) -> int:
+        """Replicas the deployment starts with."""
+        if self.autoscaling is not None:
+            return self.autoscaling.start_replicas
+        return self.fixed_replicas
+
+    @property
+    def healthy_floor(self) -> int:
+        """``/health`` is 200 with at least this many replicas alive: the given
+        ``min_healthy_replicas``, else every fixed replica or ``--min-replicas``."""
+        if self.min_healthy_replicas is not None:
+            return self.min_healthy_replicas
+        if self.autoscaling is not None:
+            return self.autoscaling.min_replicas
+        return self.fixed_replicas
+
+    def scaling_options(self) -> dict[str, Any]:
+        """The engine deployment's size options for ``serve.deployment``."""
+        if self.autoscaling is not None:
+            return {"autoscaling_config": self.autoscaling.to_ray()}
+        return {"num_replicas": self.fixed_replicas}
 
 
 def build_application(opts: ClusterOptions) -> Any:
@@ -88,11 +149,12 @@ def build_application(opts: ClusterOptions) -> Any:
     engine = deployment(
         EngineReplica,
         name="EngineReplica",
-        num_replicas=opts.num_replicas,
+        **opts.scaling_options(),
         max_ongoing_requests=opts.max_ongoing_requests,
         health_check_period_s=opts.health_check_period_s,
         health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=5.0,
+        # a replica scaled away drains: Serve waits this long for its requests
+        graceful_shutdown_timeout_s=opts.graceful_shutdown_timeout_s,
         ray_actor_options={"num_cpus": opts.threads_per_replica},
         request_router_config=RequestRouterConfig(**router_config),
     ).bind(opts.engine_options, opts.threads_per_replica, hub, opts.metrics_push_s)
@@ -109,7 +171,7 @@ def build_application(opts: ClusterOptions) -> Any:
         opts.served_model_name,
         opts.api_key,
         opts.max_queue_len,
-        opts.min_healthy_replicas or opts.num_replicas,
+        opts.healthy_floor,
         opts.http_options,
     )
     return ingress

@@ -72,15 +72,23 @@ def run_cluster(opts: Any, *, host: str, port: int, ray_address: str | None) -> 
     original = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in handled}
     try:
         start_app(opts, host, port)
+        scaling = opts.autoscaling
+        size = (
+            f"{opts.start_replicas} replicas"
+            if scaling is None
+            else f"{opts.start_replicas} replicas (autoscaled {scaling.min_replicas} to "
+            f"{scaling.max_replicas}, target {scaling.target_ongoing_requests:g} ongoing "
+            "requests per replica)"
+        )
         logger.info(
-            "serving %d replicas (%d threads each, routing %s) on http://%s:%d",
-            opts.num_replicas,
+            "serving %s (%d threads each, routing %s) on http://%s:%d",
+            size,
             opts.threads_per_replica,
             opts.routing.policy,
             host,
             port,
         )
-        print(f"kvserve: {opts.num_replicas} replicas ready on http://{host}:{port}", flush=True)
+        print(f"kvserve: {size} ready on http://{host}:{port}", flush=True)
         while not stop.wait(0.5):
             pass
     finally:

@@ -1,0 +1,107 @@
+"""``--min-replicas`` / ``--max-replicas``: the engine deployment's size follows its
+queue, through Ray Serve's autoscaler (no ray here: plain data and the mapping).
+
+    kvserve flag                  Ray Serve ``autoscaling_config`` field
+    --min-replicas M              min_replicas            (M >= 1)
+    --max-replicas X              max_replicas            (X >= max(M, 2))
+    --replicas N (optional)       initial_replicas        (M <= N <= X; default M)
+    --target-ongoing-requests T   target_ongoing_requests (default: the engine's
+                                                           max_num_seqs)
+    --upscale-delay S             upscale_delay_s         (default 30, Ray's)
+    --downscale-delay S           downscale_delay_s       (default 600, Ray's)
+
+Queue depth is what Ray Serve measures: the requests routed to a replica and not yet
+finished (running in its engine or waiting in its queue), averaged over the
+replicas. Serve adds replicas while that average stays above ``T`` for ``upscale
+delay`` seconds and removes them while it stays below for ``downscale delay``
+seconds. With ``T`` = ``max_num_seqs`` a replica is added once requests start
+waiting behind full batches.
+
+Scaling down drains: Serve takes the replica out of every router at once (the
+kvserve router forgets its prefix index entries and in-flight counts, ``retain``),
+lets its in-flight requests finish for up to ``graceful_shutdown_timeout_s`` (the
+server's ``--graceful-shutdown-timeout``), then calls the replica's ``__del__``,
+which stops its engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+RAY_UPSCALE_DELAY_S = 30.0
+RAY_DOWNSCALE_DELAY_S = 600.0
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    """The autoscaled size of the engine deployment (module docstring).
+    ``initial_replicas`` None starts at ``min_replicas``. ValueError (naming the flag
+    and the fix) for a bad combination."""
+
+    min_replicas: int
+    max_replicas: int
+    target_ongoing_requests: float
+    initial_replicas: int | None = None
+    upscale_delay_s: float = RAY_UPSCALE_DELAY_S
+    downscale_delay_s: float = RAY_DOWNSCALE_DELAY_S
+
+    def __post_init__(self) -> None:
+        lo, hi, n = self.min_replicas, self.max_replicas, self.initial_replicas
+        if not _is_int(lo) or lo < 1:
+            raise ValueError(
+                f"invalid --min-replicas {lo!r}: use 1 or more (Serve keeps at least this "
+                "many engine replicas)"
+            )
+        if not _is_int(hi) or hi < 2:
+            raise ValueError(
+                f"invalid --max-replicas {hi!r}: use 2 or more (for one engine, leave the "
+                "replica flags out)"
+            )
+        if lo > hi:
+            raise ValueError(
+                f"--min-replicas {lo} is more than --max-replicas {hi}: use "
+                f"--min-replicas <= --max-replicas (e.g. --min-replicas {hi} --max-replicas {lo})"
+            )
+        if n is not None and (not _is_int(n) or not lo <= n <= hi):
+            raise ValueError(
+                f"--replicas {n!r} conflicts with --min-replicas {lo} --max-replicas {hi}: "
+                f"with autoscaling --replicas is the starting size and must lie in [{lo}, {hi}] "
+                "(or leave it out to start at --min-replicas)"
+            )
+        t = self.target_ongoing_requests
+        if not _is_number(t) or not t > 0:
+            raise ValueError(
+                f"invalid --target-ongoing-requests {t!r}: use a number > 0 (requests per "
+                "replica, running plus waiting, that Serve scales to keep)"
+            )
+        for flag, value in (
+            ("--upscale-delay", self.upscale_delay_s),
+            ("--downscale-delay", self.downscale_delay_s),
+        ):
+            if not _is_number(value) or not value >= 0:
+                raise ValueError(f"invalid {flag} {value!r}: use a number of seconds >= 0")
+
+    @property
+    def start_replicas(self) -> int:
+        return self.min_replicas if self.initial_replicas is None else self.initial_replicas
+
+    def to_ray(self) -> dict[str, Any]:
+        """The deployment's ``autoscaling_config`` (Ray Serve 2.60's field names)."""
+        return {
+            "min_replicas": self.min_replicas,
+            "initial_replicas": self.start_replicas,
+            "max_replicas": self.max_replicas,
+            "target_ongoing_requests": float(self.target_ongoing_requests),
+            "upscale_delay_s": float(self.upscale_delay_s),
+            "downscale_delay_s": float(self.downscale_delay_s),
+        }
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return _is_int(x) or (isinstance(x, float) and math.isfinite(x))
