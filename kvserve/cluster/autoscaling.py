@@ -105,3 +105,56 @@ def _is_int(x: object) -> bool:
 
 def _is_number(x: object) -> bool:
     return _is_int(x) or (isinstance(x, float) and math.isfinite(x))
+
+
+def autoscaling_from_flags(
+    *,
+    replicas: int | None,
+    min_replicas: int | None,
+    max_replicas: int | None,
+    target_ongoing_requests: float | None,
+    upscale_delay_s: float | None,
+    downscale_delay_s: float | None,
+    max_num_seqs: int,
+    disaggregated: bool = False,
+) -> Autoscaling | None:
+    """The ``serve`` flags as an :class:`Autoscaling`, or None for a fixed size (no
+    autoscaling flag given). ``max_num_seqs``: the engine's, the default target.
+    Caller rule: pass the parsed flag values as they are (None = not given).
+    ValueError (naming the flags and the fix) for a bad combination."""
+    tuning = {
+        "--target-ongoing-requests": target_ongoing_requests,
+        "--upscale-delay": upscale_delay_s,
+        "--downscale-delay": downscale_delay_s,
+    }
+    if min_replicas is None and max_replicas is None:
+        given = [flag for flag, value in tuning.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} only tune autoscaling: add --min-replicas M "
+                "--max-replicas X (or drop them for a fixed --replicas N)"
+            )
+        return None
+    if disaggregated:
+        raise ValueError(
+            "--min-replicas/--max-replicas cannot be combined with --prefill-replicas/"
+            "--decode-replicas: autoscaling covers identical engine replicas only; drop one"
+        )
+    if min_replicas is None or max_replicas is None:
+        missing = "--max-replicas" if max_replicas is None else "--min-replicas"
+        raise ValueError(
+            f"autoscaling needs both --min-replicas and --max-replicas: add {missing} "
+            "(or use --replicas N for a fixed size)"
+        )
+    return Autoscaling(
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        target_ongoing_requests=(
+            max_num_seqs if target_ongoing_requests is None else target_ongoing_requests
+        ),
+        initial_replicas=replicas,
+        upscale_delay_s=RAY_UPSCALE_DELAY_S if upscale_delay_s is None else upscale_delay_s,
+        downscale_delay_s=(
+            RAY_DOWNSCALE_DELAY_S if downscale_delay_s is None else downscale_delay_s
+        ),
+    )

@@ -186,6 +186,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "all --replicas)",
     )
     scale.add_argument(
+        "--min-replicas",
+        type=_non_negative_int,
+        default=None,
+        help="autoscale the engine replicas: at least this many (>= 1; with --max-replicas; "
+        "--replicas is then the starting size, default --min-replicas)",
+    )
+    scale.add_argument(
+        "--max-replicas",
+        type=_non_negative_int,
+        default=None,
+        help="autoscale the engine replicas: at most this many (>= 2, >= --min-replicas)",
+    )
+    scale.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=None,
+        help="autoscaling target: requests per replica (running plus queued) Ray Serve keeps "
+        "(default: the engine's --max-num-seqs)",
+    )
+    scale.add_argument(
+        "--upscale-delay",
+        type=float,
+        default=None,
+        help="autoscaling: seconds the load stays above target before a replica is added "
+        "(default 30)",
+    )
+    scale.add_argument(
+        "--downscale-delay",
+        type=float,
+        default=None,
+        help="autoscaling: seconds the load stays below target before a replica is drained "
+        "and removed (default 600)",
+    )
+    scale.add_argument(
         "--routing",
         default="prefix-aware",
         choices=["prefix-aware", "round-robin", "least-loaded"],

@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("KVSERVE_API_KEY") or None
     if (
         args.replicas is not None
+        or args.min_replicas is not None
+        or args.max_replicas is not None
         or args.prefill_replicas is not None
         or args.decode_replicas is not None
     ):

@@ -32,11 +32,21 @@ def ingress_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
-    """``--replicas N``: the Ray Serve app (``kvserve.cluster``, imported only here).
+    """``--replicas N`` or ``--min-replicas M --max-replicas X`` (autoscaled,
+    ``cluster/autoscaling.py``): the Ray Serve app (``kvserve.cluster``, imported only here).
 
     Returns the exit status: 2 (with the fix on stderr) for flags the cluster cannot
     honour, a bad model or a missing Ray; otherwise what the cluster returns."""
-    if args.prefill_replicas is not None or args.decode_replicas is not None:
+    disaggregated = args.prefill_replicas is not None or args.decode_replicas is not None
+    if disaggregated and (args.min_replicas is not None or args.max_replicas is not None):
+        print(
+            "kvserve serve: --min-replicas/--max-replicas cannot be combined with "
+            "--prefill-replicas/--decode-replicas: autoscaling covers identical engine "
+            "replicas only; drop one",
+            file=sys.stderr,
+        )
+        return 2
+    if disaggregated:
         print(
             "kvserve serve: --prefill-replicas/--decode-replicas are not available yet: the "
             "disaggregated prefill and decode roles (--kv-role) have not landed in this build; "
@@ -46,6 +56,7 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
         return 2
     try:
         from kvserve.cluster.app import ClusterOptions
+        from kvserve.cluster.autoscaling import autoscaling_from_flags
         from kvserve.cluster.launcher import run_cluster
         from kvserve.cluster.policy import RoutingConfig
     except ImportError as e:
@@ -55,10 +66,20 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             file=sys.stderr,
         )
         return 2
-    n = args.replicas
-    threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // max(n, 1))
     try:
         options, notices = engine_options_from_args(args)
+        scaling = autoscaling_from_flags(
+            replicas=args.replicas,
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+            target_ongoing_requests=args.target_ongoing_requests,
+            upscale_delay_s=args.upscale_delay,
+            downscale_delay_s=args.downscale_delay,
+            max_num_seqs=build_engine_config(**options).scheduler.max_num_seqs,
+        )
+        # threads: this machine's cores over the most replicas that may run at once
+        n = args.replicas if scaling is None else scaling.max_replicas
+        threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // max(n or 1, 1))
         for notice in notices:
             print(f"kvserve serve: {notice}", file=sys.stderr)
         if options.get("hash_algo") == "builtin":
@@ -87,7 +108,9 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             else:
                 resolve_model(model_name)
         opts = ClusterOptions(
-            num_replicas=n,
+            num_replicas=None if scaling is not None else args.replicas,
+            autoscaling=scaling,
+            graceful_shutdown_timeout_s=float(args.graceful_shutdown_timeout),
             threads_per_replica=threads,
             engine_options=options,
             routing=RoutingConfig(policy=args.routing),
