@@ -41,6 +41,9 @@ CLUSTER_ARGS = [
     "--replicas", "2", "--threads-per-replica", "1", "--num-kv-blocks", "512",
     "--max-model-len", "2048", "--no-access-log",
     "--max-step-ms", "0",  # no step-time calibration in each (re)started replica
+    # a replica stopping (teardown, replacement) drains for at most 5 s, not 30: the
+    # fixture's SIGTERM wait (30 s) then always outlasts Serve's shutdown
+    "--graceful-shutdown-timeout", "5",
     # the ingress's own options, as on one server: tool calls, the logprobs cap
     "--chat-template", str(TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     "--max-logprobs", "5",
