@@ -9,6 +9,9 @@ queue, through Ray Serve's autoscaler (no ray here: plain data and the mapping).
                                                            max_num_seqs)
     --upscale-delay S             upscale_delay_s         (default 30, Ray's)
     --downscale-delay S           downscale_delay_s       (default 600, Ray's)
+    --autoscale-look-back S       look_back_period_s      (default 30, Ray's), and
+                                  metrics_interval_s = min(10, S / 3): how often the
+                                  ingress's handle and the replicas report
 
 Queue depth is what Ray Serve measures: the requests routed to a replica and not yet
 finished (running in its engine or waiting in its queue), averaged over the
@@ -32,6 +35,8 @@ from typing import Any
 
 RAY_UPSCALE_DELAY_S = 30.0
 RAY_DOWNSCALE_DELAY_S = 600.0
+RAY_LOOK_BACK_S = 30.0
+RAY_METRICS_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class Autoscaling:
     initial_replicas: int | None = None
     upscale_delay_s: float = RAY_UPSCALE_DELAY_S
     downscale_delay_s: float = RAY_DOWNSCALE_DELAY_S
+    look_back_s: float = RAY_LOOK_BACK_S
 
     def __post_init__(self) -> None:
         lo, hi, n = self.min_replicas, self.max_replicas, self.initial_replicas
@@ -82,10 +88,22 @@ class Autoscaling:
         ):
             if not _is_number(value) or not value >= 0:
                 raise ValueError(f"invalid {flag} {value!r}: use a number of seconds >= 0")
+        w = self.look_back_s
+        if not _is_number(w) or not w > 0:
+            raise ValueError(
+                f"invalid --autoscale-look-back {w!r}: use a number of seconds > 0 (the "
+                "window Serve averages the load over)"
+            )
 
     @property
     def start_replicas(self) -> int:
         return self.min_replicas if self.initial_replicas is None else self.initial_replicas
+
+    @property
+    def metrics_interval_s(self) -> float:
+        """How often the load is reported: three reports per look-back window, at most
+        Ray's default 10 s (so the default window keeps Ray's defaults)."""
+        return min(RAY_METRICS_INTERVAL_S, float(self.look_back_s) / 3)
 
     def to_ray(self) -> dict[str, Any]:
         """The deployment's ``autoscaling_config`` (Ray Serve 2.60's field names)."""
@@ -96,6 +114,8 @@ class Autoscaling:
             "target_ongoing_requests": float(self.target_ongoing_requests),
             "upscale_delay_s": float(self.upscale_delay_s),
             "downscale_delay_s": float(self.downscale_delay_s),
+            "look_back_period_s": float(self.look_back_s),
+            "metrics_interval_s": self.metrics_interval_s,
         }
 
 
@@ -116,6 +136,7 @@ def autoscaling_from_flags(
     upscale_delay_s: float | None,
     downscale_delay_s: float | None,
     max_num_seqs: int,
+    look_back_s: float | None = None,
     disaggregated: bool = False,
 ) -> Autoscaling | None:
     """The ``serve`` flags as an :class:`Autoscaling`, or None for a fixed size (no
@@ -126,6 +147,7 @@ def autoscaling_from_flags(
         "--target-ongoing-requests": target_ongoing_requests,
         "--upscale-delay": upscale_delay_s,
         "--downscale-delay": downscale_delay_s,
+        "--autoscale-look-back": look_back_s,
     }
     if min_replicas is None and max_replicas is None:
         given = [flag for flag, value in tuning.items() if value is not None]
@@ -157,4 +179,5 @@ def autoscaling_from_flags(
         downscale_delay_s=(
             RAY_DOWNSCALE_DELAY_S if downscale_delay_s is None else downscale_delay_s
         ),
+        look_back_s=RAY_LOOK_BACK_S if look_back_s is None else look_back_s,
     )

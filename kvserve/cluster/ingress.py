@@ -3,8 +3,9 @@
 The same FastAPI app as the single-process server (``entrypoints/openai_server``:
 routes, streaming, errors, ``cache_salt``, ``usage``), built over a
 :class:`RemoteEngine` instead of an in-process engine, plus
-``GET /cluster/replicas`` (each replica's name, pid and seconds since its last
-metrics push). The tokenizer runs here, so every prompt is tokenized and hashed once.
+``GET /cluster/replicas`` (each replica's name, pid, seconds since its last
+metrics push, start time, constructor seconds and step-time fit source; and
+``router``: the replicas the request router holds state for). The tokenizer runs here, so every prompt is tokenized and hashed once.
 ``GET /health`` is 503 while fewer than ``min_healthy_replicas`` replicas are alive
 (a killed replica's actor leaves the list at the next watch, every 0.5 s).
 """
@@ -65,12 +66,20 @@ class KVServeIngress:
 
         @app.get("/cluster/replicas")
         async def replicas() -> dict[str, Any]:
+            from kvserve.cluster.routing_state import known_replicas
+
             snap = await client.snapshot_replicas()
             return {
                 "replicas": [
-                    {"replica": r, "pid": v["pid"], "age_s": round(v["age_s"], 3)}
+                    {
+                        "replica": r,
+                        "pid": v["pid"],
+                        "age_s": round(v["age_s"], 3),
+                        **v.get("meta", {}),
+                    }
                     for r, v in sorted(snap.items())
-                ]
+                ],
+                "router": sorted(known_replicas()),
             }
 
         return app

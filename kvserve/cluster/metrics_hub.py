@@ -30,17 +30,30 @@ class MetricsHub:
         self.stale_after_s = stale_after_s
         self._latest: dict[str, tuple[int, float, str]] = {}
         self._actors: dict[str, Any] = {}
+        self._meta: dict[str, dict[str, Any]] = {}
         self._dead: set[str] = set()
 
-    def push(self, replica: str, pid: int, text: str, actor: Any = None) -> None:
+    def push(
+        self,
+        replica: str,
+        pid: int,
+        text: str,
+        actor: Any = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """``meta``: plain facts of the replica for ``/cluster/replicas`` (its start
+        time, constructor time, step-time fit source), kept until the next push."""
         if replica in self._dead:
             return  # a push that was in flight when its actor died
         self._latest[replica] = (pid, time.monotonic(), text)
         if actor is not None:
             self._actors[replica] = actor
+        if meta is not None:
+            self._meta[replica] = dict(meta)
 
     async def snapshot(self) -> dict[str, dict[str, Any]]:
-        """{replica: {"pid", "age_s", "text"}} for every live replica heard from lately."""
+        """{replica: {"pid", "age_s", "text", "meta"}} for every live replica heard from
+        lately."""
         now = time.monotonic()
         for replica in [r for r, (_, t, _) in self._latest.items() if now - t > self.stale_after_s]:
             self._forget(replica)
@@ -52,7 +65,7 @@ class MetricsHub:
                 self._dead.add(replica)
         unknown = {r for r, state in zip(names, states, strict=True) if state is None}
         return {
-            r: {"pid": pid, "age_s": now - t, "text": text}
+            r: {"pid": pid, "age_s": now - t, "text": text, "meta": self._meta.get(r, {})}
             for r, (pid, t, text) in self._latest.items()
             if r not in unknown
         }
@@ -79,3 +92,4 @@ class MetricsHub:
     def _forget(self, replica: str) -> None:
         self._latest.pop(replica, None)
         self._actors.pop(replica, None)
+        self._meta.pop(replica, None)

@@ -164,6 +164,10 @@ class RoutingLogic:
                 del d[r]
 
     # ------------------------------------------------------------------ queries
+    def known_replicas(self) -> frozenset[str]:
+        """Every replica this logic holds anything for (index, loads, reports)."""
+        return frozenset(self.index.replicas) | set(self._in_flight) | set(self._reports)
+
     def queue_len(self, replica: str) -> int:
         report = self._reports.get(replica)
         reported = report.num_running + report.num_waiting if report else 0

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -50,6 +51,8 @@ class EngineReplica:
         hub: Any = None,
         metrics_push_s: float = 1.0,
     ) -> None:
+        started_at = time.time()  # the constructor begins (the actor process is up)
+        t0 = time.monotonic()
         import torch
         from ray import serve
 
@@ -86,18 +89,29 @@ class EngineReplica:
         import ray
 
         self._actor: Any = ray.get_runtime_context().current_actor  # the hub pings it
+        cost = self.engine.scheduler.cost_model
+        # /cluster/replicas shows these: when this replica started, how long its
+        # constructor took (model load, step-time fit, engine start), where its fit came
+        # from ("stored <file>" = reused, "calibrated" = measured now, "off")
+        self.meta: dict[str, Any] = {
+            "started_at": round(started_at, 3),
+            "startup_s": round(time.monotonic() - t0, 3),
+            "step_fit": "off" if cost is None else cost.source,
+        }
         self._push_task = (
             asyncio.get_running_loop().create_task(self._push_metrics(metrics_push_s))
             if hub is not None
             else None
         )
         logger.info(
-            "replica %s (pid %d): %s, %d KV blocks, %d threads",
+            "replica %s (pid %d): %s, %d KV blocks, %d threads, ready in %.2f s, step-time fit: %s",
             self.name,
             os.getpid(),
             self.engine.model_name,
             self.engine.kv_cache_manager.num_blocks,
             threads,
+            self.meta["startup_s"],
+            self.meta["step_fit"],
         )
 
     # ------------------------------------------------------------------ requests
@@ -169,7 +183,7 @@ class EngineReplica:
         while True:
             try:
                 text = self.async_engine.metrics.render().decode()
-                await self._hub.push.remote(self.name, os.getpid(), text, self._actor)
+                await self._hub.push.remote(self.name, os.getpid(), text, self._actor, self.meta)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the hub restarting must not take the replica down

@@ -85,6 +85,7 @@ class KVServeRequestRouter(RequestRouter):
             )
             routed.decision = decision
         routing_state.count_chosen(decision.ranked[0])
+        routing_state.note_known(self.logic.known_replicas())
         return [[by_name[name]] for name in decision.ranked]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -94,6 +95,7 @@ class KVServeRequestRouter(RequestRouter):
         super().update_replicas(replicas)
         if hasattr(self, "logic"):  # Ray may push replicas before initialize_state
             self.logic.retain([r.replica_id.unique_id for r in replicas])
+            routing_state.note_known(self.logic.known_replicas())
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """Forget the replica at once (Ray saw a call to it fail with ActorDiedError)."""
@@ -101,3 +103,4 @@ class KVServeRequestRouter(RequestRouter):
         if hasattr(self, "logic"):
             alive = [r.replica_id.unique_id for r in self.curr_replicas.values()]
             self.logic.retain(alive)
+            routing_state.note_known(self.logic.known_replicas())

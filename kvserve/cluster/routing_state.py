@@ -1,5 +1,6 @@
 """What the ingress process's replica watch tells its request router: the replicas
-to leave out, and how often the router ranked each replica first.
+to leave out; and what the router tells the ingress: how often it ranked each
+replica first, and the replicas it holds state for (prefix index, loads).
 
 A module of its own because Ray Serve pickles the router's module *by value*
 (``RequestRouterConfig`` registers it with ``cloudpickle.register_pickle_by_value``):
@@ -17,6 +18,7 @@ from collections import Counter
 _lock = threading.Lock()
 _excluded: frozenset[str] = frozenset()
 _chosen: Counter[str] = Counter()  # replica -> times ranked first
+_known: frozenset[str] = frozenset()  # replicas the router holds state for
 
 
 def exclude_replicas(names: frozenset[str]) -> None:
@@ -39,3 +41,15 @@ def chosen_counts() -> dict[str, int]:
     """{replica: times a router of this process ranked it first} (a copy)."""
     with _lock:
         return dict(_chosen)
+
+
+def note_known(names: frozenset[str]) -> None:
+    """The router holds state (index entries, loads, reports) for exactly ``names``."""
+    global _known
+    _known = frozenset(names)
+
+
+def known_replicas() -> frozenset[str]:
+    """The replicas the router of this process last said it holds state for
+    (``/cluster/replicas``: a replica scaled away leaves this at once)."""
+    return _known

@@ -220,6 +220,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and removed (default 600)",
     )
     scale.add_argument(
+        "--autoscale-look-back",
+        type=float,
+        default=None,
+        help="autoscaling: seconds of load Ray Serve averages over (default 30); the load "
+        "is reported every look-back / 3 s (at most 10)",
+    )
+    scale.add_argument(
         "--routing",
         default="prefix-aware",
         choices=["prefix-aware", "round-robin", "least-loaded"],

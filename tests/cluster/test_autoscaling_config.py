@@ -21,6 +21,7 @@ def _flags(**kw: object) -> Autoscaling | None:
         "target_ongoing_requests": None,
         "upscale_delay_s": None,
         "downscale_delay_s": None,
+        "look_back_s": None,
         "max_num_seqs": 16,
     }
     base.update(kw)
@@ -41,6 +42,8 @@ def test_mapping_onto_ray_fields_and_defaults() -> None:
         "target_ongoing_requests": 16.0,  # the engine's max_num_seqs
         "upscale_delay_s": RAY_UPSCALE_DELAY_S,
         "downscale_delay_s": RAY_DOWNSCALE_DELAY_S,
+        "look_back_period_s": 30.0,  # Ray's defaults
+        "metrics_interval_s": 10.0,
     }
     tuned = _flags(
         replicas=2,
@@ -49,6 +52,7 @@ def test_mapping_onto_ray_fields_and_defaults() -> None:
         target_ongoing_requests=2.5,
         upscale_delay_s=1,
         downscale_delay_s=0,
+        look_back_s=3,
     )
     assert tuned is not None
     assert tuned.to_ray() == {
@@ -58,6 +62,8 @@ def test_mapping_onto_ray_fields_and_defaults() -> None:
         "target_ongoing_requests": 2.5,
         "upscale_delay_s": 1.0,
         "downscale_delay_s": 0.0,
+        "look_back_period_s": 3.0,
+        "metrics_interval_s": 1.0,  # three reports per window
     }
 
 
@@ -68,6 +74,7 @@ def test_ray_accepts_the_mapping() -> None:
     parsed = config.AutoscalingConfig(**scaling.to_ray())
     assert (parsed.min_replicas, parsed.initial_replicas, parsed.max_replicas) == (1, 2, 3)
     assert parsed.target_ongoing_requests == 1.0
+    assert (parsed.look_back_period_s, parsed.metrics_interval_s) == (30.0, 10.0)
 
 
 @pytest.mark.parametrize(
@@ -89,6 +96,11 @@ def test_ray_accepts_the_mapping() -> None:
             {"min_replicas": 1, "max_replicas": 2, "downscale_delay_s": -1.0},
             "invalid --downscale-delay",
         ),
+        (
+            {"min_replicas": 1, "max_replicas": 2, "look_back_s": 0.0},
+            "invalid --autoscale-look-back",
+        ),
+        ({"look_back_s": 3.0}, "--autoscale-look-back only tune autoscaling"),
         (
             {"min_replicas": 1, "max_replicas": 2, "disaggregated": True},
             "cannot be combined with --prefill-replicas",

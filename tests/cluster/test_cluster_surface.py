@@ -235,3 +235,31 @@ def test_a_replica_the_hub_drops_leaves_the_router_at_once() -> None:
         assert ranked(["b"]) == ["b"]  # nothing else: Ray's failure handling decides
     finally:
         routing_state.exclude_replicas(frozenset())
+
+
+def test_the_hub_lists_each_replica_s_facts_until_it_goes() -> None:
+    pytest.importorskip("ray")
+    import asyncio
+
+    from kvserve.cluster.metrics_hub import MetricsHub
+
+    hub = MetricsHub(stale_after_s=60.0)
+    meta = {"started_at": 1.0, "startup_s": 2.5, "step_fit": "stored abc.json"}
+    hub.push("a", 1, "text a", None, meta)
+    hub.push("b", 2, "text b")  # no facts (yet)
+    snap = asyncio.run(hub.snapshot())
+    assert snap["a"]["meta"] == meta and snap["b"]["meta"] == {}
+    hub._forget("a")
+    assert set(asyncio.run(hub.snapshot())) == {"b"} and "a" not in hub._meta
+
+
+def test_the_router_logic_forgets_a_replica_scaled_away() -> None:
+    from kvserve.cluster.policy import RoutingConfig, RoutingLogic
+
+    logic = RoutingLogic(RoutingConfig(policy="prefix-aware"))
+    logic.choose(["a", "b"], [b"k1", b"k2"], request_id="r1")
+    logic.choose(["a", "b"], [b"k3"], request_id="r2")
+    assert logic.known_replicas() == {"a", "b"}
+    logic.retain(["a"])  # Serve's new replica set: b is being drained
+    assert logic.known_replicas() == {"a"}
+    assert logic.in_flight("b") == 0 and logic.index.matched_blocks("b", [b"k1"]) == 0

@@ -1,0 +1,74 @@
+"""Autoscaling end to end: ``kvserve serve --min-replicas 1 --max-replicas 2`` on a
+local Ray cluster (127.0.0.1), short delays and look-back, a burst of streamed
+requests scales it 1 -> 2 and a light load scales it back 2 -> 1
+(``kvserve.bench.ramp``; ``benchmarks/autoscale_ramp.py`` is the same ramp as a
+measurement).
+
+Checked: no request fails or is cut (each streams its ``max_tokens`` whole); the
+replica Serve removes was still finishing requests after the router dropped it (the
+drain); the router holds state for the remaining replica only and ranks the removed
+one first never again. The new replica's time to serve is printed (a figure, not a
+bound: it depends on the machine's load).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from support.server_helpers import ServerProcess, serve_process
+
+pytest.importorskip("ray.serve", reason="the 'ray' extra is not installed")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.model,
+    pytest.mark.timeout(600),
+    pytest.mark.xdist_group("ray-cluster"),
+]
+
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false"}
+# target 3 ongoing requests per replica: the burst's 4 clients need 2 replicas
+# (4 / 3 -> 2), the trickle's 2 clients one (2 / 3 -> 1)
+RAMP_ARGS = [
+    "--min-replicas", "1", "--max-replicas", "2", "--threads-per-replica", "1",
+    "--target-ongoing-requests", "3", "--upscale-delay", "1", "--downscale-delay", "3",
+    "--autoscale-look-back", "3", "--graceful-shutdown-timeout", "30",
+    "--num-kv-blocks", "256", "--max-model-len", "512", "--no-access-log",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ramp_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("ramp")
+    # its own step-time fit store: the first replica fits (or not) here, the new one
+    # finds what it stored
+    env = {**RAY_ENV, "KVSERVE_CACHE_DIR": str(tmp / "cache")}
+    with serve_process(RAMP_ARGS, tmp, timeout_s=300.0, env_overrides=env) as server:
+        yield server
+
+
+def test_ramp_scales_1_2_1_without_failures(ramp_cluster: ServerProcess) -> None:
+    from kvserve.bench.ramp import run_ramp
+
+    result = run_ramp(
+        ramp_cluster.base_url,
+        burst_clients=4,
+        burst_tokens=16,
+        trickle_clients=2,
+        trickle_tokens=64,
+        burst_timeout_s=150,
+        trickle_timeout_s=120,
+    )
+    summary = result.summary()
+    print("ramp:", json.dumps(summary))
+    assert result.new_served_s is not None, summary  # 1 -> 2, and the new one served
+    assert result.removed_replica is not None and result.gone_s is not None, summary  # 2 -> 1
+    assert result.failures == [], summary  # nothing failed or was cut, either way
+    # the drain: Serve stopped routing to it while it still had requests, which ended
+    # whole (above)
+    assert result.drained_running >= 1 or result.drained_finished >= 1, summary
+    survivor = ({result.first_replica, result.new_replica} - {result.removed_replica}).pop()
+    assert result.router_after == [survivor], summary  # the router forgot it
+    assert result.chosen_after_removal == 0, summary
