@@ -13,12 +13,15 @@ queue, through Ray Serve's autoscaler (no ray here: plain data and the mapping).
                                   metrics_interval_s = min(10, S / 3): how often the
                                   ingress's handle and the replicas report
 
-Queue depth is what Ray Serve measures: the requests routed to a replica and not yet
-finished (running in its engine or waiting in its queue), averaged over the
-replicas. Serve adds replicas while that average stays above ``T`` for ``upscale
-delay`` seconds and removes them while it stays below for ``downscale delay``
-seconds. With ``T`` = ``max_num_seqs`` a replica is added once requests start
-waiting behind full batches.
+    --target-kv-usage U           policy_kwargs of kvserve's policy (default 0.8)
+
+The policy is kvserve's (``scaling_policy.EnginePressurePolicy``, its docstring has
+the rule): the larger of Ray's own ongoing-requests rule (requests routed to the
+replicas and not finished, over ``T``), the engines' KV usage (over ``U``) and their
+waiting queues (one more replica per ``max_num_seqs`` requests waiting), which each
+replica reports through ``record_autoscaling_stats``. Serve adds replicas while the
+desired size stays above the current one for ``upscale delay`` seconds and removes
+them while it stays below for ``downscale delay`` seconds.
 
 Scaling down drains: Serve takes the replica out of every router at once (the
 kvserve router forgets its prefix index entries and in-flight counts, ``retain``),
@@ -33,10 +36,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.cluster.scaling_policy import DEFAULT_TARGET_KV_USAGE, EnginePressurePolicy
+
 RAY_UPSCALE_DELAY_S = 30.0
 RAY_DOWNSCALE_DELAY_S = 600.0
 RAY_LOOK_BACK_S = 30.0
 RAY_METRICS_INTERVAL_S = 10.0
+POLICY_PATH = "kvserve.cluster.scaling_policy:EnginePressurePolicy"
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,8 @@ class Autoscaling:
     upscale_delay_s: float = RAY_UPSCALE_DELAY_S
     downscale_delay_s: float = RAY_DOWNSCALE_DELAY_S
     look_back_s: float = RAY_LOOK_BACK_S
+    max_num_seqs: int = 1  # the engine's: the policy's waiting term
+    target_kv_usage: float = DEFAULT_TARGET_KV_USAGE
 
     def __post_init__(self) -> None:
         lo, hi, n = self.min_replicas, self.max_replicas, self.initial_replicas
@@ -94,6 +102,7 @@ class Autoscaling:
                 f"invalid --autoscale-look-back {w!r}: use a number of seconds > 0 (the "
                 "window Serve averages the load over)"
             )
+        EnginePressurePolicy(self.max_num_seqs, self.target_kv_usage)  # its checks
 
     @property
     def start_replicas(self) -> int:
@@ -116,6 +125,13 @@ class Autoscaling:
             "downscale_delay_s": float(self.downscale_delay_s),
             "look_back_period_s": float(self.look_back_s),
             "metrics_interval_s": self.metrics_interval_s,
+            "policy": {
+                "policy_function": POLICY_PATH,
+                "policy_kwargs": {
+                    "max_num_seqs": self.max_num_seqs,
+                    "target_kv_usage": float(self.target_kv_usage),
+                },
+            },
         }
 
 
@@ -137,6 +153,7 @@ def autoscaling_from_flags(
     downscale_delay_s: float | None,
     max_num_seqs: int,
     look_back_s: float | None = None,
+    target_kv_usage: float | None = None,
     disaggregated: bool = False,
 ) -> Autoscaling | None:
     """The ``serve`` flags as an :class:`Autoscaling`, or None for a fixed size (no
@@ -148,6 +165,7 @@ def autoscaling_from_flags(
         "--upscale-delay": upscale_delay_s,
         "--downscale-delay": downscale_delay_s,
         "--autoscale-look-back": look_back_s,
+        "--target-kv-usage": target_kv_usage,
     }
     if min_replicas is None and max_replicas is None:
         given = [flag for flag, value in tuning.items() if value is not None]
@@ -180,4 +198,6 @@ def autoscaling_from_flags(
             RAY_DOWNSCALE_DELAY_S if downscale_delay_s is None else downscale_delay_s
         ),
         look_back_s=RAY_LOOK_BACK_S if look_back_s is None else look_back_s,
+        max_num_seqs=max_num_seqs,
+        target_kv_usage=DEFAULT_TARGET_KV_USAGE if target_kv_usage is None else target_kv_usage,
     )

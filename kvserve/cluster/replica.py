@@ -13,6 +13,8 @@ KV cache, scheduler) driven by an :class:`AsyncEngine`, and ``torch`` limited to
 - ``record_routing_stats()``: a :class:`ReplicaReport` (load and every cached
   block's index key), collected by the Serve controller every
   ``request_routing_stats_period_s`` and handed to the routers.
+- ``record_autoscaling_stats()``: waiting requests and KV usage for the autoscaling
+  policy (``scaling_policy``), when the deployment autoscales.
 - ``check_health()``: raises once the engine thread died, so Ray restarts us.
 
 A background task pushes this replica's Prometheus text to the metrics hub every
@@ -34,6 +36,7 @@ from typing import Any
 from kvserve.cluster.policy import ReplicaReport
 from kvserve.cluster.prefix_index import block_key, pack_keys
 from kvserve.cluster.protocol import Accepted, EngineFacts, Refused, RoutedRequest
+from kvserve.cluster.scaling_policy import KV_USAGE, WAITING
 from kvserve.engine.outputs import RequestDelta
 from kvserve.request import RequestError
 
@@ -167,6 +170,18 @@ class EngineReplica:
             cached_keys=keys,
         )
         return report.to_stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaling metrics of this replica (``scaling_policy``): requests
+        waiting in the engine, and the fraction of KV blocks requests hold (cached
+        blocks no request holds are free space)."""
+        stats = self.async_engine.stats()
+        total = self.engine.kv_cache_manager.num_blocks - 1  # block 0 is the null block
+        free = stats.num_reclaimable_blocks + stats.num_empty_blocks
+        return {
+            WAITING: float(self.async_engine.num_waiting()),
+            KV_USAGE: max(0.0, 1.0 - free / total) if total > 0 else 0.0,
+        }
 
     def check_health(self) -> None:
         if not self.async_engine.is_healthy:

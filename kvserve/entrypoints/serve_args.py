@@ -227,6 +227,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is reported every look-back / 3 s (at most 10)",
     )
     scale.add_argument(
+        "--target-kv-usage",
+        type=float,
+        default=None,
+        help="autoscaling: add replicas while the replicas' KV blocks held by requests "
+        "exceed this fraction on average (default 0.8; docs/scale-out.md#autoscaling)",
+    )
+    scale.add_argument(
         "--routing",
         default="prefix-aware",
         choices=["prefix-aware", "round-robin", "least-loaded"],

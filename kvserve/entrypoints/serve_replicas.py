@@ -76,6 +76,7 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             upscale_delay_s=args.upscale_delay,
             downscale_delay_s=args.downscale_delay,
             look_back_s=args.autoscale_look_back,
+            target_kv_usage=args.target_kv_usage,
             max_num_seqs=build_engine_config(**options).scheduler.max_num_seqs,
         )
         # threads: this machine's cores over the most replicas that may run at once

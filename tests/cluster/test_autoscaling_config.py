@@ -22,6 +22,7 @@ def _flags(**kw: object) -> Autoscaling | None:
         "upscale_delay_s": None,
         "downscale_delay_s": None,
         "look_back_s": None,
+        "target_kv_usage": None,
         "max_num_seqs": 16,
     }
     base.update(kw)
@@ -44,6 +45,10 @@ def test_mapping_onto_ray_fields_and_defaults() -> None:
         "downscale_delay_s": RAY_DOWNSCALE_DELAY_S,
         "look_back_period_s": 30.0,  # Ray's defaults
         "metrics_interval_s": 10.0,
+        "policy": {
+            "policy_function": "kvserve.cluster.scaling_policy:EnginePressurePolicy",
+            "policy_kwargs": {"max_num_seqs": 16, "target_kv_usage": 0.8},
+        },
     }
     tuned = _flags(
         replicas=2,
@@ -53,6 +58,7 @@ def test_mapping_onto_ray_fields_and_defaults() -> None:
         upscale_delay_s=1,
         downscale_delay_s=0,
         look_back_s=3,
+        target_kv_usage=0.5,
     )
     assert tuned is not None
     assert tuned.to_ray() == {
@@ -64,6 +70,10 @@ def test_mapping_onto_ray_fields_and_defaults() -> None:
         "downscale_delay_s": 0.0,
         "look_back_period_s": 3.0,
         "metrics_interval_s": 1.0,  # three reports per window
+        "policy": {
+            "policy_function": "kvserve.cluster.scaling_policy:EnginePressurePolicy",
+            "policy_kwargs": {"max_num_seqs": 16, "target_kv_usage": 0.5},
+        },
     }
 
 
@@ -101,6 +111,10 @@ def test_ray_accepts_the_mapping() -> None:
             "invalid --autoscale-look-back",
         ),
         ({"look_back_s": 3.0}, "--autoscale-look-back only tune autoscaling"),
+        (
+            {"min_replicas": 1, "max_replicas": 2, "target_kv_usage": 1.2},
+            "invalid --target-kv-usage 1.2",
+        ),
         (
             {"min_replicas": 1, "max_replicas": 2, "disaggregated": True},
             "cannot be combined with --prefill-replicas",
