@@ -7,14 +7,17 @@ measurement).
 Checked: no request fails or is cut (each streams its ``max_tokens`` whole); the
 replica Serve removes was still finishing requests after the router dropped it (the
 drain); the router holds state for the remaining replica only and ranks the removed
-one first never again. The new replica's time to serve is printed (a figure, not a
+one first never again; the new replica took the step-time fit the first one stored
+(``step_fit`` "stored <file>", no calibration of its own). The new replica's time to serve is printed (a figure, not a
 bound: it depends on the machine's load).
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from support.server_helpers import ServerProcess, serve_process
@@ -40,20 +43,23 @@ RAMP_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def ramp_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def ramp_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
     tmp = tmp_path_factory.mktemp("ramp")
-    # its own step-time fit store: the first replica fits (or not) here, the new one
-    # finds what it stored
-    env = {**RAY_ENV, "KVSERVE_CACHE_DIR": str(tmp / "cache")}
+    # its own step-time fit store (the step-time budget is on): the first replica
+    # calibrates and stores its fit here when steady, the new one finds it
+    cache = tmp / "cache"
+    env = {**RAY_ENV, "KVSERVE_CACHE_DIR": str(cache)}
     with serve_process(RAMP_ARGS, tmp, timeout_s=300.0, env_overrides=env) as server:
-        yield server
+        yield server, cache
 
 
-def test_ramp_scales_1_2_1_without_failures(ramp_cluster: ServerProcess) -> None:
+def test_ramp_scales_1_2_1_without_failures(ramp_cluster: tuple[ServerProcess, Path]) -> None:
     from kvserve.bench.ramp import run_ramp
 
+    server, cache = ramp_cluster
+    stored = sorted((cache / "step_cost").glob("*.json"))  # the first replica's, if steady
     result = run_ramp(
-        ramp_cluster.base_url,
+        server.base_url,
         burst_clients=4,
         burst_tokens=16,
         trickle_clients=2,
@@ -72,3 +78,15 @@ def test_ramp_scales_1_2_1_without_failures(ramp_cluster: ServerProcess) -> None
     survivor = ({result.first_replica, result.new_replica} - {result.removed_replica}).pop()
     assert result.router_after == [survivor], summary  # the router forgot it
     assert result.chosen_after_removal == 0, summary
+    # the new replica warms from the stored step-time fit (a short check, no refit)
+    first_fit, new_fit = result.first_meta.get("step_fit"), result.new_meta.get("step_fit")
+    if stored:
+        assert first_fit == "calibrated", summary
+        assert new_fit == f"stored {stored[0].name}", summary
+    else:  # the first fit's repeats disagreed (a busy machine): nothing to warm from
+        assert first_fit == new_fit == "calibrated", summary
+        warnings.warn(
+            "the first replica's step-time fit was not steady enough to store: the new "
+            "replica's warm start from it was not exercised this run",
+            stacklevel=1,
+        )
