@@ -84,7 +84,7 @@ def test_ramp_scales_1_2_1_without_failures(ramp_cluster: tuple[ServerProcess, P
         assert first_fit == "calibrated", summary
         assert new_fit == f"stored {stored[0].name}", summary
     else:  # the first fit's repeats disagreed (a busy machine): nothing to warm from
-        assert first_fit == new_fit == "calibrated", summary
+        assert not str(new_fit).startswith("stored"), summary  # nothing stored to take
         warnings.warn(
             "the first replica's step-time fit was not steady enough to store: the new "
             "replica's warm start from it was not exercised this run",
