@@ -13,10 +13,12 @@ one step slowed by another process does not move it.
 Reuse, so that starts agree: a fit is kept once per process and model
 (:func:`cached_calibration`, for every later engine on the same runner
 configuration: tests and ``LLM`` objects build many), and persisted per machine,
-model and shapes (:mod:`kvserve.worker.step_cost_store`, ``step_cost_cache``): a later
-start reuses the stored fit after a short check (:func:`check_ratio`) unless the
-machine now runs clearly faster than it says (then the stored one was measured under
-load: refitted and replaced). Each engine gets its own online correction.
+model and the shapes as cut to the cache and ``max_model_len`` (two lengths that time
+the same steps share one fit; :mod:`kvserve.worker.step_cost_store`,
+``step_cost_cache``): a later start reuses the stored fit after a short check
+(:func:`check_ratio`) unless the machine now runs clearly faster than it says (then
+the stored one was measured under load: refitted and replaced). Each engine gets its
+own online correction.
 
 Rules a caller must keep: call :func:`calibrate` before the engine's first step,
 while no request holds KV blocks (the shapes write into free blocks 1.. of the
@@ -237,7 +239,8 @@ _CACHE: dict[tuple[object, ...], CostModel] = {}
 
 def cached_calibration(runner: TimedRunner, *, vocab_size: int, max_model_len: int) -> CostModel:
     """The runner's step-time fit, once per process for a model, dtype, thread count,
-    block and segment size (later calls get a fresh copy with its own online state),
+    block and segment size and the shapes as cut to the runner's cache and
+    ``max_model_len`` (later calls get a fresh copy with its own online state),
     persisted across starts by ``runner.scheduler_config.step_cost_cache``:
 
     - ``auto``: reuse the fit stored for this key (:mod:`step_cost_store`) unless
@@ -248,6 +251,8 @@ def cached_calibration(runner: TimedRunner, *, vocab_size: int, max_model_len: i
     - ``refresh``: calibrate, store when steady; ``off``: calibrate, nothing stored.
     """
     mode = getattr(runner.scheduler_config, "step_cost_cache", "auto")
+    arch = getattr(getattr(runner.loaded, "model", None), "config", None)
+    shapes, max_s = shapes_for_size(DEFAULT_SHAPES, linear_weights_per_token(arch))
     key = (
         runner.loaded.fingerprint,
         str(runner.loaded.dtype),
@@ -256,13 +261,11 @@ def cached_calibration(runner: TimedRunner, *, vocab_size: int, max_model_len: i
         runner.block_size,
         runner.kv_segment_size,
         runner.compiled is not None,
-        max_model_len,
+        tuple(_fitted_shapes(runner, shapes, max_model_len)),  # what max_model_len changes
         mode,
     )
     model = _CACHE.get(key)
     if model is None:
-        arch = getattr(getattr(runner.loaded, "model", None), "config", None)
-        shapes, max_s = shapes_for_size(DEFAULT_SHAPES, linear_weights_per_token(arch))
         model = _CACHE[key] = persisted_calibration(
             runner, vocab_size=vocab_size, max_model_len=max_model_len, mode=mode,
             shapes=shapes, max_seconds=max_s,
@@ -290,7 +293,11 @@ def persisted_calibration(
             f"invalid step_cost_cache={mode!r}: must be one of "
             f"{', '.join(step_cost_store.CACHE_MODES)} (for example: step_cost_cache='auto')"
         )
-    store_key = step_cost_store.fit_key(runner, max_model_len, shapes) if mode != "off" else None
+    store_key = (
+        step_cost_store.fit_key(runner, tuple(_fitted_shapes(runner, shapes, max_model_len)))
+        if mode != "off"
+        else None
+    )
     stored: CostModel | None = None
     if store_key is not None and mode == "auto":
         stored = step_cost_store.load(store_key)

@@ -233,3 +233,28 @@ def test_one_fit_per_process_each_engine_its_own_online_state(store, monkeypatch
     runner.scheduler_config = SchedulerConfig(step_cost_cache="off")
     step_cost.cached_calibration(runner, vocab_size=1000, max_model_len=4096)  # type: ignore[arg-type]
     assert runner.calls > calls
+
+
+def test_lengths_that_time_the_same_steps_share_a_stored_fit(store):
+    # every default shape fits whole from max_model_len 2,624 on (64 new tokens over
+    # 2,560): 3,000 and 8,192 time the same steps, one fit; 1,024 cuts them, its own
+    def persisted(runner: ClockRunner, max_model_len: int) -> CostModel:
+        return persisted_calibration(
+            runner,  # type: ignore[arg-type]
+            vocab_size=1000,
+            max_model_len=max_model_len,
+            timer=runner.clock,
+        )
+
+    first = ClockRunner()
+    assert persisted(first, 3000).source == "calibrated" and first.calls >= 30
+    longer = ClockRunner()
+    assert persisted(longer, 8192).source.startswith("stored") and longer.calls == 9
+    shorter = ClockRunner()
+    assert persisted(shorter, 1024).source == "calibrated" and shorter.calls >= 30
+    assert len(list(store.glob("*.json"))) == 2
+    # a cache too small for the shapes cuts them too: another fit
+    small = ClockRunner()
+    small.num_kv_blocks = 64
+    assert persisted(small, 3000).source == "calibrated"
+    assert len(list(store.glob("*.json"))) == 3
