@@ -49,6 +49,11 @@ CALIBRATION_REPEATS = 3
 STEADY_SPREAD = 1.3
 # Reuse a stored fit unless the check steps run faster than this fraction of its
 # prediction (the stored fit was measured on a loaded machine).
+# Timed runs per kind in the check (after one untimed run). One suffices: the reuse
+# rule (FASTER_THAN_STORED) and the busy-start rule (LOADED_AT_START) are 20-50 % wide,
+# the median over three kinds absorbs one slow step, and the online scale corrects the
+# rest within a few steps; each extra run costs an 8B start about 3 s.
+CHECK_TIMED_RUNS = 1
 FASTER_THAN_STORED = 0.8
 # Above this check ratio the machine is busy at start: the reused fit's online scale
 # starts at the ratio (a quiet start, within the check's noise, starts at 1: the same
@@ -364,8 +369,10 @@ def check_ratio(
     timer: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Measured / predicted time of the cheapest shape of each kind (each run once
-    untimed, then twice, the faster counted), median over kinds: about 0.5 s. Below 1
-    the machine runs faster than ``model`` says. Also warms the runner up."""
+    untimed, then ``CHECK_TIMED_RUNS`` times, the fastest counted), median over kinds.
+    Below 1 the machine runs faster than ``model`` says. Also warms the runner up.
+    Costs about (1 + CHECK_TIMED_RUNS) x 3 small steps: 0.3 s on the default model,
+    ~5 s on an 8B."""
     fitted = _fitted_shapes(runner, shapes, max_model_len)
     cal = _Calibrator(runner, vocab_size)
     ratios: list[float] = []
@@ -376,7 +383,7 @@ def check_ratio(
                 continue
             shape = min(of_kind, key=lambda s: s.num_tokens())
             cal.run(shape, timer)
-            times = [cal.run(shape, timer) for _ in range(2)]
+            times = [cal.run(shape, timer) for _ in range(CHECK_TIMED_RUNS)]
             features, ms = min(times, key=lambda t: t[1])
             predicted = model.predict_ms(features)
             if predicted > 0 and ms > 0:
