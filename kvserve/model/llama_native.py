@@ -235,11 +235,12 @@ class FusedDecode:
         self._xg_scratch = xg_scratch  # an act-order linear: its inputs gathered there
         self._tables: list[torch.Tensor] = []  # parts tables the layer words point at
         self._silu_tables = silu_tables  # a gate_up table with the fused SiLU (no LoRA)
-        # LoRA tables by (weights, their version, slots present, rows): the table and
-        # the row-slot buffers its words point at, each with the slots it keeps
+        # LoRA tables by (weights, their version, slots present, rows): the weights
+        # (held, so their id stays theirs), the table and the row-slot buffers its
+        # words point at, each with the slots it keeps (None: every slot present)
         self._lora: dict[
             tuple[int, int, frozenset[int], int],
-            tuple[torch.Tensor, list[tuple[torch.Tensor, frozenset[int] | None]]],
+            tuple[LoRAWeights, torch.Tensor, list[tuple[torch.Tensor, frozenset[int] | None]]],
         ] = {}
 
     @classmethod
@@ -339,11 +340,12 @@ class FusedDecode:
                             buffers[hit] = torch.empty(rows, dtype=torch.int32)
                         buf = buffers[hit].data_ptr()
                     words += [lw.A[li][f].data_ptr(), lw.Bt[li][f].data_ptr(), buf]
+            assert len(words) == LORA_HEADER + LORA_LAYER_WORDS * len(self._layers)
             table = torch.tensor(words, dtype=torch.int64)
             fills = [(b, None if hit == present else hit) for hit, b in buffers.items()]
-            found = (table, fills)
+            found = (lw, table, fills)
             self._lora[key] = found
-        table, fills = found
+        _, table, fills = found
         for buf, keep in fills:
             src = (
                 batch.row_slots
