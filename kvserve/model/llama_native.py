@@ -334,12 +334,12 @@ class FusedDecode:
             buffers: dict[frozenset[int], torch.Tensor] = {}
             for li, plan in enumerate(lw.row_plan(present)):
                 for f, hit in zip(FUSED_PARTS, plan, strict=True):
-                    buf = 0
+                    at = 0
                     if hit is not None:
                         if hit not in buffers:
                             buffers[hit] = torch.empty(rows, dtype=torch.int32)
-                        buf = buffers[hit].data_ptr()
-                    words += [lw.A[li][f].data_ptr(), lw.Bt[li][f].data_ptr(), buf]
+                        at = buffers[hit].data_ptr()
+                    words += [lw.A[li][f].data_ptr(), lw.Bt[li][f].data_ptr(), at]
             assert len(words) == LORA_HEADER + LORA_LAYER_WORDS * len(self._layers)
             table = torch.tensor(words, dtype=torch.int64)
             fills = [(b, None if hit == present else hit) for hit, b in buffers.items()]

@@ -278,15 +278,17 @@ def test_bfloat16_slot_tensors_match_the_reference(tmp_path: Path) -> None:
     w = LoRAWeights(ARCH, 2, 8, dtype=torch.bfloat16)
     a = load_adapter(str(make_adapter(tmp_path / "a", HF, rank=8, seed=4, std=0.3)), ARCH, 8)
     w.set_slot(1, a)
-    assert w.A[0]["qkv"].dtype == torch.bfloat16 and w.nbytes() * 2 == LoRAWeights(
-        ARCH, 2, 8
-    ).nbytes()
+    assert (
+        w.A[0]["qkv"].dtype == torch.bfloat16 and w.nbytes() * 2 == LoRAWeights(ARCH, 2, 8).nbytes()
+    )
     for native in (native_lora_kernel(), None):
         w.native = native
         for f in FUSED_PARTS:
             x = torch.randn(3, w.in_features[f]).to(torch.bfloat16)
             y = torch.zeros(3, w.offsets[f][-1], dtype=torch.bfloat16)
-            w.apply(0, f, x, y, LoRABatch.from_row_slots([1, -1, 1]))
+            batch = LoRABatch.from_row_slots([1, -1, 1])
+            assert batch is not None
+            w.apply(0, f, x, y, batch)
             want = reference(x.float(), f, 0, [1, -1, 1], [None, a])
             torch.testing.assert_close(y.double(), want, rtol=3e-2, atol=3e-2)
             assert not y[1].any()
