@@ -225,8 +225,15 @@ class ModelRunner:
         from kvserve.lora.ops import native_lora_kernel
 
         config.validate()
+        # slot tensors in the model's dtype where it is bfloat16 (half the bytes a decode
+        # step reads), float32 otherwise
+        lora_dtype = torch.bfloat16 if self.loaded.dtype == torch.bfloat16 else torch.float32
         weights = LoRAWeights(
-            self.model.config, config.max_loras, config.max_lora_rank, device=self.device
+            self.model.config,
+            config.max_loras,
+            config.max_lora_rank,
+            device=self.device,
+            dtype=lora_dtype,
         )
         weights.native = native_lora_kernel()
         self.model.lora_weights = weights
