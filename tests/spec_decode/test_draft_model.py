@@ -97,7 +97,7 @@ def test_long_prompt_catches_up_in_chunks_without_delaying_the_first_token():
 
 def test_sampled_requests_get_sampled_drafts_with_their_distributions():
     from kvserve.request import SamplingParams
-    from kvserve.worker.sampler import SamplingRequestState
+    from kvserve.sampling.sampler import SamplingRequestState
 
     loaded = tiny_loaded()
     p = DraftModelProposer(loaded, num_blocks=64, block_size=4, max_model_len=128)
