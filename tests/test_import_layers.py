@@ -59,6 +59,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kvserve.buckets",
             "kvserve.prompt_check",
             "kvserve.switches",
+            "kvserve.child_process",
         ),
     ),
     (
