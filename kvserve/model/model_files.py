@@ -53,6 +53,12 @@ def _file_digest_memo(path: Path) -> str:
         while chunk := fh.read(1 << 24):
             h.update(chunk)
     digest = h.hexdigest()
+    _memoize(memo, digest)
+    return digest
+
+
+def _memoize(memo: Path, digest: str) -> None:
+    """Write ``digest`` to ``memo`` atomically; an unwritable cache is not an error."""
     with contextlib.suppress(OSError):
         memo.parent.mkdir(parents=True, exist_ok=True)
         # a private temporary per writer (threads share a pid): a shared name let one
@@ -65,7 +71,6 @@ def _file_digest_memo(path: Path) -> str:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_name)
-    return digest
 
 
 def _progress(msg: str) -> None:
@@ -218,18 +223,7 @@ def weights_digest(folder: Path) -> str:
     if memo.is_file():
         return memo.read_text().strip()
     digest = _weights_digest(files)
-    with contextlib.suppress(OSError):
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        # a private temporary per writer (threads share a pid): a shared name let one
-        # thread truncate the file another had already renamed into place
-        fd, tmp_name = tempfile.mkstemp(prefix=memo.name + ".", suffix=".tmp", dir=memo.parent)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(digest)
-            os.replace(tmp_name, memo)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp_name)
+    _memoize(memo, digest)
     return digest
 
 
