@@ -25,21 +25,10 @@ from kvserve.child_process import serve_frames
 
 
 def _answer(job: dict[str, Any]) -> dict[str, Any]:
-    from kvserve.entrypoints.chat.template import TemplateError, render_template
+    from kvserve.entrypoints.chat.template import TemplateError, render_job
 
     try:
-        texts = [
-            render_template(
-                job["template"],
-                messages,
-                tools=job.get("tools"),
-                add_generation_prompt=bool(job.get("add_generation_prompt", True)),
-                special_tokens=job.get("special_tokens") or {},
-                max_chars=int(job.get("max_chars", 64 * 1024 * 1024)),
-                variables=job.get("kwargs") or {},
-            )
-            for messages in job["variants"]
-        ]
+        texts = render_job(job)
     except TemplateError as e:
         return {"ok": False, "error": str(e)}
     except MemoryError:
