@@ -79,12 +79,7 @@ def _progress(msg: str) -> None:
 
 
 def write_gguf_metadata(gguf_path: Path, out_dir: Path) -> None:
-    arch = gguf_architecture(gguf_path)
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF file {str(gguf_path)!r} has architecture {arch!r}; supported GGUF "
-            f"architectures are {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
+    arch = supported_gguf_architecture(gguf_path)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -130,6 +125,18 @@ def gguf_architecture(gguf_path: Path) -> str:
         ) from e
 
 
+def supported_gguf_architecture(gguf_path: Path) -> str:
+    """:func:`gguf_architecture`, with a ValueError naming the supported ones when it
+    is not one of them."""
+    arch = gguf_architecture(gguf_path)
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {str(gguf_path)!r} has architecture {arch!r}; supported GGUF "
+            f"architectures are {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    return arch
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a GGUF file through transformers and write an HF folder to ``out_dir``.
 
@@ -138,12 +145,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     template, generation_config.json and ``kvserve_meta.json`` (source and weights
     digest). Raises ValueError for unsupported architectures or tensor types.
     """
-    arch = gguf_architecture(gguf_path)
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF file {str(gguf_path)!r} has architecture {arch!r}; supported GGUF "
-            f"architectures are {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
+    arch = supported_gguf_architecture(gguf_path)
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
