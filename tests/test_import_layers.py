@@ -256,10 +256,18 @@ def upward_imports(
 
 
 def folder_of(module: str) -> str:
-    """The folder (or top-level module) ``module`` lives in; the command lines are one
-    folder of their own, ``cli``."""
+    """The folder (or top-level module) ``module`` lives in. A module LAYERS names
+    below its folder (``lora/config``) counts as a folder of its own, and the command
+    lines are one folder, ``cli``."""
     if layer_of(module) == len(LAYERS) - 1:
         return "cli"
+    named = max(
+        (p for _, ps in LAYERS for p in ps if module == p or module.startswith(p + ".")),
+        key=len,
+    )
+    parts = named.split(".")
+    if len(parts) > 2:
+        return ".".join(parts[1:])
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else PACKAGE
 
