@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -37,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fuzz_structures import stop_server, wait_healthy  # noqa: E402
 
 HOSTILE = "{% for a in range(4000) %}{% for b in range(4000) %}{% endfor %}{% endfor %}x"
 
@@ -57,18 +59,8 @@ def _start(repo: Path, args: list[str], log: Path) -> tuple[subprocess.Popen[byt
             [*cmd, *args], cwd=repo, stdout=f, stderr=subprocess.STDOUT, env=env
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise TimeoutError("server not healthy")
+    wait_healthy(proc, url, poll_s=0.3, exited=lambda: f"server exited: {log.read_text()[-2000:]}")
+    return proc, url
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -172,12 +164,7 @@ def main() -> int:
     try:
         out = run(url, args.legacy, args.body_mb, args.window_s)
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc, timeout_s=60)
     print(json.dumps(out, indent=2))
     return 0
 

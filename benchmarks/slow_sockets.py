@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
-import subprocess
 import sys
 import time
 from typing import Any
@@ -33,7 +31,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from fuzz_structures import percentile, start_server  # noqa: E402
+from fuzz_structures import percentile, start_server, stop_server  # noqa: E402
 
 HARD_SCHEMA: dict[str, Any] = {
     "$defs": {
@@ -187,12 +185,7 @@ def main() -> int:
     try:
         result = asyncio.run(run(url, args.sockets, min(args.seconds, 300), args.drip))
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_server(proc)
     result["server_alive_at_end"] = proc is None or proc.returncode in (0, None)
     print(json.dumps(result, indent=2))
     return 1 if result["normal_client_failure_count"] else 0

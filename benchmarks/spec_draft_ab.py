@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvserve.bench.spec_workloads import build_spec_sessions
+from kvserve.bench.spec_workloads import build_spec_sessions, first_turn_prompts
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.engine_core import EngineCore
 from kvserve.model.loader import load_model
@@ -150,15 +150,7 @@ def main() -> None:
     for rep in range(args.reps):
         for c in conc:
             sessions = build_spec_sessions("spec-edit", c, args.input_len, args.max_tokens, 1, rng)
-            texts = [
-                tok.apply_chat_template(
-                    [{"role": "user", "content": s.turns[0].user_text}],
-                    add_generation_prompt=True,
-                    tokenize=False,
-                )
-                for s in sessions
-            ]
-            prompts = [list(tok.encode(str(p), add_special_tokens=False)) for p in texts]
+            prompts = first_turn_prompts(tok, sessions)
             params = SamplingParams(
                 temperature=args.temperature,
                 seed=1000 + rep,

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.bench.spec_workloads import build_spec_sessions
+from kvserve.bench.spec_workloads import build_spec_sessions, first_turn_prompts
 from kvserve.spec_decode.controller import SpecController
 from kvserve.spec_decode.decoder import History
 from kvserve.spec_decode.ngram import NgramProposer
@@ -38,17 +38,7 @@ def generate(num: int, max_tokens: int) -> list[dict[str, list[int]]]:
         loaded=loaded,
     )
     sessions = build_spec_sessions("spec-edit", num, 200, max_tokens, 1, random.Random(0))
-    prompts = [
-        tok.encode(
-            tok.apply_chat_template(
-                [{"role": "user", "content": s.turns[0].user_text}],
-                add_generation_prompt=True,
-                tokenize=False,
-            ),
-            add_special_tokens=False,
-        )
-        for s in sessions
-    ]
+    prompts = first_turn_prompts(tok, sessions)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(p, params, request_id=str(i))

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvserve.bench.spec_workloads import build_spec_sessions
+from kvserve.bench.spec_workloads import build_spec_sessions, first_turn_prompts
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.engine_core import EngineCore
 from kvserve.model.loader import load_model
@@ -104,17 +104,7 @@ def main() -> None:
     sessions = build_spec_sessions(
         "spec-edit", a.num_requests, 200, a.max_tokens, 1, random.Random(0)
     )
-    prompts = [
-        tok.encode(
-            tok.apply_chat_template(
-                [{"role": "user", "content": s.turns[0].user_text}],
-                add_generation_prompt=True,
-                tokenize=False,
-            ),
-            add_special_tokens=False,
-        )
-        for s in sessions
-    ]
+    prompts = first_turn_prompts(tok, sessions)
     res: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
     same = []
     for i, p in enumerate(prompts):

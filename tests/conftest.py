@@ -95,9 +95,10 @@ class _CalibrationPool:
     """Step-time fits shared across context lengths: one per model, dtype, device,
     thread count, block and segment size and compile flag.
 
-    The engine's own cache (``step_cost.cached_calibration``) also keys on
-    ``max_model_len``, because calibration cuts its shapes to it; the suite builds
-    engines with a dozen different lengths, and each paid a calibration of seconds.
+    The engine's own cache (``step_cost.cached_calibration``) also keys on the shapes
+    as cut to ``max_model_len`` (every length under 2,624 tokens cuts them its own
+    way); the suite builds engines with a dozen different lengths, and each paid a
+    calibration of seconds.
     Here an engine gets the fit made for the longest ``max_model_len`` seen so far
     when that is at least its own (a fit over longer contexts covers the shorter ones);
     otherwise it calibrates on its own runner, as the engine would, and that fit

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.bench.disagg import wait_healthy
 from kvserve.request import SamplingParams
 
 
@@ -17,24 +18,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _wait_healthy(url: str, proc: Any, timeout_s: float) -> None:
-    import time
-
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode} before becoming healthy")
-        try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"worker at {url} not healthy after {timeout_s} s")
 
 
 def _alone_signatures(
@@ -124,7 +107,7 @@ def check_disaggregated(
             log.close()
             procs[role] = (proc, f"http://127.0.0.1:{port}")
         for proc, url in procs.values():
-            _wait_healthy(url, proc, timeout_s)
+            wait_healthy(url, proc, timeout_s, what="worker")
         url = procs["decode"][1]
         result: dict[str, Any] = {"compared": 0, "identical": 0, "guaranteed": 0}
         result["mismatches"] = []

@@ -155,7 +155,7 @@ def decode_rows(
     """Whole-model decode per KV format: median step per batch, tok/s, and the
     fraction of the (weights + KV) bandwidth limit. ``driver_factory(loaded, name)``
     builds a runner driver with ``kv_cache_dtype=name``."""
-    from kvserve.bench.weight_formats import streamed_weight_bytes
+    from kvserve.bench.weight_formats import median_decode_step, streamed_weight_bytes
     from kvserve.model.kernels.kv8 import resolve_kv_cache_dtype
 
     weights = streamed_weight_bytes(loaded.model)
@@ -165,14 +165,7 @@ def decode_rows(
         fmt = resolve_kv_cache_dtype(name, loaded.dtype)
         drv = driver_factory(loaded, name)
         for batch in batches:
-            drv.prefill(prompts(batch, context), reserve=steps + 4)
-            drv.decode_step()  # warm-up
-            times = []
-            for _ in range(steps):
-                t0 = clock()
-                drv.decode_step()
-                times.append(clock() - t0)
-            step = statistics.median(times)
+            step = median_decode_step(drv, prompts(batch, context), steps, clock)
             kv = batch * (context + steps // 2) * c.num_layers * 2 * c.num_kv_heads
             kv *= fmt.row_bytes(c.head_dim)
             limit = (weights + kv) / (bandwidth_gb_s * 1e9)

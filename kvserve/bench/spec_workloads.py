@@ -17,6 +17,7 @@ approximate (about one token per word; code and JSON punctuation add tokens).
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from kvserve.bench.sessions import Session, Turn
 
@@ -134,3 +135,23 @@ def build_spec_sessions(
             )
         sessions.append(Session(i, "", 0, (Turn(text, input_len, output_len),)))
     return sessions
+
+
+def first_turn_prompts(tok: Any, sessions: list[Session]) -> list[list[int]]:
+    """Each session's first user turn through the tokenizer's chat template (with the
+    generation prompt) as token ids, no special tokens added."""
+    return [
+        list(
+            tok.encode(
+                str(
+                    tok.apply_chat_template(
+                        [{"role": "user", "content": s.turns[0].user_text}],
+                        add_generation_prompt=True,
+                        tokenize=False,
+                    )
+                ),
+                add_special_tokens=False,
+            )
+        )
+        for s in sessions
+    ]

@@ -34,6 +34,21 @@ def read_bandwidth_gb_s(
     return num_bytes / statistics.median(times) / 1e9
 
 
+def median_decode_step(
+    drv: Any, prompts: list[list[int]], steps: int, clock: Callable[[], float]
+) -> float:
+    """Prefill ``prompts`` on the runner driver ``drv`` (room for ``steps`` + 4 more
+    tokens each), one warm-up decode step, then the median of ``steps`` timed ones (s)."""
+    drv.prefill(prompts, reserve=steps + 4)
+    drv.decode_step()  # warm-up
+    times = []
+    for _ in range(steps):
+        t0 = clock()
+        drv.decode_step()
+        times.append(clock() - t0)
+    return statistics.median(times)
+
+
 def streamed_weight_bytes(model: Any) -> int:
     """Bytes a decode step reads from the weights (see
     :meth:`~kvserve.model.llama.LlamaForCausalLM.streamed_weight_bytes`)."""
@@ -63,14 +78,7 @@ def decode_rows(
     elem = loaded.dtype.itemsize
     rows = []
     for batch in batches:
-        drv.prefill(prompts(batch, context), reserve=steps + 4)
-        drv.decode_step()  # warm-up
-        times = []
-        for _ in range(steps):
-            t0 = clock()
-            drv.decode_step()
-            times.append(clock() - t0)
-        step = statistics.median(times)
+        step = median_decode_step(drv, prompts(batch, context), steps, clock)
         kv = kv_bytes_read(loaded.model, batch, context, elem)
         limit = (weights + kv) / (bandwidth_gb_s * 1e9)
         rows.append(

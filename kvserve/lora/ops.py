@@ -4,7 +4,9 @@
 cannot be built or loaded, or where ``KVSERVE_LORA=portable`` (or
 ``KVSERVE_KERNELS=portable``) asks for the torch reference
 (:func:`kvserve.lora.weights.lora_delta_torch`). The kernel handles float32 and
-bfloat16 rows on the CPU (AVX-512 where compiled for it, portable C++ otherwise).
+bfloat16 rows and float32 or bfloat16 slot tensors on the CPU (AVX-512, with
+AVX512_BF16 dot products for bfloat16 rows and weights, where compiled for it;
+portable C++ otherwise), and picks its thread count from the work (at most torch's).
 """
 
 from __future__ import annotations
@@ -19,9 +21,6 @@ from kvserve.model.kernels._ctypes import DTYPE_CODES, I32, I64, PTR, CFunction
 
 logger = logging.getLogger(__name__)
 ENV_VAR = "KVSERVE_LORA"
-# multiply-adds per thread below which more threads cost more than they save (a
-# thread wake-up is microseconds, milliseconds on a busy machine)
-WORK_PER_THREAD = 1 << 21
 
 
 class NativeLoRA:
@@ -55,10 +54,8 @@ class NativeLoRA:
         rank: int,
     ) -> None:
         """``y`` [T, out] += each row's delta; ``x`` [T, in]; ``a`` [S, P*R, in] and
-        ``bt`` [S, R, out] float32 contiguous; ``row_slots`` [T] int32; ``offsets``
-        [P+1] int64 (see kvserve.lora.weights)."""
-        work = x.shape[0] * a.shape[1] * (x.shape[1] + y.shape[1])
-        nthreads = max(1, min(torch.get_num_threads(), work // WORK_PER_THREAD))
+        ``bt`` [S, R, out] contiguous, float32 or bfloat16 (one dtype); ``row_slots``
+        [T] int32; ``offsets`` [P+1] int64 (see kvserve.lora.weights)."""
         self._fn.checked(
             x=x.data_ptr(),
             x_stride=x.stride(0),
@@ -74,7 +71,8 @@ class NativeLoRA:
             parts=offsets.numel() - 1,
             rank=rank,
             dtype=DTYPE_CODES[x.dtype],
-            nthreads=nthreads,
+            w_dtype=DTYPE_CODES[a.dtype],
+            nthreads=torch.get_num_threads(),
         )
 
 
@@ -102,6 +100,7 @@ def _load() -> NativeLoRA | None:
                 ("parts", I32),
                 ("rank", I32),
                 ("dtype", I32),
+                ("w_dtype", I32),
                 ("nthreads", I32),
             ],
         )

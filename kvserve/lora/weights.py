@@ -7,6 +7,8 @@ fused base linear ``f`` (``qkv`` = [q; k; v], ``o``, ``gate_up`` = [gate; up],
     A[f]  [S, P*R, in]       rows p*R .. p*R+r-1: part p's lora_A (zero padding)
     Bt[f] [S, R, out_total]  columns off[p] .. off[p+1]-1: part p's (scale * lora_B)^T
 
+(float32, or bfloat16 for a bfloat16 model).
+
 After the base linear ``y = f(x)`` [T, out_total], a step applies, for each row ``t``
 whose slot ``s = row_slot[t] >= 0``::
 
@@ -72,7 +74,8 @@ class LoRABatch:
 
 
 class LoRAWeights:
-    """The slot tensors of every layer (float32, zero when a slot is free).
+    """The slot tensors of every layer (``dtype``: float32, or bfloat16 for a bfloat16
+    model, as vLLM keeps them; zero when a slot is free).
 
     Caller rules: write a slot (:meth:`set_slot`) only while no running request uses
     it, and clear it (:meth:`clear_slot`) only after its requests finished; the step
@@ -85,10 +88,14 @@ class LoRAWeights:
         max_loras: int,
         max_rank: int,
         device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> None:
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"LoRA slot tensors are float32 or bfloat16, not {dtype}")
         self.arch = arch
         self.max_loras = max_loras
         self.rank = max_rank
+        self.dtype = dtype
         shapes = module_shapes(arch)
         self.offsets: dict[str, list[int]] = {}
         self.in_features: dict[str, int] = {}
@@ -106,13 +113,22 @@ class LoRAWeights:
         self.Bt: list[dict[str, torch.Tensor]] = []
         for _ in range(arch.num_layers):
             self.A.append(
-                {f: torch.zeros(s, len(p) * r, self.in_features[f]) for f, p in FUSED_PARTS.items()}
+                {
+                    f: torch.zeros(s, len(p) * r, self.in_features[f], dtype=dtype)
+                    for f, p in FUSED_PARTS.items()
+                }
             )
-            self.Bt.append({f: torch.zeros(s, r, self.offsets[f][-1]) for f in FUSED_PARTS})
+            self.Bt.append(
+                {f: torch.zeros(s, r, self.offsets[f][-1], dtype=dtype) for f in FUSED_PARTS}
+            )
         # which fused linears any resident adapter targets, per layer (skip the rest)
         self._targets: list[list[set[str]]] = [
             [set() for _ in range(max_loras)] for _ in range(arch.num_layers)
         ]
+        # row_plan's answers by the set of slots present (cleared on every slot write,
+        # which also bumps version)
+        self._plans: dict[frozenset[int], list[list[frozenset[int] | None]]] = {}
+        self.version = 0
         self.native: NativeLoRA | None = None  # the native kernel (kvserve.lora.ops)
 
     def nbytes(self) -> int:
@@ -134,6 +150,8 @@ class LoRAWeights:
                 self.Bt[layer][f][slot, :rank, lo:hi] = (b * adapter.scale).t()
                 if bool(b.any()):  # an all-zero B adds nothing: skip it (bitwise the base)
                     self._targets[layer][slot].add(f)
+        self._plans.clear()
+        self.version += 1
 
     def clear_slot(self, slot: int) -> None:
         """Zero ``slot`` in every layer."""
@@ -142,6 +160,24 @@ class LoRAWeights:
                 self.A[layer][f][slot].zero_()
                 self.Bt[layer][f][slot].zero_()
             self._targets[layer][slot].clear()
+        self._plans.clear()
+        self.version += 1
+
+    def row_plan(self, present: frozenset[int]) -> list[list[frozenset[int] | None]]:
+        """Per layer, per fused linear (``FUSED_PARTS`` order): the slots of ``present``
+        that target it, or None where none does (no delta). What :meth:`apply` decides
+        per call, for the fused decode step; cached until a slot changes."""
+        plan = self._plans.get(present)
+        if plan is None:
+            plan = []
+            for targets in self._targets:
+                row: list[frozenset[int] | None] = []
+                for f in FUSED_PARTS:
+                    hit = frozenset(s for s in present if f in targets[s])
+                    row.append(hit if hit else None)
+                plan.append(row)
+            self._plans[present] = plan
+        return plan
 
     def apply(self, layer: int, f: str, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         """Add the delta of every adapter row to ``y`` [T, out] in place; ``x`` [T, in]
@@ -154,9 +190,8 @@ class LoRAWeights:
             rows = batch.row_slots
             if any(f not in targets[s] for s, _ in batch.groups):
                 # a slot present does not target f: its rows count as base rows here
-                # (index -1, the base rows, reads the extra False at the end)
-                keep = torch.tensor([f in t for t in targets] + [False], device=rows.device)
-                rows = torch.where(keep[rows.long()], rows, -1).to(torch.int32)
+                keep = frozenset(s for s, t in enumerate(targets) if f in t)
+                rows = rows_of_slots(rows, keep, self.max_loras)
             native.delta(
                 x, y, self.A[layer][f], self.Bt[layer][f], rows, self.offset_tensors[f], self.rank
             )
@@ -164,6 +199,14 @@ class LoRAWeights:
         lora_delta_torch(
             x, y, self.A[layer][f], self.Bt[layer][f], batch, self.offsets[f], self.rank, targets, f
         )
+
+
+def rows_of_slots(row_slots: torch.Tensor, keep: frozenset[int], max_loras: int) -> torch.Tensor:
+    """``row_slots`` [T] int32 with every slot not in ``keep`` set to -1 (those rows
+    count as base rows for one linear), int32."""
+    # index -1 (the base rows) reads the extra False at the end
+    mask = torch.tensor([s in keep for s in range(max_loras)] + [False], device=row_slots.device)
+    return torch.where(mask[row_slots.long()], row_slots, -1).to(torch.int32)
 
 
 def lora_delta_torch(
@@ -183,10 +226,10 @@ def lora_delta_torch(
         if targets is not None and f not in targets[slot]:
             continue
         xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-        xa = xs.float() @ a[slot].t()  # [n, P*R]
+        xa = xs.float() @ a[slot].float().t()  # [n, P*R]
         for p in range(len(offsets) - 1):
             lo, hi = offsets[p], offsets[p + 1]
-            d = xa[:, p * rank : (p + 1) * rank] @ bt[slot, :, lo:hi]  # [n, out_p]
+            d = xa[:, p * rank : (p + 1) * rank] @ bt[slot, :, lo:hi].float()  # [n, out_p]
             if isinstance(rows, slice):
                 y[rows, lo:hi] += d.to(y.dtype)
             else:

@@ -14,7 +14,10 @@ Two forms of one computation:
   float panels in the model dtype at a row count where the layer loop runs those panels
   too). It runs the same kernels in the same order on the same arguments, so its
   output is bitwise that of :func:`forward_native` (tested); it saves the Python work
-  between the calls (~270 ctypes calls a step for a 30-layer model).
+  between the calls (~270 ctypes calls a step for a 30-layer model). A step with
+  adapter rows takes it too where :meth:`FusedDecode.supports_lora` holds: the LoRA
+  delta runs inside the call after each linear (``kvs_lora_delta``, the kernel and
+  arguments of :meth:`LoRAWeights.apply`), bitwise the loop's.
   ``KVSERVE_FUSED_DECODE=0`` turns it off (read when the model is prepared).
 """
 
@@ -38,7 +41,7 @@ from kvserve.model.quant.kernel import K_CODES
 from kvserve.model.quant.linear import QuantLinear
 
 if TYPE_CHECKING:
-    from kvserve.lora.weights import LoRABatch
+    from kvserve.lora.weights import LoRABatch, LoRAWeights
 
 FUSED_DECODE_ENV_VAR = "KVSERVE_FUSED_DECODE"
 
@@ -85,8 +88,12 @@ _PARAMS = [
     ("down", PTR),
     ("gu", PTR),
     ("xg", PTR),
+    ("lora_table", PTR),
     ("nthreads", I32),
 ]
+# the LoRA table's layout (csrc/decode_step.cpp's kLoraHeader, kLoraLayerWords)
+LORA_HEADER = 10
+LORA_LAYER_WORDS = 12
 
 
 def forward_native(
@@ -103,14 +110,19 @@ def forward_native(
 
     Rules: ``meta.native`` is set (the native attention backend), ``kernels.norms`` and
     ``kernels.attention`` are bound. Returns the fp32 residual stream [T, hidden]
-    (before the final norm). ``lora``: adapter rows (``model.lora_weights`` set); a
-    step with any runs the per-layer loop below, never the one-call decode step.
-    ``fused``: the model's one-call decode step, run for the steps it supports.
+    (before the final norm). ``lora``: adapter rows (``model.lora_weights`` set).
+    ``fused``: the model's one-call decode step, run for the steps it supports (with
+    adapter rows: where it also :meth:`~FusedDecode.supports_lora` the weights).
     """
     assert meta.native is not None
     lw = model.lora_weights if lora is not None else None
-    if lw is None and fused is not None and fused.supports(meta, kv_caches):
-        return fused(model.embed(input_ids).float(), positions, kv_caches, meta)
+    if (
+        fused is not None
+        and fused.supports(meta, kv_caches)
+        and (lw is None or fused.supports_lora(lw))
+    ):
+        embedded = model.embed(input_ids).float()
+        return fused(embedded, positions, kv_caches, meta, lw, lora if lw is not None else None)
     nk, attention = kernels.norms, kernels.attention
     assert nk is not None and attention is not None
     c = model.config
@@ -202,6 +214,7 @@ class FusedDecode:
         dense_rows: int | None = None,
         gu_scratch: bool = False,
         xg_scratch: bool = False,
+        silu_tables: bool = False,
     ) -> None:
         c = model.config
         self._fn = _decode_fn(str(library))
@@ -221,6 +234,14 @@ class FusedDecode:
         self._gu_scratch = gu_scratch
         self._xg_scratch = xg_scratch  # an act-order linear: its inputs gathered there
         self._tables: list[torch.Tensor] = []  # parts tables the layer words point at
+        self._silu_tables = silu_tables  # a gate_up table with the fused SiLU (no LoRA)
+        # LoRA tables by (weights, their version, slots present, rows): the weights
+        # (held, so their id stays theirs), the table and the row-slot buffers its
+        # words point at, each with the slots it keeps (None: every slot present)
+        self._lora: dict[
+            tuple[int, int, frozenset[int], int],
+            tuple[LoRAWeights, torch.Tensor, list[tuple[torch.Tensor, frozenset[int] | None]]],
+        ] = {}
 
     @classmethod
     def build(cls, model: LlamaParams, kernels: KernelBackend) -> FusedDecode | None:
@@ -250,6 +271,7 @@ class FusedDecode:
                 min(limits) if limits else None,
                 any(f.gu_scratch for f in layers),
                 any(f.xg_scratch for f in layers),
+                any(f.silu_table for f in layers),
             )
         except (OSError, AttributeError):  # an older library without the symbol
             return None
@@ -282,6 +304,57 @@ class FusedDecode:
         kv = kv_caches[0]
         return kv.dtype == self.dtype and not is_kv8(kv)
 
+    def supports_lora(self, lw: LoRAWeights) -> bool:
+        """Whether a step with adapter rows of ``lw`` may run here: the native LoRA
+        kernel is in use (not ``KVSERVE_LORA=portable``), ``lw`` has this model's
+        layers, and no gate_up is a table with the fused SiLU (act-order weights)."""
+        return (
+            lw.native is not None
+            and not self._silu_tables
+            and lw.arch.num_layers == len(self._layers)
+        )
+
+    def _lora_table(self, lw: LoRAWeights, batch: LoRABatch, rows: int) -> torch.Tensor:
+        """The LoRA words for one step (csrc/decode_step.cpp's layout): each layer's and
+        linear's A and Bt, and row slots as :meth:`LoRAWeights.apply` masks them
+        (:meth:`LoRAWeights.row_plan`), copied into buffers the cached table points at."""
+        from kvserve.lora.weights import FUSED_PARTS, rows_of_slots
+
+        if batch.row_slots.shape[0] != rows or batch.row_slots.dtype != torch.int32:
+            raise ValueError("LoRA row slots must be int32, one per row of the step")
+        present = frozenset(s for s, _ in batch.groups)
+        key = (id(lw), lw.version, present, rows)
+        found = self._lora.get(key)
+        if found is None:
+            if len(self._lora) >= 64:
+                self._lora.clear()
+            words = [lw.rank, DTYPE_CODES[lw.dtype]]
+            for f, parts in FUSED_PARTS.items():
+                words += [lw.offset_tensors[f].data_ptr(), len(parts)]
+            buffers: dict[frozenset[int], torch.Tensor] = {}
+            for li, plan in enumerate(lw.row_plan(present)):
+                for f, hit in zip(FUSED_PARTS, plan, strict=True):
+                    at = 0
+                    if hit is not None:
+                        if hit not in buffers:
+                            buffers[hit] = torch.empty(rows, dtype=torch.int32)
+                        at = buffers[hit].data_ptr()
+                    words += [lw.A[li][f].data_ptr(), lw.Bt[li][f].data_ptr(), at]
+            assert len(words) == LORA_HEADER + LORA_LAYER_WORDS * len(self._layers)
+            table = torch.tensor(words, dtype=torch.int64)
+            fills = [(b, None if hit == present else hit) for hit, b in buffers.items()]
+            found = (lw, table, fills)
+            self._lora[key] = found
+        _, table, fills = found
+        for buf, keep in fills:
+            src = (
+                batch.row_slots
+                if keep is None
+                else rows_of_slots(batch.row_slots, keep, lw.max_loras)
+            )
+            buf.copy_(src)
+        return table
+
     def _kv_table(self, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         key = tuple(kv.data_ptr() for kv in kv_caches)
         if self._table is None or key != self._table_key:
@@ -299,12 +372,16 @@ class FusedDecode:
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        lw: LoRAWeights | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """residual [T, hidden] fp32 contiguous (the embedding; updated in place) ->
-        the residual stream after every layer. Rules: :meth:`supports` holds."""
+        the residual stream after every layer. ``lw`` and ``lora``: the adapter slots
+        and each row's slot (both or neither). Rules: :meth:`supports` holds, and
+        :meth:`supports_lora` for ``lw``."""
         nb = meta.native
         assert nb is not None
-        table = self._kv_table(kv_caches)
+        kv_table = self._kv_table(kv_caches)
         rows = residual.shape[0]
         cos, sin = self._model._rope_tables(positions)
         h, hk, d, hid, dt = self._h, self._hk, self._d, self._hidden, self.dtype
@@ -317,13 +394,16 @@ class FusedDecode:
         qkv = empty(rows, (h + 2 * hk) * d, dtype=dt)
         attn = empty(rows, h * d, dtype=dt)
         act = empty(rows, self._inter, dtype=dt)
-        gu = empty(rows, 2 * self._inter, dtype=dt) if self._gu_scratch else None
+        table = None if lw is None or lora is None else self._lora_table(lw, lora, rows)
+        gu_needed = self._gu_scratch or table is not None  # with LoRA: linear, delta, SiLU
+        gu = empty(rows, 2 * self._inter, dtype=dt) if gu_needed else None
         xg = empty(rows, max(hid, self._inter), dtype=dt) if self._xg_scratch else None
         kv0 = kv_caches[0]
         positions = positions.contiguous()
         slots, seqs, tables = meta.slot_mapping, nb.seqs, nb.block_tables
         rc = self._fn(
-            layers=table.data_ptr(), num_layers=table.shape[0], residual=residual.data_ptr(),
+            layers=kv_table.data_ptr(), num_layers=kv_table.shape[0],
+            residual=residual.data_ptr(),
             rows=rows, hidden=hid, num_heads=h, num_kv_heads=hk, head_dim=d,
             inter=self._inter, eps=self._eps, positions=positions.data_ptr(),
             cos=cos.data_ptr(), sin=sin.data_ptr(), num_blocks=kv0.shape[2],
@@ -333,6 +413,7 @@ class FusedDecode:
             dtype=self._dt, y=y.data_ptr(), qkv=qkv.data_ptr(), attn=attn.data_ptr(),
             o=o.data_ptr(), act=act.data_ptr(), down=down.data_ptr(),
             gu=None if gu is None else gu.data_ptr(), xg=None if xg is None else xg.data_ptr(),
+            lora_table=None if table is None else table.data_ptr(),
             nthreads=torch.get_num_threads(),
         )  # fmt: skip
         if rc != 0:
@@ -395,13 +476,15 @@ def _linear_words(lin: object, dtype: torch.dtype, gate_up: bool) -> _LinearWord
 class _LayerWords(NamedTuple):
     """One layer's words (LAYER_FIELDS without ``kv``), the most rows its dense linears
     allow (None: no limit), whether gate_up needs the ``gu`` scratch and a linear the
-    ``xg`` one, and the tensors the words point at (kept alive)."""
+    ``xg`` one, the tensors the words point at (kept alive), and whether gate_up is a
+    table with the fused SiLU."""
 
     words: list[int]
     rows: int | None
     gu_scratch: bool
     xg_scratch: bool
     keep: list[torch.Tensor]
+    silu_table: bool = False
 
 
 def _layer_words(ops: LayerOps, dtype: torch.dtype) -> _LayerWords | None:
@@ -427,4 +510,6 @@ def _layer_words(ops: LayerOps, dtype: torch.dtype) -> _LayerWords | None:
     # gate_up runs its linear, then SiLU (not a silu table: the fused call into act)
     gu_scratch = gu.words[1] == DENSE_FMT or (gu.words[1] == PARTS_FMT and not gu.silu_table)
     xg_scratch = any(f.gathers for f in (qkv, o, gu, dn))
-    return _LayerWords(words, min(limits) if limits else None, gu_scratch, xg_scratch, keep)
+    return _LayerWords(
+        words, min(limits) if limits else None, gu_scratch, xg_scratch, keep, gu.silu_table
+    )

@@ -53,6 +53,12 @@ def _file_digest_memo(path: Path) -> str:
         while chunk := fh.read(1 << 24):
             h.update(chunk)
     digest = h.hexdigest()
+    _memoize(memo, digest)
+    return digest
+
+
+def _memoize(memo: Path, digest: str) -> None:
+    """Write ``digest`` to ``memo`` atomically; an unwritable cache is not an error."""
     with contextlib.suppress(OSError):
         memo.parent.mkdir(parents=True, exist_ok=True)
         # a private temporary per writer (threads share a pid): a shared name let one
@@ -65,7 +71,6 @@ def _file_digest_memo(path: Path) -> str:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_name)
-    return digest
 
 
 def _progress(msg: str) -> None:
@@ -74,12 +79,7 @@ def _progress(msg: str) -> None:
 
 
 def write_gguf_metadata(gguf_path: Path, out_dir: Path) -> None:
-    arch = gguf_architecture(gguf_path)
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF file {str(gguf_path)!r} has architecture {arch!r}; supported GGUF "
-            f"architectures are {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
+    arch = supported_gguf_architecture(gguf_path)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
@@ -125,6 +125,18 @@ def gguf_architecture(gguf_path: Path) -> str:
         ) from e
 
 
+def supported_gguf_architecture(gguf_path: Path) -> str:
+    """:func:`gguf_architecture`, with a ValueError naming the supported ones when it
+    is not one of them."""
+    arch = gguf_architecture(gguf_path)
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {str(gguf_path)!r} has architecture {arch!r}; supported GGUF "
+            f"architectures are {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    return arch
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a GGUF file through transformers and write an HF folder to ``out_dir``.
 
@@ -133,12 +145,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     template, generation_config.json and ``kvserve_meta.json`` (source and weights
     digest). Raises ValueError for unsupported architectures or tensor types.
     """
-    arch = gguf_architecture(gguf_path)
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF file {str(gguf_path)!r} has architecture {arch!r}; supported GGUF "
-            f"architectures are {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
+    arch = supported_gguf_architecture(gguf_path)
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -218,18 +225,7 @@ def weights_digest(folder: Path) -> str:
     if memo.is_file():
         return memo.read_text().strip()
     digest = _weights_digest(files)
-    with contextlib.suppress(OSError):
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        # a private temporary per writer (threads share a pid): a shared name let one
-        # thread truncate the file another had already renamed into place
-        fd, tmp_name = tempfile.mkstemp(prefix=memo.name + ".", suffix=".tmp", dir=memo.parent)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(digest)
-            os.replace(tmp_name, memo)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp_name)
+    _memoize(memo, digest)
     return digest
 
 

@@ -1,8 +1,8 @@
-"""Speculative decoding: proposers (n-gram lookup, a draft model), the verifier, the
-scheduling rules and the controller that keeps it from ever costing throughput.
+"""Speculative decoding, the runner's side: proposers (n-gram lookup, a draft model),
+the verifier and the controller that keeps it from ever costing throughput.
 
-See docs/speculative-decoding.md. The scheduler side (``scheduling``) imports no
-torch; the runner side (``verify``, ``decoder``, ``draft_model``) does.
+See docs/speculative-decoding.md. The scheduler's side is ``kvserve.sched.spec`` (no
+torch); this package stands on ``kvserve.sampling`` and under ``kvserve.worker``.
 """
 
 from __future__ import annotations

@@ -18,12 +18,12 @@ from typing import Any, overload
 
 import torch
 
+from kvserve.sampling.sampler import SamplingRequestState
 from kvserve.spec_decode.controller import SpecController
 from kvserve.spec_decode.gain import GainMonitor
 from kvserve.spec_decode.ngram import NgramProposer
 from kvserve.spec_decode.protocol import Proposer
 from kvserve.speculative_config import SpeculativeConfig
-from kvserve.worker.sampler import SamplingRequestState
 
 # A catch-up starts only if the remaining output saves this many times its cost
 # (measurements on a loaded machine are noisy; a refused catch-up costs nothing).

@@ -50,15 +50,15 @@ import torch
 from kvserve.kv_cache.manager import cdiv
 from kvserve.model.attention import SeqSpec, build_attention_metadata, resolve_attention_backend
 from kvserve.model.kv_cache_tensor import allocate_kv_cache, kv_cache_bytes_per_block
-from kvserve.seeding import splitmix64
-from kvserve.spec_decode.target_kv import caches_match, copy_rows, flat_rows, same_norm_weights
-from kvserve.speculative_config import SpeculativeConfig
-from kvserve.worker.sampler import (
+from kvserve.sampling.sampler import (
     Sampler,
     SamplingRequestState,
     _inverse_cdf_sample,
     is_sampled,
 )
+from kvserve.seeding import splitmix64
+from kvserve.spec_decode.target_kv import caches_match, copy_rows, flat_rows, same_norm_weights
+from kvserve.speculative_config import SpeculativeConfig
 
 # the draft's own uniform stream for a seeded request (distinct from the sampler's and
 # the verifier's derivations)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from kvserve.worker.sampler import SamplingRequestState
+    from kvserve.sampling.sampler import SamplingRequestState
 
 
 class Proposer(Protocol):

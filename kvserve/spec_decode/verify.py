@@ -31,8 +31,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvserve.sampling.sampler import Sampler, SamplingRequestState
 from kvserve.seeding import splitmix64
-from kvserve.worker.sampler import Sampler, SamplingRequestState
 
 # the verifier's stream for a seeded request (distinct from the sampler's and the draft's)
 _VERIFY_STREAM = 0x8CB92BA72F3D8DD7

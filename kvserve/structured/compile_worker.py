@@ -13,29 +13,21 @@ Each job runs on a thread whose stack is ``KVSERVE_COMPILE_STACK_BYTES`` (smalle
 than the server's own compile thread: what passes here passes there), and the
 address space is capped at ``KVSERVE_COMPILE_MEMORY_BYTES``. A native crash (stack
 overflow, abort) or a runaway ends this process only; the parent answers 400 and
-starts a fresh worker. Imports llguidance and ``structured.compiler`` only (no torch).
+starts a fresh worker. Imports llguidance, ``structured.compiler`` and
+``kvserve.child_process`` only (no torch).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 import sys
 import threading
-from typing import Any, BinaryIO
+from typing import Any
+
+from kvserve.child_process import serve_frames
 
 DEFAULT_STACK_BYTES = 64 << 20
-
-
-def _read_exact(stream: BinaryIO, n: int) -> bytes | None:
-    data = b""
-    while len(data) < n:
-        chunk = stream.read(n - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
 
 
 def compile_check(tokenizer: Any, kind: str, value: Any) -> str:
@@ -109,20 +101,9 @@ def main() -> int:
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    stdout.write(struct.pack(">I", 2) + b"{}")  # ready
-    stdout.flush()
-    while True:
-        header = _read_exact(stdin, 4)
-        if header is None:
-            return 0
-        body = _read_exact(stdin, struct.unpack(">I", header)[0])
-        if body is None:
-            return 0
-        answer = _answer(tokenizer, json.loads(body), stack_bytes)
-        data = json.dumps(answer).encode("utf-8")
-        stdout.write(struct.pack(">I", len(data)) + data)
-        stdout.flush()
+    return serve_frames(
+        lambda body: json.dumps(_answer(tokenizer, json.loads(body), stack_bytes)).encode("utf-8")
+    )
 
 
 if __name__ == "__main__":

@@ -30,14 +30,25 @@ it finishes. Only one :meth:`start_masks` may be outstanding at a time.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from kvserve.request import SamplingParams
 from kvserve.structured.bitmask import unpack_bitmask
 from kvserve.structured.budget import BudgetState, closing_plan
 from kvserve.structured.compiler import GrammarCompiler
+from kvserve.structured.params import StructuredOutputsParams
+
+
+class Constrained(Protocol):
+    """What :meth:`StructuredBatch.add` reads of a request's sampling parameters
+    (``kvserve.request.SamplingParams`` has both; this package stays below it)."""
+
+    @property
+    def structured_outputs(self) -> StructuredOutputsParams | None: ...
+
+    @property
+    def max_tokens(self) -> int | None: ...
 
 
 class StructuredBatch:
@@ -52,7 +63,7 @@ class StructuredBatch:
         self._pool: ThreadPoolExecutor | None = None
         self.num_closed = 0  # requests whose closing plan was forced (stats, tests)
 
-    def add(self, req_id: str, params: SamplingParams, output_token_ids: list[int]) -> None:
+    def add(self, req_id: str, params: Constrained, output_token_ids: list[int]) -> None:
         """Track ``req_id`` if its params carry structured outputs, replaying the
         tokens it already generated."""
         so = params.structured_outputs

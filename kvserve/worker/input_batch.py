@@ -38,9 +38,9 @@ from kvserve.model.attention import (
     build_attention_metadata,
 )
 from kvserve.model.kernels.backend import KernelBackend
+from kvserve.sampling.sampler import SamplingRequestState
 from kvserve.sched.output import SchedulerOutput
 from kvserve.worker.prompt_logprobs import PromptLogprobsRows, rows_to_score
-from kvserve.worker.sampler import SamplingRequestState
 
 
 @dataclass

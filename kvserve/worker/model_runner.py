@@ -31,6 +31,7 @@ from kvserve.model.kv_cache_tensor import allocate_kv_cache as allocate_kv_cache
 from kvserve.model.kv_cache_tensor import kv_cache_bytes_per_block as kv_cache_bytes_per_block
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel
+from kvserve.sampling.sampler import Sampler, SamplerOutput, SamplingRequestState
 from kvserve.sched import decode_batch_buckets
 from kvserve.sched.cost_model import CostModel
 from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -44,7 +45,6 @@ from kvserve.worker.compiled_step import CompiledDecode
 from kvserve.worker.input_batch import InputBatch, StepInputs
 from kvserve.worker.invariance_mode import resolve_auto_invariance, resolve_batch_invariant
 from kvserve.worker.prompt_logprobs import score
-from kvserve.worker.sampler import Sampler, SamplerOutput, SamplingRequestState
 
 logger = logging.getLogger(__name__)
 
@@ -225,8 +225,15 @@ class ModelRunner:
         from kvserve.lora.ops import native_lora_kernel
 
         config.validate()
+        # slot tensors in the model's dtype where it is bfloat16 (half the bytes a decode
+        # step reads), float32 otherwise
+        lora_dtype = torch.bfloat16 if self.loaded.dtype == torch.bfloat16 else torch.float32
         weights = LoRAWeights(
-            self.model.config, config.max_loras, config.max_lora_rank, device=self.device
+            self.model.config,
+            config.max_loras,
+            config.max_lora_rank,
+            device=self.device,
+            dtype=lora_dtype,
         )
         weights.native = native_lora_kernel()
         self.model.lora_weights = weights

@@ -13,10 +13,12 @@ one step slowed by another process does not move it.
 Reuse, so that starts agree: a fit is kept once per process and model
 (:func:`cached_calibration`, for every later engine on the same runner
 configuration: tests and ``LLM`` objects build many), and persisted per machine,
-model and shapes (:mod:`kvserve.worker.step_cost_store`, ``step_cost_cache``): a later
-start reuses the stored fit after a short check (:func:`check_ratio`) unless the
-machine now runs clearly faster than it says (then the stored one was measured under
-load: refitted and replaced). Each engine gets its own online correction.
+model and the shapes as cut to the cache and ``max_model_len`` (two lengths that time
+the same steps share one fit; :mod:`kvserve.worker.step_cost_store`,
+``step_cost_cache``): a later start reuses the stored fit after a short check
+(:func:`check_ratio`) unless the machine now runs clearly faster than it says (then
+the stored one was measured under load: refitted and replaced). Each engine gets its
+own online correction.
 
 Rules a caller must keep: call :func:`calibrate` before the engine's first step,
 while no request holds KV blocks (the shapes write into free blocks 1.. of the
@@ -47,6 +49,11 @@ CALIBRATION_REPEATS = 3
 STEADY_SPREAD = 1.3
 # Reuse a stored fit unless the check steps run faster than this fraction of its
 # prediction (the stored fit was measured on a loaded machine).
+# Timed runs per kind in the check (after one untimed run). One suffices: the reuse
+# rule (FASTER_THAN_STORED) and the busy-start rule (LOADED_AT_START) are 20-50 % wide,
+# the median over three kinds absorbs one slow step, and the online scale corrects the
+# rest within a few steps; each extra run costs an 8B start about 3 s.
+CHECK_TIMED_RUNS = 1
 FASTER_THAN_STORED = 0.8
 # Above this check ratio the machine is busy at start: the reused fit's online scale
 # starts at the ratio (a quiet start, within the check's noise, starts at 1: the same
@@ -237,7 +244,8 @@ _CACHE: dict[tuple[object, ...], CostModel] = {}
 
 def cached_calibration(runner: TimedRunner, *, vocab_size: int, max_model_len: int) -> CostModel:
     """The runner's step-time fit, once per process for a model, dtype, thread count,
-    block and segment size (later calls get a fresh copy with its own online state),
+    block and segment size and the shapes as cut to the runner's cache and
+    ``max_model_len`` (later calls get a fresh copy with its own online state),
     persisted across starts by ``runner.scheduler_config.step_cost_cache``:
 
     - ``auto``: reuse the fit stored for this key (:mod:`step_cost_store`) unless
@@ -248,6 +256,8 @@ def cached_calibration(runner: TimedRunner, *, vocab_size: int, max_model_len: i
     - ``refresh``: calibrate, store when steady; ``off``: calibrate, nothing stored.
     """
     mode = getattr(runner.scheduler_config, "step_cost_cache", "auto")
+    arch = getattr(getattr(runner.loaded, "model", None), "config", None)
+    shapes, max_s = shapes_for_size(DEFAULT_SHAPES, linear_weights_per_token(arch))
     key = (
         runner.loaded.fingerprint,
         str(runner.loaded.dtype),
@@ -256,13 +266,11 @@ def cached_calibration(runner: TimedRunner, *, vocab_size: int, max_model_len: i
         runner.block_size,
         runner.kv_segment_size,
         runner.compiled is not None,
-        max_model_len,
+        tuple(_fitted_shapes(runner, shapes, max_model_len)),  # what max_model_len changes
         mode,
     )
     model = _CACHE.get(key)
     if model is None:
-        arch = getattr(getattr(runner.loaded, "model", None), "config", None)
-        shapes, max_s = shapes_for_size(DEFAULT_SHAPES, linear_weights_per_token(arch))
         model = _CACHE[key] = persisted_calibration(
             runner, vocab_size=vocab_size, max_model_len=max_model_len, mode=mode,
             shapes=shapes, max_seconds=max_s,
@@ -290,7 +298,11 @@ def persisted_calibration(
             f"invalid step_cost_cache={mode!r}: must be one of "
             f"{', '.join(step_cost_store.CACHE_MODES)} (for example: step_cost_cache='auto')"
         )
-    store_key = step_cost_store.fit_key(runner, max_model_len, shapes) if mode != "off" else None
+    store_key = (
+        step_cost_store.fit_key(runner, tuple(_fitted_shapes(runner, shapes, max_model_len)))
+        if mode != "off"
+        else None
+    )
     stored: CostModel | None = None
     if store_key is not None and mode == "auto":
         stored = step_cost_store.load(store_key)
@@ -357,8 +369,10 @@ def check_ratio(
     timer: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Measured / predicted time of the cheapest shape of each kind (each run once
-    untimed, then twice, the faster counted), median over kinds: about 0.5 s. Below 1
-    the machine runs faster than ``model`` says. Also warms the runner up."""
+    untimed, then ``CHECK_TIMED_RUNS`` times, the fastest counted), median over kinds.
+    Below 1 the machine runs faster than ``model`` says. Also warms the runner up.
+    Costs about (1 + CHECK_TIMED_RUNS) x 3 small steps: 0.3 s on the default model,
+    ~5 s on an 8B."""
     fitted = _fitted_shapes(runner, shapes, max_model_len)
     cal = _Calibrator(runner, vocab_size)
     ratios: list[float] = []
@@ -369,7 +383,7 @@ def check_ratio(
                 continue
             shape = min(of_kind, key=lambda s: s.num_tokens())
             cal.run(shape, timer)
-            times = [cal.run(shape, timer) for _ in range(2)]
+            times = [cal.run(shape, timer) for _ in range(CHECK_TIMED_RUNS)]
             features, ms = min(times, key=lambda t: t[1])
             predicted = model.predict_ms(features)
             if predicted > 0 and ms > 0:

@@ -68,8 +68,8 @@ class TimedRunner(Protocol):
 
 logger = logging.getLogger(__name__)
 
-# Bump when the calibration's measurement or the model's features change meaning.
-STORE_VERSION = 2
+# Bump when the calibration's measurement, the model's features or the key change meaning.
+STORE_VERSION = 3
 CACHE_MODES = ("auto", "refresh", "off")
 
 
@@ -101,10 +101,12 @@ def _cpu() -> dict[str, str]:
     }
 
 
-def fit_key(runner: TimedRunner, max_model_len: int, shapes: object) -> dict[str, str]:
+def fit_key(runner: TimedRunner, shapes: object) -> dict[str, str]:
     """Everything a fit's coefficients depend on: the machine (processor, cores,
     torch and its thread count), the model (fingerprint, dtype, KV format, kernels in
-    use and their build), the cache layout and the calibration shapes."""
+    use and their build), the cache layout and the calibration shapes as timed
+    (``shapes``: already cut to the cache and ``max_model_len``, so lengths that time
+    the same steps share a fit)."""
     kernels = runner.kernels
     families = sorted(
         name
@@ -128,7 +130,6 @@ def fit_key(runner: TimedRunner, max_model_len: int, shapes: object) -> dict[str
         "block_size": str(runner.block_size),
         "kv_segment_size": str(runner.kv_segment_size),
         "compiled": str(runner.compiled is not None),
-        "max_model_len": str(max_model_len),
         "shapes": repr(shapes),
     }
 

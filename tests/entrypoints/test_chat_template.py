@@ -132,8 +132,8 @@ def test_render_pool_kills_a_runaway_template_and_recovers() -> None:
         )
         assert ok == ["a"]
         # a worker that died while idle (OOM killer, an operator's kill) is replaced
-        pool._idle[0].proc.kill()
-        pool._idle[0].proc.wait()
+        pool._pool._idle[0].proc.kill()
+        pool._pool._idle[0].proc.wait()
         ok = pool.render({"template": "{{ 1 + 1 }}", "variants": [[]]})
         assert ok == ["2"]
     finally:

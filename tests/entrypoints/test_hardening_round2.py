@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from support.server_helpers import REPO, ServerProcess, serve_process
+from support.structures import chain_grammar, deep_schema
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -39,18 +40,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     ]  # fmt: skip
     with serve_process(args, tmp_path_factory.mktemp("round2"), api_key=KEY) as s:
         yield s
-
-
-def chain_grammar(n: int) -> str:
-    rules = "\n".join(f'r{i}: "tok{i}" r{i + 1} | "end{i}"' for i in range(n))
-    return f'start: r0\n{rules}\nr{n}: "z"'
-
-
-def deep_schema(depth: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
 
 
 def _alive(server: ServerProcess) -> None:

@@ -7,50 +7,27 @@ from __future__ import annotations
 
 import random
 import time
-from types import SimpleNamespace
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.kv_connector import Clock, finished_loads, hashed_request, one_step
 
 from kvserve.engine.metrics import EngineMetrics
-from kvserve.kv_cache import KVCacheManager
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.decode_connector import DecodeConnector
 from kvserve.kv_transfer.prefill_connector import PrefillConnector
 from kvserve.kv_transfer.transport import in_process_pair
 from kvserve.kv_transfer.wire import Cancel, Claim, PrefillRequest, decode_message
-from kvserve.request import Request, RequestStatus, SamplingParams
+from kvserve.request import RequestStatus
 
 B = 4
 NUM_CACHE_BLOCKS = 32
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _cache(seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(2, 2, 1, NUM_CACHE_BLOCKS, B, 2, generator=g)
-
-
-def _request(req_id: str, tokens: list[int]) -> Request:
-    request = Request(req_id, tokens, SamplingParams(max_tokens=1, temperature=0.0))
-    KVCacheManager(NUM_CACHE_BLOCKS, B, 256).block_hashes(request)
-    return request
-
-
-def _step(req_id: str, start: int, n: int) -> SimpleNamespace:
-    return SimpleNamespace(
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]),
-        num_scheduled_tokens={req_id: n},
-        cached_seq_len={req_id: start},
-    )
 
 
 def _wait_sent(prefill: PrefillConnector) -> None:
@@ -101,7 +78,7 @@ def test_any_drop_duplicate_or_reorder_ends_cleanly(
         rng = random.Random(order_seed)
         prompt_len = num_full * B + remainder
         tokens = [rng.randrange(1000) for _ in range(prompt_len)]
-        d_req = _request("r", tokens)
+        d_req = hashed_request("r", tokens, NUM_CACHE_BLOCKS, B)
         hit = hit_blocks * B
         n = decode.get_num_new_matched_tokens(d_req, hit)
         p_full = (prompt_len - 1) // B * B
@@ -118,7 +95,7 @@ def test_any_drop_duplicate_or_reorder_ends_cleanly(
         assert ask.num_blocks == n // B and ask.prompt_token_ids == tokens
 
         # The prefill side computes the prompt in chunks of chunk_blocks blocks.
-        p_req = _request("peer/r", tokens)
+        p_req = hashed_request("peer/r", tokens, NUM_CACHE_BLOCKS, B)
         p_blocks = rng.sample(range(1, NUM_CACHE_BLOCKS), num_full + 1)
         assert prefill.track("peer/r", "r", "decode", ask.first_block, ask.num_blocks)
         assert not prefill.track("peer/r", "r", "decode", ask.first_block, ask.num_blocks)
@@ -126,7 +103,7 @@ def test_any_drop_duplicate_or_reorder_ends_cleanly(
         start = 0
         while start < prompt_len:
             step_n = min(chunk_blocks * B, prompt_len - start)
-            meta = prefill.build_connector_meta(_step("peer/r", start, step_n))
+            meta = prefill.build_connector_meta(one_step("peer/r", start, step_n))
             if meta is not None:
                 prefill.save_kv(meta)
             start += step_n
@@ -151,15 +128,7 @@ def test_any_drop_duplicate_or_reorder_ends_cleanly(
             dec_end._queue.put(("prefill", frames))
         dec_end.flush()
 
-        results = []
-        for _ in range(3):
-            meta = decode.build_connector_meta(None)
-            if meta is not None:
-                decode.load_kv(meta)
-            results += decode.get_finished_loads()
-            if results:
-                break
-            clock.now += 2.0  # past the timeout: a silent peer fails the load
+        results = finished_loads(decode, clock)
         (result,) = results
         assert decode.stats.snapshot().in_flight == 0
         if all_arrived:
@@ -192,10 +161,10 @@ def test_unclaimed_blocks_are_freed_after_the_lease():
     try:
         prefill.register_kv_cache(_cache(0))
         tokens = list(range(3 * B + 1))
-        p_req = _request("peer/r", tokens)
+        p_req = hashed_request("peer/r", tokens, NUM_CACHE_BLOCKS, B)
         prefill.track("peer/r", "r", "decode", 0, 3)
         prefill.update_state_after_alloc(p_req, [1, 2, 3, 4], 0)
-        prefill.save_kv(prefill.build_connector_meta(_step("peer/r", 0, len(tokens))))
+        prefill.save_kv(prefill.build_connector_meta(one_step("peer/r", 0, len(tokens))))
         p_req.append_output_token_ids(7)
         p_req.status = RequestStatus.FINISHED_LENGTH
         assert prefill.request_finished(p_req, [1, 2, 3, 4]) is True
@@ -226,15 +195,15 @@ def test_late_and_foreign_chunks_are_ignored():
         decode.register_kv_cache(torch.zeros(2, 2, 1, NUM_CACHE_BLOCKS, B, 2))
         # Chunks for a request the decode side never asked for (or already ended).
         tokens = list(range(2 * B + 1))
-        p_req = _request("peer/ghost", tokens)
+        p_req = hashed_request("peer/ghost", tokens, NUM_CACHE_BLOCKS, B)
         prefill.track("peer/ghost", "ghost", "decode", 0, 2)
         prefill.update_state_after_alloc(p_req, [1, 2, 3], 0)
-        prefill.save_kv(prefill.build_connector_meta(_step("peer/ghost", 0, len(tokens))))
+        prefill.save_kv(prefill.build_connector_meta(one_step("peer/ghost", 0, len(tokens))))
         _wait_sent(prefill)
         dec_end.flush()
         assert decode.build_connector_meta(None) is None and decode.get_finished_loads() == []
         # A request aborted on the decode side sends "cancel" and keeps nothing.
-        d_req = _request("r", tokens)
+        d_req = hashed_request("r", tokens, NUM_CACHE_BLOCKS, B)
         decode.peers.pong("prefill", 0)
         decode.update_state_after_alloc(d_req, [5, 6, 7], 2 * B)
         assert decode.stats.snapshot().in_flight == 1

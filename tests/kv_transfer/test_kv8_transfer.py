@@ -6,11 +6,10 @@ of another dtype before touching its cache), and their block hashes differ."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import torch
+from support.kv_connector import Clock, finished_loads, hashed_request, one_step
 
-from kvserve.kv_cache import KVCacheManager
 from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.kv_transfer.decode_connector import DecodeConnector
 from kvserve.kv_transfer.prefill_connector import PrefillConnector
@@ -18,33 +17,11 @@ from kvserve.kv_transfer.prefill_service import PrefillService
 from kvserve.kv_transfer.transport import in_process_pair
 from kvserve.kv_transfer.wire import Chunk, PrefillRequest, decode_message, encode_message
 from kvserve.model.kernels.kv8 import kv_cache_fingerprint, resolve_kv_cache_dtype
-from kvserve.request import Request, RequestStatus, SamplingParams
+from kvserve.request import RequestStatus
 
 B = 4
 NUM_BLOCKS = 16
 D = 8  # head_dim; 8-bit rows are D + 4 bytes
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _request(req_id: str, tokens: list[int], fingerprint: str = "") -> Request:
-    request = Request(req_id, tokens, SamplingParams(max_tokens=1, temperature=0.0))
-    KVCacheManager(NUM_BLOCKS, B, 256, model_fingerprint=fingerprint).block_hashes(request)
-    return request
-
-
-def _step(req_id: str, start: int, n: int) -> SimpleNamespace:
-    return SimpleNamespace(
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]),
-        num_scheduled_tokens={req_id: n},
-        cached_seq_len={req_id: start},
-    )
 
 
 def _int8_cache(seed: int) -> torch.Tensor:
@@ -75,17 +52,17 @@ def _run(prefill_cache: torch.Tensor, decode_cache: torch.Tensor, decode_dtype: 
         decode.register_kv_cache(decode_cache)
         decode.peers.pong("prefill", 0)
         tokens = list(range(2 * B + 1))
-        d_req = _request("r", tokens)
+        d_req = hashed_request("r", tokens, NUM_BLOCKS, B)
         n = decode.get_num_new_matched_tokens(d_req, 0)
         decode.update_state_after_alloc(d_req, [3, 5, 7], n)
         dec_end.flush()
         pre_end.flush()
         (ask,) = asks
         refusal = PrefillService(None, prefill, pre_end)._check(ask)
-        p_req = _request("peer/r", tokens)
+        p_req = hashed_request("peer/r", tokens, NUM_BLOCKS, B)
         prefill.track("peer/r", "r", "decode", ask.first_block, ask.num_blocks)
         prefill.update_state_after_alloc(p_req, [2, 4, 6], 0)
-        prefill.save_kv(prefill.build_connector_meta(_step("peer/r", 0, len(tokens))))
+        prefill.save_kv(prefill.build_connector_meta(one_step("peer/r", 0, len(tokens))))
         p_req.append_output_token_ids(1)
         p_req.status = RequestStatus.FINISHED_LENGTH
         prefill.request_finished(p_req, [2, 4, 6])
@@ -93,15 +70,7 @@ def _run(prefill_cache: torch.Tensor, decode_cache: torch.Tensor, decode_dtype: 
         while any(p.queued for p in prefill._pushes.values()) and time.monotonic() < deadline:
             time.sleep(0.001)
         dec_end.flush()
-        results = []
-        for _ in range(3):
-            meta = decode.build_connector_meta(None)
-            if meta is not None:
-                decode.load_kv(meta)
-            results += decode.get_finished_loads()
-            if results:
-                break
-            clock.now += 2.0
+        results = finished_loads(decode, clock)
         (result,) = results
         return ask, refusal, result
     finally:
@@ -155,7 +124,10 @@ def test_block_hashes_differ_by_kv_format():
     }
     assert fps["auto"] == fps["bfloat16"] == "model-fp"  # the same storage: shared
     assert kv_cache_fingerprint("model-fp", bf16, torch.bfloat16) == "model-fp"
-    hashes = {name: _request("r", tokens, fp).block_hashes for name, fp in fps.items()}
+    hashes = {
+        name: hashed_request("r", tokens, NUM_BLOCKS, B, fp).block_hashes
+        for name, fp in fps.items()
+    }
     assert hashes["int8"] != hashes["bfloat16"] and hashes["fp8_e4m3"] != hashes["int8"]
     assert hashes["fp8_e4m3"] != hashes["bfloat16"]
     assert all(a != b for a, b in zip(hashes["int8"], hashes["bfloat16"], strict=True))

@@ -135,8 +135,8 @@ def test_native_kernel_is_built_here() -> None:
     assert native_lora_kernel() is not None
 
 
-def test_portable_cpp_path_matches(weights, tmp_path: Path) -> None:
-    """lora.cpp compiled without AVX-512 (its portable loops) gives the same deltas."""
+def _portable_kernel(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """lora.cpp compiled without AVX-512 (its portable loops), bound as NativeLoRA."""
     import ctypes
     import shutil
     import subprocess
@@ -153,11 +153,16 @@ def test_portable_cpp_path_matches(weights, tmp_path: Path) -> None:
            "-std=c++17", str(CSRC / "lora.cpp"), "-o", str(so)]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True)
     names = ["x", "x_stride", "y", "y_stride", "rows", "in_f", "out_f", "A", "Bt", "row_slot",
-             "offsets", "parts", "rank", "dtype", "nthreads"]  # fmt: skip
-    types = [PTR, I64, PTR, I64, I64, I64, I64, PTR, PTR, PTR, PTR, I32, I32, I32, I32]
-    portable = NativeLoRA(
+             "offsets", "parts", "rank", "dtype", "w_dtype", "nthreads"]  # fmt: skip
+    types = [PTR, I64, PTR, I64, I64, I64, I64, PTR, PTR, PTR, PTR, I32, I32, I32, I32, I32]
+    return NativeLoRA(
         CFunction(ctypes.CDLL(str(so)), "kvs_lora_delta", list(zip(names, types, strict=True)))
     )
+
+
+def test_portable_cpp_path_matches(weights, tmp_path: Path) -> None:
+    """lora.cpp compiled without AVX-512 (its portable loops) gives the same deltas."""
+    portable = _portable_kernel(tmp_path)
     w, adapters = weights
     saved = w.native
     try:
@@ -202,3 +207,93 @@ def test_native_row_is_bitwise_the_same_alone_and_in_a_batch(weights, dtype) -> 
                 assert torch.equal(alone[0], batch[t]), (f, t)
     finally:
         w.native = saved
+
+
+def _odd_case(wdtype: torch.dtype, xdtype: torch.dtype, seed: int = 0):  # type: ignore[no-untyped-def]
+    """Shapes off every block size: in 37 (not a multiple of 16 or 32), rank 3 (P*R = 9:
+    two blocks of 4 A rows and one), parts of 70, 5 and 21 columns (64-column blocks,
+    16-column blocks and scalar tails); 11 rows over 3 slots and the base."""
+    g = torch.Generator().manual_seed(seed)
+    slots, rank, in_f, offs = 3, 3, 37, [0, 70, 75, 96]
+    a = (torch.randn(slots, 3 * rank, in_f, generator=g) * 0.3).to(wdtype)
+    bt = (torch.randn(slots, rank, offs[-1], generator=g) * 0.3).to(wdtype)
+    row_slots = [2, 0, 0, -1, 1, 0, 0, 0, 0, 2, 0]
+    x = torch.randn(len(row_slots), in_f, generator=g).to(xdtype)
+    y = torch.randn(len(row_slots), offs[-1], generator=g).to(xdtype)
+    return a, bt, row_slots, x, y, offs, rank
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_odd_shapes_native_and_portable_match_torch(
+    tmp_path: Path, wdtype: torch.dtype, xdtype: torch.dtype
+) -> None:
+    """Every block and tail of the tiled kernel (AVX-512 build, and the portable one)
+    against the torch reference, in every rows x weights dtype; base rows untouched."""
+    native = native_lora_kernel()
+    if native is None:
+        pytest.skip("no native LoRA kernel here")
+    a, bt, row_slots, x, y, offs, rank = _odd_case(wdtype, xdtype)
+    batch = LoRABatch.from_row_slots(row_slots)
+    assert batch is not None
+    want = y.clone()
+    lora_delta_torch(x, want, a, bt, batch, offs, rank)
+    tol = 1e-5 if xdtype == torch.float32 else 2e-2
+    for kernel in (native, _portable_kernel(tmp_path)):
+        got = y.clone()
+        kernel.delta(x, got, a, bt, batch.row_slots, torch.tensor(offs), rank)
+        torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
+        assert torch.equal(got[3], y[3])
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tiled_rows_are_bitwise_alone_and_in_a_batch(wdtype: torch.dtype, threads: int) -> None:
+    """A row's delta is the same bitwise alone, in tiles of 2-4 rows and over threads."""
+    native = native_lora_kernel()
+    if native is None:
+        pytest.skip("no native LoRA kernel here")
+    a, bt, row_slots, x, y, offs, rank = _odd_case(wdtype, torch.bfloat16, seed=1)
+    offsets = torch.tensor(offs)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # many rows, so the kernel's work estimate asks for every thread
+        big = torch.cat([x] * 40)
+        ys = torch.cat([y] * 40)
+        slots = torch.tensor(row_slots * 40, dtype=torch.int32)
+        native.delta(big, ys, a, bt, slots, offsets, rank)
+        for t, s in enumerate(row_slots):
+            alone = y[t : t + 1].clone()
+            native.delta(x[t : t + 1], alone, a, bt, torch.tensor([s], dtype=torch.int32),
+                         offsets, rank)  # fmt: skip
+            for rep in range(40):
+                assert torch.equal(ys[rep * len(row_slots) + t], alone[0]), (t, rep)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_bfloat16_slot_tensors_match_the_reference(tmp_path: Path) -> None:
+    """bfloat16 slot tensors (a bfloat16 model's): the rounded adapter's delta."""
+    w = LoRAWeights(ARCH, 2, 8, dtype=torch.bfloat16)
+    a = load_adapter(str(make_adapter(tmp_path / "a", HF, rank=8, seed=4, std=0.3)), ARCH, 8)
+    w.set_slot(1, a)
+    assert (
+        w.A[0]["qkv"].dtype == torch.bfloat16 and w.nbytes() * 2 == LoRAWeights(ARCH, 2, 8).nbytes()
+    )
+    for native in (native_lora_kernel(), None):
+        w.native = native
+        for f in FUSED_PARTS:
+            x = torch.randn(3, w.in_features[f]).to(torch.bfloat16)
+            y = torch.zeros(3, w.offsets[f][-1], dtype=torch.bfloat16)
+            batch = LoRABatch.from_row_slots([1, -1, 1])
+            assert batch is not None
+            w.apply(0, f, x, y, batch)
+            want = reference(x.float(), f, 0, [1, -1, 1], [None, a])
+            torch.testing.assert_close(y.double(), want, rtol=3e-2, atol=3e-2)
+            assert not y[1].any()
+
+
+def test_slot_tensor_dtype_is_checked() -> None:
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        LoRAWeights(ARCH, 1, 4, dtype=torch.float16)

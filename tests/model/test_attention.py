@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -38,6 +40,77 @@ def reference_attention(
     q_pos = torch.arange(c, c + n)[:, None]
     scores = scores.masked_fill(pos[None, :] > q_pos, float("-inf"))
     return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).float()
+
+
+def random_step(
+    case: dict, dtype: torch.dtype
+) -> tuple[list[SeqSpec], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_make_step`'s specs and cache, and random q, k, v for it, all in ``dtype``:
+    (specs, q, k, v, kv_cache)."""
+    specs, num_tokens, kv_cache = _make_step(case)
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    h, hk, d = case["num_heads"], case["num_kv_heads"], case["head_dim"]
+    q, k, v = (torch.randn(num_tokens, n, d, generator=gen).to(dtype) for n in (h, hk, hk))
+    return specs, q, k, v, kv_cache.to(dtype)
+
+
+def native_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    specs: list[SeqSpec],
+    case: dict,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_attention`` of one step on the native backend, with the metadata of the
+    case's block size, segment size and dummy decode rows (K/V in q's dtype)."""
+    meta = build_attention_metadata(
+        specs,
+        num_tokens=q.shape[0],
+        num_dummy_decode_rows=case["num_dummy"],
+        block_size=case["block_size"],
+        kv_segment_size=case["kv_segment_size"],
+        backend="native",
+        kv_dtype=q.dtype,
+    )
+    return paged_attention(q, k, v, kv_cache, meta, scale)
+
+
+def check_rows(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    specs: list[SeqSpec],
+    block_size: int,
+    scale: float,
+    tol: float,
+) -> None:
+    """Each request's real rows of ``out`` match :func:`reference_attention` (atol and
+    rtol ``tol``)."""
+    for s in specs:
+        ref = reference_attention(q.float(), kv_cache.float(), s, block_size, scale)
+        got = out[s.token_start : s.token_start + s.num_tokens].float()
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+
+
+def spy_calls(mp: pytest.MonkeyPatch, kernel: object, record: Callable[..., Any]) -> list[Any]:
+    """Patch ``kernel``'s class so that each call appends ``record(*args, **kwargs)``
+    (args after self) to the returned list, then runs the kernel."""
+    calls: list[Any] = []
+    original = type(kernel).__call__  # type: ignore[operator]
+
+    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(record(*args, **kwargs))
+        return original(self, *args, **kwargs)
+
+    mp.setattr(type(kernel), "__call__", spy)
+    return calls
+
+
+def seqs_and_merge(*args: Any, **kwargs: Any) -> tuple[int, bool]:
+    """A prefill kernel call's record for :func:`spy_calls`: (number of seqs, merge)."""
+    return args[2].shape[0], bool(kwargs.get("merge"))
 
 
 @st.composite
@@ -229,26 +302,11 @@ def test_portable_attention_matches_cpu_kernel(causal: bool) -> None:
 @given(case=batches())
 def test_native_bfloat16_matches_float64_reference(case: dict) -> None:
     """bf16 K/V and queries: the kernel accumulates in fp32, so only input rounding shows."""
-    specs, num_tokens, kv_cache = _make_step(case)
-    kv_cache = kv_cache.bfloat16()
-    gen = torch.Generator().manual_seed(case["seed"] + 1)
-    h, hk, d = case["num_heads"], case["num_kv_heads"], case["head_dim"]
-    q, k, v = (torch.randn(num_tokens, n, d, generator=gen).bfloat16() for n in (h, hk, hk))
-    meta = build_attention_metadata(
-        specs,
-        num_tokens=num_tokens,
-        num_dummy_decode_rows=case["num_dummy"],
-        block_size=case["block_size"],
-        kv_segment_size=case["kv_segment_size"],
-        backend="native",
-        kv_dtype=torch.bfloat16,
-    )
-    out = paged_attention(q, k, v, kv_cache, meta, d**-0.5)
+    specs, q, k, v, kv_cache = random_step(case, torch.bfloat16)
+    d = case["head_dim"]
+    out = native_step(q, k, v, kv_cache, specs, case, d**-0.5)
     assert out.dtype == torch.bfloat16
-    for s in specs:
-        ref = reference_attention(q.float(), kv_cache.float(), s, case["block_size"], d**-0.5)
-        got = out[s.token_start : s.token_start + s.num_tokens].float()
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    check_rows(out, q, kv_cache, specs, case["block_size"], d**-0.5, 2e-2)
     assert torch.isfinite(out.float()).all(), "padding and dummy rows stay finite"
 
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig
+from support.tiny_models import random_llama
 
-from kvserve.model.arch import ModelArchConfig
 from kvserve.model.kernels.backend import default_backend
 from kvserve.model.linear import FastLinear
 from kvserve.model.llama import LlamaForCausalLM
@@ -19,25 +18,7 @@ NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _tiny_bf16(tied: bool) -> LlamaForCausalLM:
-    cfg = ModelArchConfig.from_hf_config(
-        LlamaConfig(
-            vocab_size=96,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-            tie_word_embeddings=tied,
-            architectures=["LlamaForCausalLM"],
-        )
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.5)
-    return model.to(torch.bfloat16)
+    return random_llama(96, 64, 128, tied=tied).to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("tied", [True, False])

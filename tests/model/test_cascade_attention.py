@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from model.test_attention import reference_attention
+from model.test_attention import check_rows, native_step, spy_calls
 
-from kvserve.model.attention import SeqSpec, build_attention_metadata, paged_attention
+from kvserve.model.attention import SeqSpec
 from kvserve.model.kernels.backend import default_backend
 from kvserve.model.kernels.prefill_amx import AMX_ENV_VAR
 from kvserve.model.kernels.prefill_vec import VEC_ENV_VAR
@@ -102,32 +102,13 @@ def test_vector_cascade_matches_reference(case: dict, dtype: torch.dtype) -> Non
     case = dict(case, prefill=None)
     specs, num_tokens, kv_cache, num_groups = _shared_prefix_specs(case)
     kv_cache = kv_cache.to(dtype)
-    calls: list[bool] = []
-    original = type(kernel).__call__
-
-    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(kwargs.get("out") is not None)
-        return original(self, *args, **kwargs)
-
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(AMX_ENV_VAR, "0")
         mp.setenv(VEC_ENV_VAR, "0")
-        mp.setattr(type(kernel), "__call__", spy)
+        calls = spy_calls(mp, kernel, lambda *args, **kwargs: kwargs.get("out") is not None)
         gen = torch.Generator().manual_seed(case["seed"] + 1)
         q, k, v = (torch.randn(num_tokens, n, 64, generator=gen).to(dtype) for n in (9, 3, 3))
-        meta = build_attention_metadata(
-            specs,
-            num_tokens=num_tokens,
-            num_dummy_decode_rows=case["num_dummy"],
-            block_size=case["block_size"],
-            kv_segment_size=case["kv_segment_size"],
-            backend="native",
-            kv_dtype=dtype,
-        )
-        out = paged_attention(q, k, v, kv_cache, meta, 0.125)
+        out = native_step(q, k, v, kv_cache, specs, case, 0.125)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for s in specs:
-        ref = reference_attention(q.float(), kv_cache.float(), s, case["block_size"], 0.125)
-        got = out[s.token_start : s.token_start + s.num_tokens].float()
-        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    check_rows(out, q, kv_cache, specs, case["block_size"], 0.125, tol)
     assert calls.count(True) == (1 if num_groups else 0), "one merged call for all groups"

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support.prefill import chunked_prefill_logits
 
-from kvserve.model.attention import SeqSpec, build_attention_metadata
 from kvserve.model.kernels.backend import default_backend
-from kvserve.worker.model_runner import allocate_kv_cache
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -111,28 +110,12 @@ def test_native_forward_matches_portable(loaded_model) -> None:
     model = loaded_model.model
     assert model.uses_native_layers
     ids = loaded_model.tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"]
-    n, bs = len(ids), 16
-    blocks = list(range(1, 2 + n // bs))
-    logits = {}
-    for backend in ("native", "portable"):
-        kv = allocate_kv_cache(model, len(blocks) + 1, bs, torch.float32)
-        out = []
-        with torch.inference_mode():
-            for start in range(0, n, 24):  # chunked: later chunks read the pages
-                end = min(start + 24, n)
-                meta = build_attention_metadata(
-                    [SeqSpec(0, end - start, end - start, start, blocks)],
-                    num_tokens=end - start,
-                    block_size=bs,
-                    kv_segment_size=32,
-                    backend=backend,  # type: ignore[arg-type]
-                )
-                hidden = model(
-                    torch.tensor(ids[start:end]), torch.arange(start, end), list(kv.unbind(0)), meta
-                )
-                assert hidden.dtype == torch.float32
-                out.append(model.compute_logits(hidden))
-        logits[backend] = torch.cat(out)
+    logits = {
+        backend: chunked_prefill_logits(  # chunked: later chunks read the pages
+            model, ids, chunk=24, backend=backend, kv_segment_size=32, hidden_dtype=torch.float32
+        )
+        for backend in ("native", "portable")
+    }
     torch.testing.assert_close(logits["native"], logits["portable"], atol=2e-3, rtol=1e-4)
 
 

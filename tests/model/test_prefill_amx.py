@@ -6,10 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from model.test_attention import _make_step, reference_attention
+from model.test_attention import check_rows, native_step, random_step, seqs_and_merge, spy_calls
 from model.test_cascade_attention import _shared_prefix_specs, shared_prefix_steps
 
-from kvserve.model.attention import build_attention_metadata, paged_attention
 from kvserve.model.kernels.backend import default_backend
 from kvserve.model.kernels.prefill_amx import AMX_ENV_VAR
 
@@ -45,33 +44,12 @@ def amx_batches(draw: st.DrawFn) -> dict:
 def _run(case: dict, monkeypatch: pytest.MonkeyPatch, amx: bool) -> tuple[torch.Tensor, list, int]:
     assert _KERNEL is not None
     monkeypatch.setenv(AMX_ENV_VAR, "1" if amx else "0")
-    calls = []
-    original = type(_KERNEL).__call__
-
-    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(args[2].shape[0])
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(type(_KERNEL), "__call__", spy)
-    specs, num_tokens, kv_cache = _make_step(case)
-    kv_cache = kv_cache.bfloat16()
-    gen = torch.Generator().manual_seed(case["seed"] + 1)
-    h, hk, d = case["num_heads"], case["num_kv_heads"], case["head_dim"]
-    q, k, v = (torch.randn(num_tokens, n, d, generator=gen).bfloat16() for n in (h, hk, hk))
-    meta = build_attention_metadata(
-        specs,
-        num_tokens=num_tokens,
-        num_dummy_decode_rows=case["num_dummy"],
-        block_size=case["block_size"],
-        kv_segment_size=case["kv_segment_size"],
-        backend="native",
-        kv_dtype=torch.bfloat16,
-    )
-    out = paged_attention(q, k, v, kv_cache, meta, d**-0.5)
+    calls = spy_calls(monkeypatch, _KERNEL, lambda *args, **kwargs: args[2].shape[0])
+    specs, q, k, v, kv_cache = random_step(case, torch.bfloat16)
+    d = case["head_dim"]
+    out = native_step(q, k, v, kv_cache, specs, case, d**-0.5)
+    check_rows(out, q, kv_cache, specs, case["block_size"], d**-0.5, 2e-2)
     for s in specs:
-        ref = reference_attention(q.float(), kv_cache.float(), s, case["block_size"], d**-0.5)
-        got = out[s.token_start : s.token_start + s.num_tokens].float()
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
         pad = out[s.token_start + s.num_tokens : s.token_start + s.num_rows]
         if amx and s.num_rows > 1:
             assert (pad == 0).all(), "AMX padding rows are zero"
@@ -108,31 +86,12 @@ def test_cascade_decode_matches_reference(case: dict) -> None:
     """Shared-prefix decode groups: prefix once on AMX, merged with each row's suffix."""
     assert _KERNEL is not None
     specs, num_tokens, kv_cache, num_groups = _shared_prefix_specs(case)
-    calls: list[tuple[int, bool]] = []
-    original = type(_KERNEL).__call__
-
-    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append((args[2].shape[0], bool(kwargs.get("merge"))))
-        return original(self, *args, **kwargs)
-
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(AMX_ENV_VAR, "1")
-        mp.setattr(type(_KERNEL), "__call__", spy)
+        calls = spy_calls(mp, _KERNEL, seqs_and_merge)
         gen = torch.Generator().manual_seed(case["seed"] + 1)
         q, k, v = (torch.randn(num_tokens, n, 64, generator=gen).bfloat16() for n in (9, 3, 3))
-        meta = build_attention_metadata(
-            specs,
-            num_tokens=num_tokens,
-            num_dummy_decode_rows=case["num_dummy"],
-            block_size=case["block_size"],
-            kv_segment_size=case["kv_segment_size"],
-            backend="native",
-            kv_dtype=torch.bfloat16,
-        )
-        out = paged_attention(q, k, v, kv_cache, meta, 0.125)
-    for s in specs:
-        ref = reference_attention(q.float(), kv_cache.float(), s, case["block_size"], 0.125)
-        got = out[s.token_start : s.token_start + s.num_tokens].float()
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+        out = native_step(q, k, v, kv_cache, specs, case, 0.125)
+    check_rows(out, q, kv_cache, specs, case["block_size"], 0.125, 2e-2)
     merges = [n for n, merge in calls if merge]
     assert merges == ([num_groups] if num_groups else [])

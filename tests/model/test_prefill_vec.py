@@ -9,7 +9,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from model.test_attention import _make_step, reference_attention
+from model.test_attention import (
+    check_rows,
+    native_step,
+    random_step,
+    seqs_and_merge,
+    spy_calls,
+)
 from model.test_cascade_attention import _shared_prefix_specs, shared_prefix_steps
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata, paged_attention
@@ -56,15 +62,7 @@ def prefill_batches(draw: st.DrawFn) -> dict:
 def _spy(mp: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
     """Record each PrefillVec call as (number of seqs, merge)."""
     assert _KERNEL is not None
-    calls: list[tuple[int, bool]] = []
-    original = type(_KERNEL).__call__
-
-    def spy(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append((args[2].shape[0], bool(kwargs.get("merge"))))
-        return original(self, *args, **kwargs)
-
-    mp.setattr(type(_KERNEL), "__call__", spy)
-    return calls
+    return spy_calls(mp, _KERNEL, seqs_and_merge)
 
 
 @pytest.mark.parametrize(("isa", "dtype"), _VARIANTS)
@@ -75,26 +73,12 @@ def test_vec_prefill_matches_reference(isa: str, dtype: torch.dtype, case: dict)
         mp.setenv(AMX_ENV_VAR, "0")
         mp.setenv(VEC_ENV_VAR, isa)
         calls = _spy(mp)
-        specs, num_tokens, kv_cache = _make_step(case)
-        kv_cache = kv_cache.to(dtype)
-        gen = torch.Generator().manual_seed(case["seed"] + 1)
-        h, hk, d = case["num_heads"], case["num_kv_heads"], case["head_dim"]
-        q, k, v = (torch.randn(num_tokens, n, d, generator=gen).to(dtype) for n in (h, hk, hk))
-        meta = build_attention_metadata(
-            specs,
-            num_tokens=num_tokens,
-            num_dummy_decode_rows=case["num_dummy"],
-            block_size=case["block_size"],
-            kv_segment_size=case["kv_segment_size"],
-            backend="native",
-            kv_dtype=dtype,
-        )
-        out = paged_attention(q, k, v, kv_cache, meta, d**-0.5)
+        specs, q, k, v, kv_cache = random_step(case, dtype)
+        d = case["head_dim"]
+        out = native_step(q, k, v, kv_cache, specs, case, d**-0.5)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
+    check_rows(out, q, kv_cache, specs, case["block_size"], d**-0.5, tol)
     for s in specs:
-        ref = reference_attention(q.float(), kv_cache.float(), s, case["block_size"], d**-0.5)
-        got = out[s.token_start : s.token_start + s.num_tokens].float()
-        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
         if s.num_rows > 1:
             pad = out[s.token_start + s.num_tokens : s.token_start + s.num_rows]
             assert (pad == 0).all(), "padding rows of a prefill are zero"
@@ -141,20 +125,8 @@ def test_vec_cascade_decode_matches_reference(case: dict) -> None:
         calls = _spy(mp)
         gen = torch.Generator().manual_seed(case["seed"] + 1)
         q, k, v = (torch.randn(num_tokens, n, 64, generator=gen).bfloat16() for n in (9, 3, 3))
-        meta = build_attention_metadata(
-            specs,
-            num_tokens=num_tokens,
-            num_dummy_decode_rows=case["num_dummy"],
-            block_size=case["block_size"],
-            kv_segment_size=case["kv_segment_size"],
-            backend="native",
-            kv_dtype=torch.bfloat16,
-        )
-        out = paged_attention(q, k, v, kv_cache, meta, 0.125)
-    for s in specs:
-        ref = reference_attention(q.float(), kv_cache.float(), s, case["block_size"], 0.125)
-        got = out[s.token_start : s.token_start + s.num_tokens].float()
-        torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+        out = native_step(q, k, v, kv_cache, specs, case, 0.125)
+    check_rows(out, q, kv_cache, specs, case["block_size"], 0.125, 2e-2)
     assert [n for n, merge in calls if merge] == ([num_groups] if num_groups else [])
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.prefill import chunked_prefill_logits
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata
 from kvserve.worker.model_runner import allocate_kv_cache
@@ -28,26 +29,7 @@ def quant_model():  # type: ignore[no-untyped-def]
 
 
 def _prefill_logits(model, ids: list[int], backend: str = "native") -> torch.Tensor:  # type: ignore[no-untyped-def]
-    n, bs = len(ids), 16
-    blocks = list(range(1, 2 + n // bs))
-    kv = allocate_kv_cache(model, len(blocks) + 1, bs, torch.float32)
-    out = []
-    with torch.inference_mode():
-        for start in range(0, n, 96):
-            end = min(start + 96, n)
-            meta = build_attention_metadata(
-                [SeqSpec(0, end - start, end - start, start, blocks)],
-                num_tokens=end - start,
-                block_size=bs,
-                kv_segment_size=64,
-                backend=backend,  # type: ignore[arg-type]
-                kv_dtype=torch.float32,
-            )
-            hidden = model(
-                torch.tensor(ids[start:end]), torch.arange(start, end), list(kv.unbind(0)), meta
-            )
-            out.append(model.compute_logits(hidden))
-    return torch.cat(out)
+    return chunked_prefill_logits(model, ids, chunk=96, backend=backend)
 
 
 def test_quantized_weights_are_the_files(quant_model, loaded_model) -> None:  # type: ignore[no-untyped-def]

@@ -10,32 +10,14 @@ import random
 from types import SimpleNamespace
 
 import torch
-from transformers import LlamaConfig
+from support.tiny_models import random_llama
 
 from kvserve.kv_cache.manager import cdiv
-from kvserve.model.arch import ModelArchConfig
-from kvserve.model.llama import LlamaForCausalLM
 from kvserve.spec_decode.draft_model import CATCH_UP_CHUNK, DraftModelProposer
 
 
 def tiny_loaded() -> SimpleNamespace:
-    cfg = ModelArchConfig.from_hf_config(
-        LlamaConfig(
-            vocab_size=50,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-            architectures=["LlamaForCausalLM"],
-        )
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.5)
+    model = random_llama(50, 32, 64)
     model.prepare()
     return SimpleNamespace(model=model, device=torch.device("cpu"), dtype=torch.float32)
 
@@ -97,7 +79,7 @@ def test_long_prompt_catches_up_in_chunks_without_delaying_the_first_token():
 
 def test_sampled_requests_get_sampled_drafts_with_their_distributions():
     from kvserve.request import SamplingParams
-    from kvserve.worker.sampler import SamplingRequestState
+    from kvserve.sampling.sampler import SamplingRequestState
 
     loaded = tiny_loaded()
     p = DraftModelProposer(loaded, num_blocks=64, block_size=4, max_model_len=128)

@@ -171,7 +171,7 @@ class CatchingUp(FakeProposer):
 
 def state(max_tokens: int, outputs: int):
     from kvserve.request import SamplingParams
-    from kvserve.worker.sampler import SamplingRequestState
+    from kvserve.sampling.sampler import SamplingRequestState
 
     st = SamplingRequestState(SamplingParams(temperature=0.0, max_tokens=max_tokens), [1], [])
     st.output_token_ids = [2] * outputs

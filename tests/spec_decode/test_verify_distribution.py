@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from kvserve.request import SamplingParams
+from kvserve.sampling.sampler import Sampler, SamplingRequestState
 from kvserve.spec_decode import verify
 from kvserve.spec_decode.verify import draft_states, draw, num_accepted, rejection_sample
-from kvserve.worker.sampler import Sampler, SamplingRequestState
 
 V = 6
 LOGITS = torch.tensor(

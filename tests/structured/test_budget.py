@@ -71,18 +71,6 @@ REQUIRED = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from kvserve.model.loader import load_tokenizer
-
-    return load_tokenizer("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer: Any) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, 49152, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-
-
-@pytest.fixture(scope="module")
 def texts(tokenizer: Any) -> list[str]:
     return [tokenizer.decode([i]) for i in range(49152)]
 

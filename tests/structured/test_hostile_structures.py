@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import pytest
+from support.structures import chain_grammar, deep_schema
 
 from kvserve.request import RequestError
 from kvserve.structured.compile_pool import CompilePool, CompileRefused
@@ -19,33 +20,6 @@ from kvserve.structured.limits import (
     check_schema,
 )
 from kvserve.structured.params import StructuredOutputsParams
-
-
-def chain_grammar(n: int) -> str:
-    """The issue's grammar: ``n`` chained rules (a native stack overflow at 3,000)."""
-    rules = "\n".join(f'r{i}: "tok{i}" r{i + 1} | "end{i}"' for i in range(n))
-    return f'start: r0\n{rules}\nr{n}: "z"'
-
-
-def deep_schema(depth: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string"}
-    for _ in range(depth):
-        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
-    return schema
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from kvserve.model.loader import load_tokenizer
-
-    return load_tokenizer("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer: Any) -> Any:
-    c = GrammarCompiler(tokenizer, 49152, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    yield c
-    c.close()
 
 
 def test_limits_refuse_the_deep_structures_before_native_code() -> None:

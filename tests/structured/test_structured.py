@@ -18,18 +18,6 @@ from kvserve.structured.matcher import StructuredBatch
 from kvserve.structured.params import StructuredOutputsParams
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from kvserve.model.loader import load_tokenizer
-
-    return load_tokenizer("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer: Any) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, 49152, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-
-
 def test_params_need_exactly_one_constraint() -> None:
     with pytest.raises(RequestError, match="exactly one"):
         StructuredOutputsParams()

@@ -25,18 +25,6 @@ from kvserve.structured.params import StructuredOutputsParams
 FAIL_TOKEN = 17  # a prompt holding it: the runner reports its matcher failed
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from kvserve.model.loader import load_tokenizer
-
-    return load_tokenizer("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer: Any) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, 49152, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-
-
 @pytest.mark.parametrize(
     ("params", "field"),
     [

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
+from kvserve.bench.disagg import scrape_metrics, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,20 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_healthy(base_url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
-        try:
-            if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"server at {base_url} not healthy after {timeout_s} s")
 
 
 @dataclass
@@ -145,17 +130,7 @@ def scrape(base_url: str) -> dict[str, float]:
     one), parsed by prometheus-client's parser: sample name -> value (labels other
     than model_name are appended as ``name{k=v}``)."""
     key = API_KEYS.get(base_url)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    text = httpx.get(base_url + "/metrics", timeout=10, headers=headers).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            extra = {k: v for k, v in sample.labels.items() if k != "model_name"}
-            key = sample.name
-            if extra:
-                key += "{" + ",".join(f"{k}={v}" for k, v in sorted(extra.items())) + "}"
-            out[key] = sample.value
-    return out
+    return scrape_metrics(base_url, {"Authorization": f"Bearer {key}"} if key else None)
 
 
 def wait_for_metric(base_url: str, name: str, value: float, timeout_s: float = 30.0) -> float:

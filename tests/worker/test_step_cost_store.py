@@ -18,6 +18,8 @@ from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.worker import step_cost, step_cost_store
 from kvserve.worker.step_cost import calibrate, persisted_calibration
 
+CHECK_CALLS = 3 * (1 + step_cost.CHECK_TIMED_RUNS)  # the reuse check: 3 kinds, warmed then timed
+
 TRUTH = (4.0, 0.5, 2.5e-4, 7e-4, 0.1)  # about the quiet bf16 startup fit of this machine
 
 
@@ -125,7 +127,7 @@ def test_the_persisted_fit_is_reused_across_starts(store):
     # the next start: a short check (one cheap shape per kind), then the stored fit
     again = ClockRunner()
     reused = _persisted(again)
-    assert reused.source.startswith("stored") and again.calls == 9
+    assert reused.source.startswith("stored") and again.calls == CHECK_CALLS
     assert reused.coef == pytest.approx(fit.coef, rel=1e-12)
     # a start while the machine is busy (every step 2x): the same fit, the same
     # decisions (online correction then follows the load)
@@ -233,3 +235,28 @@ def test_one_fit_per_process_each_engine_its_own_online_state(store, monkeypatch
     runner.scheduler_config = SchedulerConfig(step_cost_cache="off")
     step_cost.cached_calibration(runner, vocab_size=1000, max_model_len=4096)  # type: ignore[arg-type]
     assert runner.calls > calls
+
+
+def test_lengths_that_time_the_same_steps_share_a_stored_fit(store):
+    # every default shape fits whole from max_model_len 2,624 on (64 new tokens over
+    # 2,560): 3,000 and 8,192 time the same steps, one fit; 1,024 cuts them, its own
+    def persisted(runner: ClockRunner, max_model_len: int) -> CostModel:
+        return persisted_calibration(
+            runner,  # type: ignore[arg-type]
+            vocab_size=1000,
+            max_model_len=max_model_len,
+            timer=runner.clock,
+        )
+
+    first = ClockRunner()
+    assert persisted(first, 3000).source == "calibrated" and first.calls >= 30
+    longer = ClockRunner()
+    assert persisted(longer, 8192).source.startswith("stored") and longer.calls == CHECK_CALLS
+    shorter = ClockRunner()
+    assert persisted(shorter, 1024).source == "calibrated" and shorter.calls >= 30
+    assert len(list(store.glob("*.json"))) == 2
+    # a cache too small for the shapes cuts them too: another fit
+    small = ClockRunner()
+    small.num_kv_blocks = 64
+    assert persisted(small, 3000).source == "calibrated"
+    assert len(list(store.glob("*.json"))) == 3

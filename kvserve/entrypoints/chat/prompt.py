@@ -37,7 +37,7 @@ from typing import Any
 from kvserve.entrypoints.chat.template import (
     MAX_TEMPLATE_CHARS,
     TemplateError,
-    render_template,
+    render_job,
 )
 from kvserve.entrypoints.chat.tokenize import SafeTokenizer
 
@@ -70,18 +70,7 @@ class ChatPrompt:
 def render_in_process(job: dict[str, Any]) -> list[str]:
     """Render a job (see ``render_worker``) in this process and thread: sandboxed but
     not time-bounded (for the offline API, whose template is the caller's own)."""
-    return [
-        render_template(
-            job["template"],
-            messages,
-            tools=job.get("tools"),
-            add_generation_prompt=bool(job.get("add_generation_prompt", True)),
-            special_tokens=job.get("special_tokens") or {},
-            max_chars=int(job.get("max_chars", 64 * 1024 * 1024)),
-            variables=job.get("kwargs") or {},
-        )
-        for messages in job["variants"]
-    ]
+    return render_job(job)
 
 
 def _special_token_vars(tokenizer: Any) -> dict[str, str]:

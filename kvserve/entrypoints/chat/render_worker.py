@@ -11,44 +11,24 @@ stdin and writes answers to stdout, each a 4-byte big-endian length then UTF-8 J
 Its address space is capped (``KVSERVE_RENDER_MEMORY_BYTES``) so a template that
 builds huge strings fails here with MemoryError instead of taking the server's
 memory; its time is capped by the parent, which kills it past the deadline.
-Imports jinja2 and ``chat.template`` only.
+Imports jinja2, ``chat.template`` and ``kvserve.child_process`` only.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 import sys
-from typing import Any, BinaryIO
+from typing import Any
 
-
-def _read_exact(stream: BinaryIO, n: int) -> bytes | None:
-    data = b""
-    while len(data) < n:
-        chunk = stream.read(n - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return data
+from kvserve.child_process import serve_frames
 
 
 def _answer(job: dict[str, Any]) -> dict[str, Any]:
-    from kvserve.entrypoints.chat.template import TemplateError, render_template
+    from kvserve.entrypoints.chat.template import TemplateError, render_job
 
     try:
-        texts = [
-            render_template(
-                job["template"],
-                messages,
-                tools=job.get("tools"),
-                add_generation_prompt=bool(job.get("add_generation_prompt", True)),
-                special_tokens=job.get("special_tokens") or {},
-                max_chars=int(job.get("max_chars", 64 * 1024 * 1024)),
-                variables=job.get("kwargs") or {},
-            )
-            for messages in job["variants"]
-        ]
+        texts = render_job(job)
     except TemplateError as e:
         return {"ok": False, "error": str(e)}
     except MemoryError:
@@ -62,27 +42,19 @@ def main() -> int:
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     import kvserve.entrypoints.chat.template  # noqa: F401  (warm: jinja2 loaded before jobs)
 
-    stdout.write(struct.pack(">I", 2) + b"{}")  # ready
-    stdout.flush()
-    while True:
-        header = _read_exact(stdin, 4)
-        if header is None:
-            return 0
-        body = _read_exact(stdin, struct.unpack(">I", header)[0])
-        if body is None:
-            return 0
-        try:
-            answer = _answer(json.loads(body))
-        except MemoryError:
-            answer = {"ok": False, "error": "the chat template ran out of memory while rendering"}
-        except Exception as e:  # a malformed job is the parent's bug; report, keep serving
-            answer = {"ok": False, "error": f"render worker error: {type(e).__name__}: {e}"}
-        out = json.dumps(answer, ensure_ascii=False).encode("utf-8", "surrogatepass")
-        stdout.write(struct.pack(">I", len(out)) + out)
-        stdout.flush()
+    return serve_frames(_answer_frame)
+
+
+def _answer_frame(body: bytes) -> bytes:
+    try:
+        answer = _answer(json.loads(body))
+    except MemoryError:
+        answer = {"ok": False, "error": "the chat template ran out of memory while rendering"}
+    except Exception as e:  # a malformed job is the parent's bug; report, keep serving
+        answer = {"ok": False, "error": f"render worker error: {type(e).__name__}: {e}"}
+    return json.dumps(answer, ensure_ascii=False).encode("utf-8", "surrogatepass")
 
 
 if __name__ == "__main__":

@@ -236,3 +236,22 @@ def render_template(
             f"the chat template failed on these messages: {type(e).__name__}: {e}"
         ) from e
     return "".join(pieces)
+
+
+def render_job(job: dict[str, Any]) -> list[str]:
+    """One text per ``job["variants"]`` entry (a list of messages), by
+    :func:`render_template` with the job's template, tools, generation prompt, special
+    tokens, ``max_chars`` and extra variables (``kwargs``): the job of
+    ``render_worker``. Raises what :func:`render_template` raises."""
+    return [
+        render_template(
+            job["template"],
+            messages,
+            tools=job.get("tools"),
+            add_generation_prompt=bool(job.get("add_generation_prompt", True)),
+            special_tokens=job.get("special_tokens") or {},
+            max_chars=int(job.get("max_chars", 64 * 1024 * 1024)),
+            variables=job.get("kwargs") or {},
+        )
+        for messages in job["variants"]
+    ]

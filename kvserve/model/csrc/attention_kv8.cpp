@@ -52,11 +52,7 @@ using kvs::bf16_t;
 using kvs::from_f32;
 using kvs::to_f32;
 
-using kvs::walk::Args;
-using kvs::walk::batch_row;
-using kvs::walk::finish_row;
-using kvs::walk::kNegInf;
-using kvs::walk::Task;
+using namespace kvs::walk;  // csrc/paged_walk.h
 constexpr int64_t kPart = kvs::walk::kPartMax;  // keys per softmax pass at most
 // Pages (K and V of one block) are prefetched into L2 (_MM_HINT_T1) this many blocks
 // ahead of the key walk, as one unbroken stream over the task's keys (across parts,
@@ -291,21 +287,6 @@ inline __m512 widen16(const uint8_t* p) {
 template <int FMT>
 constexpr float kCodeScale = FMT == 0 ? 1.f : 256.f;
 
-inline __m512 hsum16(const __m512* v) {
-  __m512 t[8], w[4], z[2];
-  for (int j = 0; j < 8; ++j)
-    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
-                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  for (int j = 0; j < 4; ++j)
-    w[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int j = 0; j < 2; ++j)
-    z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // AVX-512: a part's keys are widened 16 at a time (once for all g * rows queries of
 // the task), scores of 16 keys become one vector, the softmax pass is vectorized, and
 // P.V widens each V row once for up to 4 queries.
@@ -377,18 +358,7 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
         if (valid) {
           __m512 qv[DV];
           for (int dv = 0; dv < DV; ++dv) qv[dv] = _mm512_loadu_ps(qf + m * D + dv * 16);
-          __m512 part[16];
-          for (int i = 0; i < 16; ++i) {
-            if (i >= nk) {
-              part[i] = _mm512_setzero_ps();
-              continue;
-            }
-            const float* k = kw + i * D;
-            __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-            for (int dv = 1; dv < DV; ++dv) s = _mm512_fmadd_ps(qv[dv], _mm512_loadu_ps(k + 16 * dv), s);
-            part[i] = s;
-          }
-          x = _mm512_mul_ps(hsum16(part), ksv);
+          x = _mm512_mul_ps(scores16<DV>(qv, kw, nk), ksv);
         }
         _mm512_mask_storeu_ps(sc + m * PS + (g0 - p0), in_part, _mm512_mask_blend_ps(valid, neg_inf, x));
       }
@@ -789,13 +759,7 @@ void dispatch(const Args& a, const Task& t, std::vector<float>& buf, int isa) {
 
 template <typename T, int FMT>
 void run_all(const Args& a, int64_t num_seqs, int row_tile, int num_threads, int isa) {
-  std::vector<Task> tasks;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t rows = a.seqs[5 * s + 1];
-    for (int64_t r0 = 0; r0 < rows; r0 += row_tile)
-      for (int h = 0; h < a.num_kv_heads; ++h)
-        tasks.push_back(Task{s, r0, std::min<int64_t>(r0 + row_tile, rows), h});
-  }
+  const std::vector<Task> tasks = make_tasks(a, num_seqs, row_tile);
   const int64_t n = static_cast<int64_t>(tasks.size());
   static thread_local std::vector<float> buf;
   if (num_threads <= 1 || n <= 1) {

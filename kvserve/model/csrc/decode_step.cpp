@@ -25,6 +25,17 @@
 //   linear and SiLU run as one kvs_linear_quant_silu_mul;
 // a gate_up of the last two kinds otherwise runs the linear, then kvs_silu_mul over its
 // output.
+//
+// With a LoRA table (a step with adapter rows), each linear's output gets the batched
+// low-rank delta right after it, kvs_lora_delta (csrc/lora.cpp) on the linear's input
+// and output with the same arguments as kvserve/lora/weights.py's LoRAWeights.apply,
+// and gate_up always runs its linear into gu, the delta, then kvs_silu_mul (what the
+// layer loop does with adapter rows; a silu table is refused). The table, int64 words:
+//   [0] rank R, [1] the weights' dtype (0 float32, 1 bfloat16), then per fused linear
+//   f in (qkv, o, gate_up, down): [2 + 2f] its offsets [P+1] int64, [3 + 2f] P;
+//   then per layer, per f: A [S, P*R, in], Bt [S, R, out], row slots [rows] int32
+//   (the rows of slots that do not target f set to -1), or 0 for row slots where no
+//   slot present targets f (no delta).
 #include <cstdint>
 
 extern "C" {
@@ -53,6 +64,10 @@ int kvs_head_rms_norm(void* qkv, int64_t row_stride, int64_t rows, int heads, in
 int kvs_linear_kquant(const void* x, int64_t xs, int64_t rows, int64_t K, int x_dtype,
                       const uint8_t* w, int fmt, int64_t n, const float* bias, void* out,
                       int64_t os, int out_dtype, int path, int threads);
+int kvs_lora_delta(const void* x, int64_t x_stride, void* y, int64_t y_stride, int64_t rows,
+                   int64_t in_f, int64_t out_f, const void* A, const void* Bt,
+                   const int32_t* row_slot, const int64_t* offsets, int parts, int rank, int dtype,
+                   int w_dtype, int nthreads);
 int kvs_linear_quant_silu_mul(const void* x, int64_t xs, int64_t rows, int64_t K, int x_dtype,
                               const uint8_t* w, int fmt, int64_t n, const float* bias,
                               void* out, int64_t os, int out_dtype, int path, int threads);
@@ -150,6 +165,22 @@ inline bool silu_table(int64_t w, int64_t fmt) {
   return fmt == kPartsFmt && as_ptr<const int64_t>(w)[1] != 0;
 }
 
+// The LoRA table's words (see the top).
+constexpr int64_t kLoraHeader = 10;
+constexpr int64_t kLoraLayerWords = 12;
+
+// y [rows, out_f] += the delta of fused linear f (0 qkv, 1 o, 2 gate_up, 3 down) of the
+// layer whose words start at lw, for input x [rows, in_f]; nothing without a table or
+// where the layer's row slots word is 0.
+inline int lora(const int64_t* table, const int64_t* lw, int f, const void* x, int64_t in_f,
+                void* y, int64_t out_f, int64_t rows, int dtype, int nthreads) {
+  if (table == nullptr || lw[3 * f + 2] == 0) return 0;
+  return kvs_lora_delta(x, in_f, y, out_f, rows, in_f, out_f, as_ptr<const void>(lw[3 * f]),
+                        as_ptr<const void>(lw[3 * f + 1]), as_ptr<const int32_t>(lw[3 * f + 2]),
+                        as_ptr<const int64_t>(table[2 + 2 * f]), static_cast<int>(table[3 + 2 * f]),
+                        static_cast<int>(table[0]), dtype, static_cast<int>(table[1]), nthreads);
+}
+
 }  // namespace
 
 extern "C" {
@@ -165,8 +196,10 @@ extern "C" {
 // [rows, hidden], qkv [rows, (H + 2 Hk) D], attn [rows, H D], o [rows, hidden], act
 // [rows, inter], down [rows, hidden], and gu [rows, 2 inter] where a gate_up weight is
 // dense or in parts (null otherwise), and xg [rows, max(hidden, inter)] where a linear
-// has act-order inputs (null otherwise). Returns 0, 9 for a dense gate_up without gu, or the first
-// failing kernel's code plus 100 * (its position in the layer, 1-8).
+// has act-order inputs (null otherwise); gu also whenever lora is set. lora: the LoRA
+// table (see the top), or null for none. Returns 0, 9 for a gate_up without the gu it
+// needs, 13 for a silu table with lora, or the first failing kernel's code plus
+// 100 * (its position in the layer, 1-8).
 int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual, int64_t rows,
                       int64_t hidden, int num_heads, int num_kv_heads, int head_dim,
                       int64_t inter, float eps, const int64_t* positions, const float* cos,
@@ -174,7 +207,7 @@ int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual
                       const int64_t* seqs, int64_t num_seqs, const int64_t* block_tables,
                       int64_t max_blocks, int seg, float scale, int dtype, void* y, void* qkv,
                       void* attn, void* o, void* act, void* down, void* gu, void* xg,
-                      int nthreads) {
+                      const int64_t* lora_table, int nthreads) {
   if (rows <= 0) return 0;
   const int64_t qkv_n = static_cast<int64_t>(num_heads + 2 * num_kv_heads) * head_dim;
   const int64_t q_n = static_cast<int64_t>(num_heads) * head_dim;
@@ -183,11 +216,14 @@ int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual
   int rc = 0;
   for (int64_t i = 0; i < num_layers; ++i) {
     const Layer& l = ls[i];
+    const int64_t* lw =
+        lora_table == nullptr ? nullptr : lora_table + kLoraHeader + kLoraLayerWords * i;
     rc = kvs_add_rms_norm(residual, i == 0 ? nullptr : down, hidden, as_ptr<const void>(l.ln1),
                           y, rows, hidden, eps, dtype, nthreads);
     if (rc != 0) return rc + 100;
     rc = linear(y, hidden, rows, hidden, dtype, l.qkv_w, l.qkv_fmt, qkv_n, l.qkv_b, qkv, qkv_n, xg,
                 nthreads);
+    if (rc == 0) rc = lora(lora_table, lw, 0, y, hidden, qkv, qkv_n, rows, dtype, nthreads);
     if (rc == 0 && l.qk_norm != 0)  // Qwen3: q and k heads normed before RoPE
       rc = kvs_head_rms_norm(qkv, qkv_n, rows, num_heads + num_kv_heads, head_dim,
                              as_ptr<const void>(l.qk_norm), eps, dtype, nthreads);
@@ -201,17 +237,20 @@ int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual
                              nullptr, 0);
     if (rc != 0) return rc + 400;
     rc = linear(attn, q_n, rows, q_n, dtype, l.o_w, l.o_fmt, hidden, l.o_b, o, hidden, xg, nthreads);
+    if (rc == 0) rc = lora(lora_table, lw, 1, attn, q_n, o, hidden, rows, dtype, nthreads);
     if (rc != 0) return rc + 500;
     rc = kvs_add_rms_norm(residual, o, hidden, as_ptr<const void>(l.ln2), y, rows, hidden, eps,
                           dtype, nthreads);
     if (rc != 0) return rc + 600;
     if (silu_table(l.gu_w, l.gu_fmt)) {  // act-order gate_up with the fused SiLU
+      if (lora_table != nullptr) return 13;
       rc = linear(y, hidden, rows, hidden, dtype, l.gu_w, l.gu_fmt, 2 * inter, l.gu_b, act, inter,
                   xg, nthreads, true);
-    } else if (l.gu_fmt == kDenseFmt || l.gu_fmt == kPartsFmt) {
-      if (gu == nullptr) return 9;
+    } else if (l.gu_fmt == kDenseFmt || l.gu_fmt == kPartsFmt || lora_table != nullptr) {
+      if (gu == nullptr) return 9;  // the linear, [the delta,] then SiLU
       rc = linear(y, hidden, rows, hidden, dtype, l.gu_w, l.gu_fmt, 2 * inter, l.gu_b, gu,
                   2 * inter, xg, nthreads);
+      if (rc == 0) rc = lora(lora_table, lw, 2, y, hidden, gu, 2 * inter, rows, dtype, nthreads);
       if (rc == 0) rc = kvs_silu_mul(gu, act, rows, inter, dtype, nthreads);
     } else {
       rc = kvs_linear_quant_silu_mul(y, hidden, rows, hidden, dtype, as_ptr<const uint8_t>(l.gu_w),
@@ -221,6 +260,7 @@ int kvs_decode_layers(const int64_t* layers, int64_t num_layers, float* residual
     if (rc != 0) return rc + 700;
     rc = linear(act, inter, rows, inter, dtype, l.dn_w, l.dn_fmt, hidden, l.dn_b, down, hidden, xg,
                 nthreads);
+    if (rc == 0) rc = lora(lora_table, lw, 3, act, inter, down, hidden, rows, dtype, nthreads);
     if (rc != 0) return rc + 800;
   }
   if (num_layers > 0) {  // residual += pending, in fp32 (one rounding per value)

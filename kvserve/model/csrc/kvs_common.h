@@ -78,15 +78,14 @@ inline void store16(bf16_t* p, __m512 x) {  // round to nearest even
   u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
-// exp(x), x clamped to [-87, 88]: 2^n * e^r, |r| <= ln2/2, degree-7 Taylor polynomial
-// (relative error < 2e-7)
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+// exp(x) = 2^n * p for x in [-87, 88] (the caller clamps): n = round(x / ln2), p the
+// degree-7 Taylor polynomial of e^r, r = x - n ln2, |r| <= ln2/2 (relative error < 2e-7)
+inline void exp512_parts(__m512 x, __m512& p, __m512& n) {
+  n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_set1_ps(1.0f / 5040.0f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
@@ -94,6 +93,12 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+}
+// exp(x), x clamped to [-87, 88] (exp512_parts)
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  __m512 p, n;
+  exp512_parts(x, p, n);
   return _mm512_scalef_ps(p, n);
 }
 // 2^x for x <= 0, clamped at -126 (-inf gives 2^-126, not 0: callers mask): 2^n * p(f),

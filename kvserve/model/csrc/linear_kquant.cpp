@@ -15,9 +15,9 @@
 // u = nibble | planes << 4 (4, 5 or 6 bits). D * sc and M * mn are exact in fp32.
 //
 // Arithmetic (every path the same, so they are bitwise equal): activations quantized
-// per row and 32-value block to int8 (d_x = amax/127, round to nearest even, the rule of
-// csrc/linear_quant.cpp); per block and column an exact int32 dot product of u and q
-// (VNNI vpdpbusd; AVX2 vpmaddubsw + vpmaddwd, exact since u <= 63). kq4/kq5:
+// per row and 32-value block to int8 (d_x = amax/127, round to nearest even: quant_linear.h,
+// shared with csrc/linear_quant.cpp); per block and column an exact int32 dot product of
+// u and q (VNNI vpdpbusd; AVX2 vpmaddubsw + vpmaddwd, exact since u <= 63). kq4/kq5:
 // acc = fma(float(a), (D * sc) * d_x, acc), then acc = fma(-(M * mn), d_x * float(sum q),
 // acc); kq6, per 16-k half h: acc = fma(float(a_h - 32 s_h), (D * sc_h) * d_x, acc), s_h
 // the half's sum of q; blocks in order, bias added at the end. The int32 dots are exact,
@@ -38,6 +38,7 @@
 #include <omp.h>
 
 #include "kvs_common.h"
+#include "quant_linear.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -48,22 +49,12 @@ namespace {
 using kvs::half_to_float;
 
 constexpr int64_t kCols = 16;
-constexpr int64_t kBlock = 32;
+using kvs::q8::kBlock;
 constexpr int64_t kSuper = 256;
 constexpr int64_t kRowTile = 8;
 constexpr int64_t kPrefetchBytes = 8192;  // weight stream prefetched into L2 this far ahead
 constexpr int64_t kRowChunk = 64;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr bool kHaveVnni = true;
-#else
-constexpr bool kHaveVnni = false;
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-constexpr bool kHaveAvx2 = true;
-#else
-constexpr bool kHaveAvx2 = false;
-#endif
 
 struct KFormat {
   int planes;    // high bit planes beyond the nibble (0, 1, 2)
@@ -96,75 +87,14 @@ inline int weight_u(const uint8_t* blk, int planes, int col, int j) {
   return u;
 }
 
-// Quantized activations: per row K int8, per 32-block d_x and d_x * float(sum q), per
-// 16 values the int32 sum of q. Per calling thread, reused across calls.
-struct Act {
-  int8_t* q = nullptr;
-  float* d = nullptr;
-  float* dsq = nullptr;
-  int32_t* s16 = nullptr;
-  int64_t nb = 0;
-};
-
-struct ActBuf {
-  std::vector<int8_t> q;
-  std::vector<float> d, dsq;
-  std::vector<int32_t> s16;
-};
-
-template <typename T>
-void quantize_row(const T* x, int64_t nb, int8_t* q, float* d, float* dsq, int32_t* s16) {
-  for (int64_t b = 0; b < nb; ++b) {
-    float v[kBlock];
-    float amax = 0.0f;
-    for (int j = 0; j < kBlock; ++j) {
-      v[j] = kvs::to_f32(x[b * kBlock + j]);
-      amax = std::fmax(amax, std::fabs(v[j]));
-    }
-    const float db = amax / 127.0f;
-    const float id = db > 0.0f ? 1.0f / db : 0.0f;
-    int32_t s[2] = {0, 0};
-    for (int j = 0; j < kBlock; ++j) {
-      const auto qi = static_cast<int32_t>(std::nearbyint(v[j] * id));
-      q[b * kBlock + j] = static_cast<int8_t>(qi);
-      s[j / 16] += qi;
-    }
-    d[b] = db;
-    s16[2 * b] = s[0];
-    s16[2 * b + 1] = s[1];
-    dsq[b] = db * static_cast<float>(s[0] + s[1]);
-  }
-}
+// A call's quantized activations (quant_linear.h): s holds the sums of q of each block's two
+// 16-k halves, sx = d_x * float(sum q) of the block.
+using Act = kvs::q8::Act;
 
 Act quantize_activations(const void* x, int64_t xs, int64_t rows, int64_t K, int dtype,
                          int threads) {
-  thread_local ActBuf buf;
-  Act a;
-  a.nb = K / kBlock;
-  const auto nq = static_cast<size_t>(rows * K), nd = static_cast<size_t>(rows * a.nb);
-  if (buf.q.size() < nq) buf.q.resize(nq);
-  if (buf.d.size() < nd) {
-    buf.d.resize(nd);
-    buf.dsq.resize(nd);
-    buf.s16.resize(2 * nd);
-  }
-  a.q = buf.q.data();
-  a.d = buf.d.data();
-  a.dsq = buf.dsq.data();
-  a.s16 = buf.s16.data();
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
-  for (int64_t r = 0; r < rows; ++r) {
-    int8_t* q = a.q + r * K;
-    float* d = a.d + r * a.nb;
-    float* dsq = a.dsq + r * a.nb;
-    int32_t* s16 = a.s16 + 2 * r * a.nb;
-    if (dtype == 0) {
-      quantize_row(static_cast<const float*>(x) + r * xs, a.nb, q, d, dsq, s16);
-    } else {
-      quantize_row(static_cast<const kvs::bf16_t*>(x) + r * xs, a.nb, q, d, dsq, s16);
-    }
-  }
-  return a;
+  thread_local kvs::q8::Buffers buf;
+  return kvs::q8::quantize_activations<true>(buf, x, xs, rows, K, dtype, threads, false);
 }
 
 // ---------------------------------------------------------------- scalar reference
@@ -196,12 +126,12 @@ void panel_scalar(const KFormat& f, const uint8_t* wp, int64_t nsb, const Act& a
             const float ds = D * static_cast<float>(sc[b * 16 + col]);
             const float mm = half_to_float(dh[16 + col]) * static_cast<float>(sc[128 + b * 16 + col]);
             float v = std::fma(static_cast<float>(dot), ds * dx, acc[r][col]);
-            acc[r][col] = std::fma(-mm, a.dsq[row * a.nb + bi], v);
+            acc[r][col] = std::fma(-mm, a.sx[row * a.nb + bi], v);
           } else {
             int32_t a1 = 0, a2 = 0;
             for (int j = 0; j < 16; ++j) a1 += u[j] * q[j];
             for (int j = 16; j < kBlock; ++j) a2 += u[j] * q[j];
-            const int32_t* s16 = a.s16 + 2 * (row * a.nb + bi);
+            const int32_t* s16 = a.s + 2 * (row * a.nb + bi);
             const auto sc1 = static_cast<int32_t>(static_cast<int8_t>(sc[(2 * b) * 16 + col]));
             const auto sc2 = static_cast<int32_t>(static_cast<int8_t>(sc[(2 * b + 1) * 16 + col]));
             const float v = std::fma(static_cast<float>(a1 - 32 * s16[0]),
@@ -289,7 +219,7 @@ void panel_vnni_t(const uint8_t* wp, int64_t nsb, const Act& a, int64_t K, int64
           const __m512i dot = _mm512_add_epi32(d0, d1);
           const __m512 ddx = _mm512_mul_ps(ds, _mm512_set1_ps(a.d[row * a.nb + bi]));
           __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), ddx, acc[r]);
-          acc[r] = _mm512_fnmadd_ps(mm, _mm512_set1_ps(a.dsq[row * a.nb + bi]), v);
+          acc[r] = _mm512_fnmadd_ps(mm, _mm512_set1_ps(a.sx[row * a.nb + bi]), v);
         }
       } else {
         const __m512 ds1 = _mm512_mul_ps(D, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -299,7 +229,7 @@ void panel_vnni_t(const uint8_t* wp, int64_t nsb, const Act& a, int64_t K, int64
         for (int r = 0; r < nr; ++r) {
           const int64_t row = r0 + r;
           const int8_t* q = a.q + row * K + bi * kBlock;
-          const int32_t* s16 = a.s16 + 2 * (row * a.nb + bi);
+          const int32_t* s16 = a.s + 2 * (row * a.nb + bi);
           __m512i a1 = _mm512_set1_epi32(-32 * s16[0]);
           __m512i a2 = _mm512_set1_epi32(-32 * s16[1]);
           for (int j = 0; j < 4; ++j) a1 = _mm512_dpbusd_epi32(a1, u[j], _mm512_set1_epi32(load_i32(q + 4 * j)));
@@ -398,7 +328,7 @@ void panel_avx2_t(const uint8_t* wp, int64_t nsb, const Act& a, int64_t K, int64
             for (int j = 0; j < 8; ++j) dot = _mm256_add_epi32(dot, dot4(u[j], q + 4 * j));
             const __m256 ddx = _mm256_mul_ps(ds, _mm256_set1_ps(a.d[row * a.nb + bi]));
             const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ddx, acc[r]);
-            acc[r] = _mm256_fnmadd_ps(mm, _mm256_set1_ps(a.dsq[row * a.nb + bi]), v);
+            acc[r] = _mm256_fnmadd_ps(mm, _mm256_set1_ps(a.sx[row * a.nb + bi]), v);
           }
         } else {
           const __m256 ds1 = _mm256_mul_ps(D, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
@@ -408,7 +338,7 @@ void panel_avx2_t(const uint8_t* wp, int64_t nsb, const Act& a, int64_t K, int64
           for (int r = 0; r < nr; ++r) {
             const int64_t row = r0 + r;
             const int8_t* q = a.q + row * K + bi * kBlock;
-            const int32_t* s16 = a.s16 + 2 * (row * a.nb + bi);
+            const int32_t* s16 = a.s + 2 * (row * a.nb + bi);
             __m256i a1 = _mm256_set1_epi32(-32 * s16[0]);
             __m256i a2 = _mm256_set1_epi32(-32 * s16[1]);
             for (int j = 0; j < 4; ++j) a1 = _mm256_add_epi32(a1, dot4(u[j], q + 4 * j));
@@ -474,10 +404,7 @@ extern "C" {
 
 // 0: none; bit 0: scalar; bit 1: AVX2; bit 2: AVX512-VNNI (compiled in).
 int kvs_linear_kquant_paths() {
-  int p = 1;
-  if (kHaveAvx2) p |= 2;
-  if (kHaveVnni) p |= 4;
-  return p;
+  return kvs::q8::paths();
 }
 
 // y[rows, n] = x[rows, K] @ W^T + bias; arguments as kvs_linear_quant (csrc/linear_quant.cpp):
@@ -491,8 +418,8 @@ int kvs_linear_kquant(const void* x, int64_t xs, int64_t rows, int64_t K, int x_
   KFormat f;
   if (!kformat_of(fmt, &f) || K % kSuper != 0 || rows < 0 || n < 0) return -1;
   if (x_dtype < 0 || x_dtype > 1 || out_dtype < 0 || out_dtype > 1) return -1;
-  if (path == 0) path = kHaveVnni ? 3 : (kHaveAvx2 ? 2 : 1);
-  if ((path == 3 && !kHaveVnni) || (path == 2 && !kHaveAvx2) || path < 1 || path > 3) return -1;
+  path = kvs::q8::resolve_path(path);
+  if (path < 0) return -1;
   if (threads < 1) threads = 1;
   if (rows == 0 || n == 0) return 0;
   const Act a = quantize_activations(x, xs, rows, K, x_dtype, threads);

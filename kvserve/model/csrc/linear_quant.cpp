@@ -30,6 +30,7 @@
 #include <omp.h>
 
 #include "kvs_common.h"
+#include "quant_linear.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -40,7 +41,7 @@ namespace {
 using kvs::half_to_float;
 
 constexpr int64_t kCols = 16;   // columns per panel
-constexpr int64_t kBlock = 32;  // k per block
+using kvs::q8::kBlock;  // k per block
 constexpr int64_t kRowTile = 8;
 constexpr int64_t kRowChunk = 64;  // rows whose quantized activations stay in cache per pass
 // The weight stream is prefetched into L2 this many blocks ahead (measured on Zen 5 at
@@ -70,117 +71,14 @@ inline int64_t block_bytes(const Format& f) {
   return f.bits * 64 + 32 + (f.has_min ? 32 : 0);
 }
 
-// Quantized activations of a call: per row, nb blocks of 32 int8, d_x, sum(q) and
-// d_x * float(sum(q)) (the factor of a block's minimum term, computed once here so
-// every path multiplies the same value). The buffers are per calling thread and
-// reused across calls (no allocation on the decode path).
-struct QuantAct {
-  int8_t* q = nullptr;
-  float* d = nullptr;
-  int32_t* s = nullptr;
-  float* sx = nullptr;
-  int64_t nb = 0;
-};
-
-struct ActBuffers {
-  std::vector<int8_t> q;
-  std::vector<float> d, sx;
-  std::vector<int32_t> s;
-};
-
-template <typename T>
-void quantize_row_scalar(const T* x, int64_t nb, int8_t* q, float* d, int32_t* s, float* sx) {
-  for (int64_t b = 0; b < nb; ++b) {
-    float v[kBlock];
-    float amax = 0.0f;
-    for (int j = 0; j < kBlock; ++j) {
-      v[j] = kvs::to_f32(x[b * kBlock + j]);
-      amax = std::fmax(amax, std::fabs(v[j]));
-    }
-    const float db = amax / 127.0f;
-    const float id = db > 0.0f ? 1.0f / db : 0.0f;
-    int32_t sum = 0;
-    for (int j = 0; j < kBlock; ++j) {
-      // nearbyint: round to nearest even under the default rounding mode, as cvtps2dq
-      const int32_t qi = static_cast<int32_t>(std::nearbyint(v[j] * id));
-      q[b * kBlock + j] = static_cast<int8_t>(qi);
-      sum += qi;
-    }
-    d[b] = db;
-    s[b] = sum;
-    sx[b] = db * static_cast<float>(sum);
-  }
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// The same arithmetic 16 lanes at a time (max is exact in any order; cvtps2dq rounds
-// to nearest even like nearbyint): bitwise equal to quantize_row_scalar.
-template <typename T>
-void quantize_row_avx512(const T* x, int64_t nb, int8_t* q, float* d, int32_t* s, float* sx) {
-  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m512 v0 = kvs::load16(x + b * kBlock);
-    const __m512 v1 = kvs::load16(x + b * kBlock + 16);
-    const __m512 a = _mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask));
-    const float amax = _mm512_reduce_max_ps(a);
-    const float db = amax / 127.0f;
-    const float id = db > 0.0f ? 1.0f / db : 0.0f;
-    const __m512 vid = _mm512_set1_ps(id);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vid));
-    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vid));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    d[b] = db;
-    s[b] = sum;
-    sx[b] = db * static_cast<float>(sum);
-  }
-}
-#endif
-
-template <typename T>
-void quantize_row(const T* x, int64_t nb, int8_t* q, float* d, int32_t* s, float* sx,
-                  bool vector) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (vector) {
-    quantize_row_avx512(x, nb, q, d, s, sx);
-    return;
-  }
-#endif
-  (void)vector;
-  quantize_row_scalar(x, nb, q, d, s, sx);
-}
+// A call's quantized activations (quant_linear.h): s holds one sum of q per block.
+using QuantAct = kvs::q8::Act;
 
 // vector: use the AVX-512 quantizer where compiled in (the scalar path pins the scalar one).
 QuantAct quantize_activations(const void* x, int64_t xs, int64_t rows, int64_t K, int dtype,
                               int threads, bool vector) {
-  thread_local ActBuffers buf;
-  QuantAct a;
-  a.nb = K / kBlock;
-  const auto nq = static_cast<size_t>(rows * K), nd = static_cast<size_t>(rows * a.nb);
-  if (buf.q.size() < nq) buf.q.resize(nq);
-  if (buf.d.size() < nd) {
-    buf.d.resize(nd);
-    buf.s.resize(nd);
-    buf.sx.resize(nd);
-  }
-  a.q = buf.q.data();
-  a.d = buf.d.data();
-  a.s = buf.s.data();
-  a.sx = buf.sx.data();
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
-  for (int64_t r = 0; r < rows; ++r) {
-    int8_t* q = a.q + r * K;
-    float* d = a.d + r * a.nb;
-    int32_t* s = a.s + r * a.nb;
-    float* sx = a.sx + r * a.nb;
-    if (dtype == 0) {
-      quantize_row(static_cast<const float*>(x) + r * xs, a.nb, q, d, s, sx, vector);
-    } else {
-      quantize_row(static_cast<const kvs::bf16_t*>(x) + r * xs, a.nb, q, d, s, sx, vector);
-    }
-  }
-  return a;
+  thread_local kvs::q8::Buffers buf;
+  return kvs::q8::quantize_activations<false>(buf, x, xs, rows, K, dtype, threads, vector);
 }
 
 // ----------------------------------------------------------------- scalar (portable)
@@ -432,15 +330,6 @@ void group_vnni_dispatch(const Format& f, const uint8_t* wp, int64_t pstride, in
     group_vnni<8, false>(wp, pstride, np, nb, f.zero, a, r0, nrows, K, acc, acc_ps);
   }
 }
-constexpr bool kHaveVnni = true;
-#else
-constexpr bool kHaveVnni = false;
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-constexpr bool kHaveAvx2 = true;
-#else
-constexpr bool kHaveAvx2 = false;
 #endif
 
 // One group of np panels (at wp, wp + pstride) for rows r0..r0+nrows on `path`, into
@@ -618,8 +507,8 @@ int prepare_call(const void* x, int64_t xs, int64_t rows, int64_t K, int x_dtype
   Format f;
   if (!format_of(fmt, &f) || K % kBlock != 0 || rows < 0) return -1;
   if (x_dtype < 0 || x_dtype > 1 || out_dtype < 0 || out_dtype > 1) return -1;
-  if (path == 0) path = kHaveVnni ? 3 : (kHaveAvx2 ? 2 : 1);
-  if ((path == 3 && !kHaveVnni) || (path == 2 && !kHaveAvx2) || path < 1 || path > 3) return -1;
+  path = kvs::q8::resolve_path(path);
+  if (path < 0) return -1;
   (void)x;
   (void)xs;
   *c = {rows, K, n, w, f, bias, out, os, out_dtype, path, threads < 1 ? 1 : threads};
@@ -632,10 +521,7 @@ extern "C" {
 
 // 0: none; bit 0: scalar; bit 1: AVX2; bit 2: AVX512-VNNI (compiled in and usable).
 int kvs_linear_quant_paths() {
-  int p = 1;
-  if (kHaveAvx2) p |= 2;
-  if (kHaveVnni) p |= 4;
-  return p;
+  return kvs::q8::paths();
 }
 
 // y[rows, n] = x[rows, K] @ W^T + bias. x: float32 (x_dtype 0) or bfloat16 (1), row

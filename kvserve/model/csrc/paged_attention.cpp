@@ -99,13 +99,7 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
-using kvs::walk::Args;
-using kvs::walk::batch_row;
-using kvs::walk::finish_row;
-using kvs::walk::kNegInf;
-using kvs::walk::kPartMax;
-using kvs::walk::part_end;
-using kvs::walk::Task;
+using namespace kvs::walk;  // csrc/paged_walk.h
 
 // The key parts of a task: part k is [part_start(k), part_start(k + 1)) clipped at
 // lmax, split points from part_end (absolute positions).
@@ -254,22 +248,6 @@ void run_task(const Args& a, const Task& task, std::vector<float>& buf) {
 // 16 dot products of a query become one vector (a transpose-add reduction), the
 // softmax update runs on that vector, then V is accumulated with broadcast weights.
 
-// lanes of the result: sum of the lanes of v[0], ..., v[15]
-inline __m512 hsum16(const __m512* v) {
-  __m512 t[8], w[4], z[2];
-  for (int j = 0; j < 8; ++j)
-    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
-                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  for (int j = 0; j < 4; ++j)
-    w[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int j = 0; j < 2; ++j)
-    z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // bfloat16 K and V rows are widened to fp32 without a lane crossing: a 32-element bf16
 // vector gives its even elements by a 16-bit left shift of each 32-bit lane and its odd
 // ones by masking the low half. Rows are kept in that "split" order: slot (dv, lane)
@@ -288,24 +266,6 @@ inline void widen_split(const bf16_t* row, __m512* out) {
     out[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
     out[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi_mask));
   }
-}
-
-// One query's 16 partial dot products with keys krow[0..nk) (zero past nk), fp32 rows.
-template <int DV>
-inline __m512 scores16(const __m512* qv, const float* krow, int nk) {
-  constexpr int D = 16 * DV;
-  __m512 part[16];
-  for (int i = 0; i < 16; ++i) {
-    if (i >= nk) {
-      part[i] = _mm512_setzero_ps();
-      continue;
-    }
-    const float* k = krow + i * D;
-    __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-    for (int dv = 1; dv < DV; ++dv) x = _mm512_fmadd_ps(qv[dv], _mm512_loadu_ps(k + 16 * dv), x);
-    part[i] = x;
-  }
-  return hsum16(part);
 }
 
 // acc[m] += sum_i p[m * ps + i] * V[i] for MC queries and V rows vrow[0..nk), fp32
@@ -370,20 +330,13 @@ inline bool use_bf16_dot() {
 // One query's 16 partial dot products with bf16 keys krow[0..nk) (zero past nk).
 template <int DV>
 inline __m512 scores16_dp(const __m512bh* qb, const bf16_t* krow, int nk) {
-  constexpr int D = 16 * DV;
-  __m512 part[16];
-  for (int i = 0; i < 16; ++i) {
-    if (i >= nk) {
-      part[i] = _mm512_setzero_ps();
-      continue;
-    }
-    const bf16_t* k = krow + i * D;
+  return scores16_of(nk, [&](int i) {
+    const bf16_t* k = krow + i * 16 * DV;
     __m512 x = _mm512_setzero_ps();
     for (int j = 0; j < DV / 2; ++j)
       x = _mm512_dpbf16_ps(x, qb[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
-    part[i] = x;
-  }
-  return hsum16(part);
+    return x;
+  });
 }
 
 // acc[m] += sum_i p[m * ps + i] * V[i] for MC queries, V rows vrow[0..nk) taken in
@@ -895,13 +848,7 @@ void claim_ahead(int64_t n, int num_threads, F&& body) {
 // arithmetic as one walk (merge_part), so a row's bits never depend on the split.
 template <typename T>
 void run_all(const Args& a, int64_t num_seqs, int row_tile, int num_threads) {
-  std::vector<Task> tasks;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t rows = a.seqs[5 * s + 1];
-    for (int64_t r0 = 0; r0 < rows; r0 += row_tile)
-      for (int h = 0; h < a.num_kv_heads; ++h)
-        tasks.push_back(Task{s, r0, std::min<int64_t>(r0 + row_tile, rows), h});
-  }
+  const std::vector<Task> tasks = make_tasks(a, num_seqs, row_tile);
   const int64_t n = static_cast<int64_t>(tasks.size());
   const TaskFns<T> fns = task_fns<T>(a);
   // Scratch per thread, kept across calls (OpenMP pool threads persist): a fresh

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "kvs_common.h"
 
@@ -43,6 +44,18 @@ struct Task {
   int64_t seq, r0, r1;
   int kvh;
 };
+
+// The tasks of a call, in order: per request, per tile of row_tile rows, per KV head.
+inline std::vector<Task> make_tasks(const Args& a, int64_t num_seqs, int row_tile) {
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t rows = a.seqs[5 * s + 1];
+    for (int64_t r0 = 0; r0 < rows; r0 += row_tile)
+      for (int h = 0; h < a.num_kv_heads; ++h)
+        tasks.push_back(Task{s, r0, std::min<int64_t>(r0 + row_tile, rows), h});
+  }
+  return tasks;
+}
 
 inline int64_t batch_row(const Args& a, int64_t i) { return a.row_map ? a.row_map[i] : i; }
 
@@ -105,6 +118,44 @@ struct TaskRows {
       }
   }
 };
+
+#if defined(__AVX512F__)
+// lane i of the result: the sum of the lanes of v[i] (a transpose-add tree, one order)
+inline __m512 hsum16(const __m512* v) {
+  __m512 t[8], w[4], z[2];
+  for (int j = 0; j < 8; ++j)
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)
+    w[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 2; ++j)
+    z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// The 16 dot products of one query with keys [0, nk) as one vector (zero past nk);
+// dot(i): key i's 16 partial products, summed by hsum16.
+template <typename Dot>
+inline __m512 scores16_of(int nk, Dot&& dot) {
+  __m512 part[16];
+  for (int i = 0; i < 16; ++i) part[i] = i < nk ? dot(i) : _mm512_setzero_ps();
+  return hsum16(part);
+}
+
+// One query's 16 partial dot products with keys krow[0..nk) (zero past nk), fp32 rows.
+template <int DV>
+inline __m512 scores16(const __m512* qv, const float* krow, int nk) {
+  return scores16_of(nk, [&](int i) {
+    const float* k = krow + i * 16 * DV;
+    __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+    for (int dv = 1; dv < DV; ++dv) x = _mm512_fmadd_ps(qv[dv], _mm512_loadu_ps(k + 16 * dv), x);
+    return x;
+  });
+}
+#endif
 
 }  // namespace walk
 }  // namespace kvs

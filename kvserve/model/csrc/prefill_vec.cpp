@@ -298,19 +298,8 @@ inline int64_t part_end(int seg, int64_t p0) {  // as kvs::walk::part_end (paged
 // `keep` zero: bitwise maskz_mov(keep, exp512(x)). (Its upper clamp at 88 never acts
 // on x <= 0, and the zeroing is folded into the last instruction.)
 inline __m512 exp512_nonpos_maskz(__mmask16 keep, __m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512 p, n;
+  kvs::exp512_parts(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), p, n);
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 

@@ -18,6 +18,56 @@ I64, I32, PTR, F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_flo
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' ``dtype`` argument
 
 
+# The leading parameters of every paged attention kernel (the queries, the output, the
+# layer's cache and the requests' block tables; ``Args`` in csrc/paged_walk.h).
+PAGED_PARAMS: list[tuple[str, Any]] = [
+    ("q", PTR),
+    ("q_row_stride", I64),
+    ("q_head_stride", I64),
+    ("out", PTR),
+    ("kv", PTR),
+    ("num_blocks", I64),
+    ("block_size", I32),
+    ("num_heads", I32),
+    ("num_kv_heads", I32),
+    ("head_dim", I32),
+    ("seqs", PTR),
+    ("num_seqs", I64),
+    ("block_tables", PTR),
+    ("max_blocks", I64),
+]
+
+
+def paged_args(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seqs: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> dict[str, Any]:
+    """The :data:`PAGED_PARAMS` arguments of a call: q [T, H, D] (last dim
+    contiguous), ``out`` [T, H, D], ``kv_cache`` [2, Hk, blocks, block_size, row],
+    ``seqs`` [S, 5] and ``block_tables`` [S, max_blocks] int64 contiguous. head_dim is
+    q's D (a cache row may hold more: the 8-bit formats' scale)."""
+    _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
+    return {
+        "q": q.data_ptr(),
+        "q_row_stride": q.stride(0),
+        "q_head_stride": q.stride(1),
+        "out": out.data_ptr(),
+        "kv": kv_cache.data_ptr(),
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "num_heads": q.shape[1],
+        "num_kv_heads": num_kv_heads,
+        "head_dim": q.shape[2],
+        "seqs": seqs.data_ptr(),
+        "num_seqs": seqs.shape[0],
+        "block_tables": block_tables.data_ptr(),
+        "max_blocks": block_tables.shape[1],
+    }
+
+
 def ptr(t: torch.Tensor | None) -> int | None:
     """A tensor's data pointer, or None (a C null pointer) for None."""
     return None if t is None else t.data_ptr()

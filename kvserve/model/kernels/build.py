@@ -43,7 +43,7 @@ SOURCES = [
     )
 ]
 # part of the cache key, found next to the sources
-HEADERS = [CSRC / "kvs_common.h", CSRC / "paged_walk.h"]
+HEADERS = [CSRC / "kvs_common.h", CSRC / "paged_walk.h", CSRC / "quant_linear.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 

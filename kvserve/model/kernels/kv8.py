@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from kvserve.config import KV_CACHE_DTYPES
+from kvserve.model.kernels._ctypes import F32, I32, PAGED_PARAMS, PTR, CFunction, paged_args, ptr
 
 KV8_TORCH_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.uint8}
 KV8_NAMES = {torch.int8: "int8", torch.uint8: "fp8_e4m3"}
@@ -216,20 +217,32 @@ def quantize_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # ------------------------------------------------------------ native kernels
 
 
+_ATTN_PARAMS = [
+    *PAGED_PARAMS,
+    ("seg", I32),
+    ("scale", F32),
+    ("dtype", I32),
+    ("fmt", I32),
+    ("isa", I32),
+    ("row_tile", I32),
+    ("num_threads", I32),
+    ("lse", PTR),
+    ("row_map", PTR),
+    ("merge", I32),
+]
+
+
 class KV8Kernel:
     """ctypes bindings of ``csrc/attention_kv8.cpp`` (built into kvserve's native
     library by :mod:`kvserve.model.kernels.build`)."""
 
     def __init__(self, path: str) -> None:
         lib = ctypes.CDLL(path)
-        i64, i32, vp, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+        i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         self._write = lib.kvs_kv8_write
         self._write.argtypes = [vp, vp, i64, i64, i32, i32, i32, vp, i64, vp, i32, i32, i32]
         self._write.restype = i32
-        self._attn = lib.kvs_kv8_attention
-        self._attn.argtypes = [vp, i64, i64, vp, vp, i64, i32, i32, i32, i32, vp, i64, vp, i64]
-        self._attn.argtypes += [i32, f32, i32, i32, i32, i32, i32, vp, vp, i32]
-        self._attn.restype = i32
+        self._attn = CFunction(lib, "kvs_kv8_attention", _ATTN_PARAMS)
         lib.kvs_kv8_avx512.restype = i32
         bits = int(lib.kvs_kv8_avx512())
         self.avx512: bool = bool(bits & 1)  # fp8's AVX-512 path
@@ -283,7 +296,7 @@ class KV8Kernel:
         contiguous) -> out [T, H, D] in q's dtype. ``isa``: ``"avx512"``, ``"portable"``
         or None (``KVSERVE_KV8_ISA``, else the best here)."""
         num_tokens, num_heads, head_dim = q.shape
-        _, num_kv_heads, num_blocks, block_size, row = kv_cache.shape
+        row = kv_cache.shape[-1]
         if row != head_dim + SCALE_BYTES:
             raise ValueError(f"8-bit cache rows of {row} bytes do not fit head_dim {head_dim}")
         merge = out is not None
@@ -297,34 +310,19 @@ class KV8Kernel:
         ):
             raise RuntimeError("the AVX-512 8-bit KV kernel is not built on this CPU")
         code = 1 if name == "portable" else 0
-        rc = self._attn(
-            q.data_ptr(),
-            q.stride(0),
-            q.stride(1),
-            out.data_ptr(),
-            kv_cache.data_ptr(),
-            num_blocks,
-            block_size,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            seqs.data_ptr(),
-            seqs.shape[0],
-            block_tables.data_ptr(),
-            block_tables.shape[1],
-            kv_segment_size,
-            scale,
-            _IN_DTYPES[q.dtype],
-            _FMT[kv_cache.dtype],
-            code,
-            row_tile,
-            torch.get_num_threads(),
-            None if lse is None else lse.data_ptr(),
-            None if row_map is None else row_map.data_ptr(),
-            int(merge),
+        self._attn.checked(
+            **paged_args(q, out, kv_cache, seqs, block_tables),
+            seg=kv_segment_size,
+            scale=scale,
+            dtype=_IN_DTYPES[q.dtype],
+            fmt=_FMT[kv_cache.dtype],
+            isa=code,
+            row_tile=row_tile,
+            num_threads=torch.get_num_threads(),
+            lse=ptr(lse),
+            row_map=ptr(row_map),
+            merge=int(merge),
         )
-        if rc != 0:
-            raise RuntimeError(f"kvs_kv8_attention returned {rc}")
         return out
 
 

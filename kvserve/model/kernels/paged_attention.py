@@ -11,23 +11,20 @@ import ctypes
 
 import torch
 
-from kvserve.model.kernels._ctypes import DTYPE_CODES, F32, I32, I64, PTR, CFunction, ptr
+from kvserve.model.kernels._ctypes import (
+    DTYPE_CODES,
+    F32,
+    I32,
+    I64,
+    PAGED_PARAMS,
+    PTR,
+    CFunction,
+    paged_args,
+    ptr,
+)
 
 _PARAMS = [
-    ("q", PTR),
-    ("q_row_stride", I64),
-    ("q_head_stride", I64),
-    ("out", PTR),
-    ("kv", PTR),
-    ("num_blocks", I64),
-    ("block_size", I32),
-    ("num_heads", I32),
-    ("num_kv_heads", I32),
-    ("head_dim", I32),
-    ("seqs", PTR),
-    ("num_seqs", I64),
-    ("block_tables", PTR),
-    ("max_blocks", I64),
+    *PAGED_PARAMS,
     ("seg", I32),
     ("scale", F32),
     ("dtype", I32),
@@ -139,27 +136,13 @@ class PagedAttention:
         on its own keys and the segment size only (not on the other rows or threads).
         """
         num_tokens, num_heads, head_dim = q.shape
-        _, num_kv_heads, num_blocks, block_size, _ = kv_cache.shape
         merge = out is not None
         if merge and lse is None:
             raise ValueError("merging into out needs the lse of what it holds")
         if out is None:
             out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
         rc = self._fn(
-            q=q.data_ptr(),
-            q_row_stride=q.stride(0),
-            q_head_stride=q.stride(1),
-            out=out.data_ptr(),
-            kv=kv_cache.data_ptr(),
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            seqs=seqs.data_ptr(),
-            num_seqs=seqs.shape[0],
-            block_tables=block_tables.data_ptr(),
-            max_blocks=block_tables.shape[1],
+            **paged_args(q, out, kv_cache, seqs, block_tables),
             seg=kv_segment_size,
             scale=scale,
             dtype=DTYPE_CODES[q.dtype],

@@ -7,26 +7,22 @@ import os
 
 import torch
 
-from kvserve.model.kernels._ctypes import F32, I32, I64, PTR, CFunction, flag, ptr
+from kvserve.model.kernels._ctypes import (
+    F32,
+    I32,
+    PAGED_PARAMS,
+    PTR,
+    CFunction,
+    flag,
+    paged_args,
+    ptr,
+)
 
 # read at each use (a per-step switch): "0" keeps prefill chunks off the AMX kernel
 AMX_ENV_VAR = "KVSERVE_PREFILL_AMX"
 
 _PARAMS = [
-    ("q", PTR),
-    ("q_row_stride", I64),
-    ("q_head_stride", I64),
-    ("out", PTR),
-    ("kv", PTR),
-    ("num_blocks", I64),
-    ("block_size", I32),
-    ("num_heads", I32),
-    ("num_kv_heads", I32),
-    ("head_dim", I32),
-    ("seqs", PTR),
-    ("num_seqs", I64),
-    ("block_tables", PTR),
-    ("max_blocks", I64),
+    *PAGED_PARAMS,
     ("scale", F32),
     ("num_threads", I32),
     ("lse", PTR),
@@ -79,22 +75,8 @@ class PrefillAmx:
         already hold another part of those rows' attention, merged exactly. The kernel
         does not check bounds.
         """
-        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         self._fn.checked(
-            q=q.data_ptr(),
-            q_row_stride=q.stride(0),
-            q_head_stride=q.stride(1),
-            out=out.data_ptr(),
-            kv=kv_cache.data_ptr(),
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_heads=q.shape[1],
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            seqs=seqs.data_ptr(),
-            num_seqs=seqs.shape[0],
-            block_tables=block_tables.data_ptr(),
-            max_blocks=block_tables.shape[1],
+            **paged_args(q, out, kv_cache, seqs, block_tables),
             scale=scale,
             num_threads=torch.get_num_threads(),
             lse=ptr(lse),

@@ -7,7 +7,16 @@ import os
 
 import torch
 
-from kvserve.model.kernels._ctypes import DTYPE_CODES, F32, I32, I64, PTR, CFunction, ptr
+from kvserve.model.kernels._ctypes import (
+    DTYPE_CODES,
+    F32,
+    I32,
+    PAGED_PARAMS,
+    PTR,
+    CFunction,
+    paged_args,
+    ptr,
+)
 
 # the variants of the kernel, by name -> the ``isa`` argument (0: the best usable)
 PREFILL_VEC_ISAS = {"avx2": 1, "avx512": 2, "avx512bf16": 3}
@@ -16,20 +25,7 @@ PREFILL_VEC_ISAS = {"avx2": 1, "avx512": 2, "avx512bf16": 3}
 VEC_ENV_VAR = "KVSERVE_PREFILL_VEC"
 
 _PARAMS = [
-    ("q", PTR),
-    ("q_row_stride", I64),
-    ("q_head_stride", I64),
-    ("out", PTR),
-    ("kv", PTR),
-    ("num_blocks", I64),
-    ("block_size", I32),
-    ("num_heads", I32),
-    ("num_kv_heads", I32),
-    ("head_dim", I32),
-    ("seqs", PTR),
-    ("num_seqs", I64),
-    ("block_tables", PTR),
-    ("max_blocks", I64),
+    *PAGED_PARAMS,
     ("scale", F32),
     ("dtype", I32),
     ("isa", I32),
@@ -41,9 +37,9 @@ _PARAMS = [
 
 # kvs_prefill_attention_inv: no isa, plus seg (kv_segment_size) before scale
 _INV_PARAMS = [
-    *(p for p in _PARAMS[:14]),
+    *PAGED_PARAMS,
     ("seg", I32),
-    *(p for p in _PARAMS[14:] if p[0] != "isa"),
+    *(p for p in _PARAMS[len(PAGED_PARAMS) :] if p[0] != "isa"),
 ]
 
 
@@ -96,22 +92,8 @@ class PrefillVec:
         rows of the call (see the source).
         """
         name = isa if isa is not None else os.environ.get(VEC_ENV_VAR, "1")
-        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         rc = self._fn(
-            q=q.data_ptr(),
-            q_row_stride=q.stride(0),
-            q_head_stride=q.stride(1),
-            out=out.data_ptr(),
-            kv=kv_cache.data_ptr(),
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_heads=q.shape[1],
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            seqs=seqs.data_ptr(),
-            num_seqs=seqs.shape[0],
-            block_tables=block_tables.data_ptr(),
-            max_blocks=block_tables.shape[1],
+            **paged_args(q, out, kv_cache, seqs, block_tables),
             scale=scale,
             dtype=DTYPE_CODES[q.dtype],
             isa=PREFILL_VEC_ISAS.get(name, 0),
@@ -157,22 +139,8 @@ class PrefillVec:
         ``kv_segment_size``): a position's output and lse are bitwise those of the same
         position as a decode row there (batch invariance, docs/determinism.md), at the
         prefill kernel's row-in-lanes speed. Rules: :meth:`supports_invariant` holds."""
-        _, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         rc = self._inv(
-            q=q.data_ptr(),
-            q_row_stride=q.stride(0),
-            q_head_stride=q.stride(1),
-            out=out.data_ptr(),
-            kv=kv_cache.data_ptr(),
-            num_blocks=num_blocks,
-            block_size=block_size,
-            num_heads=q.shape[1],
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            seqs=seqs.data_ptr(),
-            num_seqs=seqs.shape[0],
-            block_tables=block_tables.data_ptr(),
-            max_blocks=block_tables.shape[1],
+            **paged_args(q, out, kv_cache, seqs, block_tables),
             seg=kv_segment_size,
             scale=scale,
             dtype=DTYPE_CODES[q.dtype],

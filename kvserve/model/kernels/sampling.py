@@ -101,7 +101,7 @@ class Sampling:
         """Smallest kept probability per row of the nucleus (0 where ``top_p >= 1``).
 
         probs: contiguous fp32 [rows, cols] CPU tensor; top_p: fp32 [rows]. Same rule
-        as :func:`kvserve.worker.sampler._apply_top_p` (sums in double, so a token
+        as :func:`kvserve.sampling.sampler._apply_top_p` (sums in double, so a token
         within float rounding of the boundary may fall on the other side).
         """
         rows, cols = probs.shape

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve.request import SamplingParams
-from kvserve.worker.sampler import (
+from kvserve.sampling.sampler import (
     Sampler,
     SamplingRequestState,
     _apply_frequency_presence_penalties,
@@ -400,7 +400,7 @@ def test_native_top_p_and_draw_match_portable(
 ) -> None:
     """The native nucleus selection and draw agree with the portable torch path."""
     from kvserve.model.kernels.backend import default_backend
-    from kvserve.worker.sampler import _inverse_cdf_sample
+    from kvserve.sampling.sampler import _inverse_cdf_sample
 
     kernel = default_backend().sampling
     assert kernel is not None, "the test machine has a C++ compiler"
@@ -503,7 +503,7 @@ def test_native_draw_and_softmax_match_portable_on_wide_rows() -> None:
     mass spread wide, one row zero past a cut-off, one with a threshold) equal the
     portable inverse CDF, and the vectorized softmax matches torch's."""
     from kvserve.model.kernels.backend import default_backend
-    from kvserve.worker.sampler import _inverse_cdf_sample
+    from kvserve.sampling.sampler import _inverse_cdf_sample
 
     kernel = default_backend().sampling
     assert kernel is not None, "the test machine has a C++ compiler"

@@ -53,9 +53,7 @@ import torch
 from kvserve.model.kernels.backend import KernelBackend, default_backend
 from kvserve.model.kernels.sampling import Sampling
 from kvserve.request import SamplingParams
-from kvserve.sched.output import Logprobs
-from kvserve.seeding import splitmix64
-from kvserve.worker.logits_rules import (
+from kvserve.sampling.logits_rules import (
     _apply_frequency_presence_penalties,
     _apply_logit_bias,
     _apply_min_p,
@@ -66,7 +64,9 @@ from kvserve.worker.logits_rules import (
     _apply_top_p,
     _native_rows,
 )
-from kvserve.worker.sampling_state import SamplingRequestState as SamplingRequestState
+from kvserve.sampling.sampling_state import SamplingRequestState as SamplingRequestState
+from kvserve.sched.output import Logprobs
+from kvserve.seeding import splitmix64
 
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 _SAMPLING_EPS = 1e-5

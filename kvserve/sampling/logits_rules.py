@@ -1,4 +1,4 @@
-"""The sampler's logits rules, one function per rule (kvserve.worker.sampler applies
+"""The sampler's logits rules, one function per rule (kvserve.sampling.sampler applies
 them in its documented order): logit bias, token bans, ``min_tokens``, repetition /
 frequency / presence penalties, and the truncations min-p, top-k, top-p.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.model.kernels.sampling import Sampling
-from kvserve.worker.sampling_state import SamplingRequestState
+from kvserve.sampling.sampling_state import SamplingRequestState
 
 # Top-p looks at this many most likely tokens before sorting a whole row.
 _TOP_P_CANDIDATES = (256, 4096)
