@@ -72,9 +72,9 @@ def test_ramp_scales_1_2_1_without_failures(ramp_cluster: tuple[ServerProcess, P
     assert result.new_served_s is not None, summary  # 1 -> 2, and the new one served
     assert result.removed_replica is not None and result.gone_s is not None, summary  # 2 -> 1
     assert result.failures == [], summary  # nothing failed or was cut, either way
-    # the drain: Serve stopped routing to it while it still had requests, which ended
-    # whole (above)
-    assert result.drained_running >= 1 or result.drained_finished >= 1, summary
+    # the drain: Serve picks which replica to stop; when it still had requests they
+    # ended whole (failures above), and an idle one has nothing to drain, so the
+    # counts (summary["drained_running"/"drained_finished"]) are reported, not required
     survivor = ({result.first_replica, result.new_replica} - {result.removed_replica}).pop()
     assert result.router_after == [survivor], summary  # the router forgot it
     assert result.chosen_after_removal == 0, summary
