@@ -33,8 +33,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from kvserve.request import SamplingParams
 from kvserve.sched.cost_model import SCALE_BOUNDS, CostModel, Features, output_features
 from kvserve.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -258,17 +256,10 @@ def cached_calibration(runner: TimedRunner, *, vocab_size: int, max_model_len: i
     mode = getattr(runner.scheduler_config, "step_cost_cache", "auto")
     arch = getattr(getattr(runner.loaded, "model", None), "config", None)
     shapes, max_s = shapes_for_size(DEFAULT_SHAPES, linear_weights_per_token(arch))
-    key = (
-        runner.loaded.fingerprint,
-        str(runner.loaded.dtype),
-        str(runner.device),
-        torch.get_num_threads(),
-        runner.block_size,
-        runner.kv_segment_size,
-        runner.compiled is not None,
-        tuple(_fitted_shapes(runner, shapes, max_model_len)),  # what max_model_len changes
-        mode,
-    )
+    # the stored fit's own key (KV format, kernels and attention backend included), so
+    # an engine never takes another's fit from this process's cache either
+    fitted = tuple(_fitted_shapes(runner, shapes, max_model_len))  # what max_model_len changes
+    key = (tuple(sorted(step_cost_store.fit_key(runner, fitted).items())), mode)
     model = _CACHE.get(key)
     if model is None:
         model = _CACHE[key] = persisted_calibration(

@@ -220,6 +220,18 @@ def test_the_cache_mode_is_an_engine_flag():
         build_engine_config(step_cost_cache="never").scheduler.resolved()
 
 
+def test_the_process_cache_keeps_kv_formats_apart(store, monkeypatch):
+    # an int8-KV engine must not take a bf16-KV engine's fit from the process cache
+    monkeypatch.setattr(step_cost, "_CACHE", {})
+    bf16 = ClockRunner()
+    step_cost.cached_calibration(bf16, vocab_size=1000, max_model_len=4096)  # type: ignore[arg-type]
+    int8 = ClockRunner()
+    int8.kv_format = SimpleNamespace(name="int8")
+    fit = step_cost.cached_calibration(int8, vocab_size=1000, max_model_len=4096)  # type: ignore[arg-type]
+    assert int8.calls >= 30 and fit.source == "calibrated"  # its own calibration
+    assert len(step_cost._CACHE) == 2  # one entry each
+
+
 def test_one_fit_per_process_each_engine_its_own_online_state(store, monkeypatch):
     monkeypatch.setattr(step_cost, "_CACHE", {})
     runner = ClockRunner()
