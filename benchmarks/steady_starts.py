@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -57,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clear-fit", action="store_true", help="delete stored fits first")
     ap.add_argument("--kv-flags", default="", help="extra flags for kvserve serve")
     ap.add_argument("--port", type=int, default=8320)
+    ap.add_argument(
+        "--repeats", type=int, default=1,
+        help="runs of the shared-prefix row per start (fresh seeds); the start's figure is "
+        "their median, and the spread within each start is printed beside the spread "
+        "between starts",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.starts < 2:
         raise SystemExit("--starts must be at least 2")
@@ -69,17 +76,27 @@ def main(argv: list[str] | None = None) -> int:
     workloads = ["prefix", "interference"]
     jsonl = {"interference": (str(INTERFERENCE), args.rate)}
     figures: dict[str, list[float]] = {w: [] for w in workloads}
+    within: dict[str, list[list[float]]] = {w: [] for w in workloads}
     notes: list[list[str]] = []
     for i in range(args.starts):
         suffix = f"_steady{i}"
         peers.run_targets(
             lay, ["kvserve:bfloat16"], workloads, None, args.rate, flags, args.port,
-            suffix=suffix, jsonl=jsonl,
+            suffix=suffix, jsonl=jsonl, repeats=args.repeats,
         )  # fmt: skip
         for w in workloads:
-            path = lay.results / f"{w}_kvserve_bfloat16{suffix}.json"
-            tok_s = json.loads(path.read_text())["output_throughput"] if path.exists() else 0.0
-            figures[w].append(float(tok_s))
+            runs = []
+            for r in range(args.repeats if w in peers.WORKLOADS else 1):
+                path = lay.results / (
+                    f"{w}_kvserve_bfloat16{suffix}" + (f"_r{r}" if r else "") + ".json"
+                )
+                runs.append(
+                    float(json.loads(path.read_text())["output_throughput"])
+                    if path.exists()
+                    else 0.0
+                )
+            within[w].append(runs)
+            figures[w].append(statistics.median(runs))
         log = lay.logs / f"server_kvserve_bfloat16{suffix}.log"
         notes.append(log_lines(log, ("step budget:", "step-time model", "step-time fit")))
     print(f"\n{args.starts} starts, --step-cost-cache {args.fit}, output tok/s:")
@@ -87,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         vals = figures[w]
         cells = "  ".join(f"{v:7.1f}" for v in vals)
         print(f"  {w:13s} {cells}   max/min {spread(vals):.3f}")
+        if any(len(runs) > 1 for runs in within[w]):
+            inner = "  ".join(f"{spread(runs):7.3f}" for runs in within[w])
+            print(f"  {'(within)':13s} {inner}   max/min of each start's runs")
     for i, lines in enumerate(notes):
         print(f"start {i}:")
         for line in lines:
@@ -98,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 "fit": args.fit,
                 "figures": figures,
                 "max_min": {w: spread(v) for w, v in figures.items()},
+                "runs": within,
                 "logs": notes,
             },
             indent=1,

@@ -392,6 +392,11 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def _seed(args: list[str]) -> int:
+    """The ``--seed`` value in a workload's client arguments (0 when it has none)."""
+    return int(args[args.index("--seed") + 1]) if "--seed" in args else 0
+
+
 def _workload_args(
     name: str,
     custom: str | None,
@@ -508,7 +513,13 @@ def run_targets(
     suffix: str = "",
     jsonl: dict[str, tuple[str, str]] | None = None,
     bench_args: str = "",
+    repeats: int = 1,
 ) -> None:
+    """Start each target's server once and run every workload against it. With
+    ``repeats`` > 1 a seeded workload (``WORKLOADS``) runs that many times, repeat ``r``
+    with its seed + 1000 * r, so each repeat draws fresh prompts (no prefix-cache hits
+    from the repeat before); its results are ``{workload}_{tag}_r{r}.json``. JSONL
+    workloads run once (their prompts are fixed: a repeat would hit the cache)."""
     if not lay.bench_cli.exists():
         raise SystemExit("run `peers.py install vllm` first: it installs the bench client")
     lay.results.mkdir(parents=True, exist_ok=True)
@@ -528,22 +539,20 @@ def run_targets(
             (lay.results / f"startup_{tag}.txt").write_text(f"{ready:.1f}\n")
             _bench(lay, f"warm_{tag}", tokenizer, port, WARMUP)
             for w in workloads:
-                res = _bench(
-                    lay,
-                    f"{w}_{tag}",
-                    tokenizer,
-                    port,
-                    [
-                        *_workload_args(w, custom, rate, concurrency, jsonl),
-                        *shlex.split(bench_args),
-                    ],
-                )
-                if res:
-                    print(
-                        f"[{w}_{tag}] {res['output_throughput']:.1f} tok/s, TPOT {res['mean_tpot_ms']:.1f} ms, "
-                        f"p99 ITL {res['p99_itl_ms']:.0f} ms, mean TTFT {res['mean_ttft_ms']:.0f} ms",
-                        flush=True,
-                    )
+                base = _workload_args(w, custom, rate, concurrency, jsonl)
+                for r in range(repeats if w in WORKLOADS else 1):
+                    label = f"{w}_{tag}" + (f"_r{r}" if r else "")
+                    reseed = ["--seed", str(_seed(base) + 1000 * r)] if r else []
+                    res = _bench(
+                        lay, label, tokenizer, port,
+                        [*base, *shlex.split(bench_args), *reseed],
+                    )  # fmt: skip
+                    if res:
+                        print(
+                            f"[{label}] {res['output_throughput']:.1f} tok/s, TPOT {res['mean_tpot_ms']:.1f} ms, "
+                            f"p99 ITL {res['p99_itl_ms']:.0f} ms, mean TTFT {res['mean_ttft_ms']:.0f} ms",
+                            flush=True,
+                        )
             if engine == "kvserve":  # speculative decoding's counters, among others
                 _save_metrics(port, lay.results / f"metrics_{tag}.txt")
         except RuntimeError as e:
