@@ -24,6 +24,7 @@ import argparse
 import json
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -49,6 +50,87 @@ def log_lines(log: Path, needles: tuple[str, ...]) -> list[str]:
     return [line.strip() for line in text if any(n in line for n in needles)]
 
 
+def huge_pages(pid: int) -> str:
+    """A server's resident and huge-page-backed anonymous memory (Linux), as text."""
+    try:
+        lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return "smaps_rollup not readable"
+    keep = [ln.split() for ln in lines if ln.startswith(("Rss:", "AnonHugePages:"))]
+    return ", ".join(f"{k[0]} {int(k[1]) // 1024} MiB" for k in keep)
+
+
+def interleaved(args: argparse.Namespace) -> int:
+    """``--interleave``: every server up at once, the row run round-robin over them."""
+    lay = peers.Layout(args.root)
+    tokenizer = peers._model_folder()
+    flags = f"--step-cost-cache {args.fit} {args.kv_flags}".strip()
+    base = peers.WORKLOADS["prefix"]
+    procs, logs = [], []
+    try:
+        for i in range(args.starts):
+            port = args.port + i
+            cmd, env = peers._server_command(lay, "kvserve", "bfloat16", port, flags)
+            log = open(lay.logs / f"server_interleave{i}.log", "w")  # noqa: SIM115 - closed below
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+            peers._wait_ready(procs[-1], port, timeout_s=900)  # one start at a time
+            peers._bench(lay, f"warm_interleave{i}", tokenizer, port, peers.WARMUP)
+            print(f"server {i}: {huge_pages(procs[-1].pid)}", flush=True)
+        table: list[list[float]] = [[] for _ in range(args.starts)]
+        for r in range(args.interleave):
+            seed = ["--seed", str(peers._seed(base) + 1000 * r)]
+            for i in range(args.starts):
+                res = peers._bench(
+                    lay, f"prefix_interleave{i}_r{r}", tokenizer, args.port + i, [*base, *seed]
+                )
+                table[i].append(float(res["output_throughput"]) if res else 0.0)
+                print(f"round {r} server {i}: {table[i][-1]:.1f} tok/s", flush=True)
+        # The interference row once per server (fixed prompts: a second run on the same
+        # server would hit its prefix cache), servers in turn.
+        rate = args.rate
+        inter_args = peers._workload_args(
+            "interference", None, rate, jsonl={"interference": (str(INTERFERENCE), rate)}
+        )
+        inter: list[float] = []
+        for i in range(args.starts):
+            res = peers._bench(
+                lay, f"interference_interleave{i}", tokenizer, args.port + i, inter_args
+            )
+            inter.append(float(res["output_throughput"]) if res else 0.0)
+            print(f"interference server {i}: {inter[-1]:.1f} tok/s", flush=True)
+    finally:
+        for proc in procs:
+            peers._stop(proc)
+        for log in logs:
+            log.close()
+    medians = [statistics.median(row) for row in table]
+    rounds = [statistics.median(col) for col in zip(*table, strict=True)]
+    print(f"\n{args.starts} servers up at once, shared-prefix row, output tok/s:")
+    for i, row in enumerate(table):
+        cells = "  ".join(f"{v:7.1f}" for v in row)
+        print(f"  server {i}: {cells}   median {medians[i]:7.1f}")
+    print(f"  between servers (medians) max/min {spread(medians):.3f}")
+    print(f"  between rounds (medians)  max/min {spread(rounds):.3f}")
+    cells = "  ".join(f"{v:7.1f}" for v in inter)
+    print(
+        f"  interference ({args.rate} req/s), once per server: {cells}   max/min {spread(inter):.3f}"
+    )
+    out = lay.results / "steady_starts_interleaved.json"
+    out.write_text(
+        json.dumps(
+            {"table": table, "medians": medians, "rounds": rounds, "interference": inter},
+            indent=1,
+        )
+    )
+    print(f"written {out}")
+    return 0 if spread(medians) <= 1.15 and spread(inter) <= 1.15 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "kvserve-peers")
@@ -64,7 +146,16 @@ def main(argv: list[str] | None = None) -> int:
         "their median, and the spread within each start is printed beside the spread "
         "between starts",
     )  # fmt: skip
+    ap.add_argument(
+        "--interleave", type=int, default=0, metavar="ROUNDS",
+        help="start all --starts servers at once and run the shared-prefix row ROUNDS "
+        "times on each in turn (server 0, 1, ..., then the next round with a fresh "
+        "seed): a start effect shows as servers that stay apart in every round, the "
+        "machine's drift as rounds that move together",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.interleave:
+        return interleaved(args)
     if args.starts < 2:
         raise SystemExit("--starts must be at least 2")
     lay = peers.Layout(args.root)
