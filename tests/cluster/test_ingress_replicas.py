@@ -164,3 +164,28 @@ def test_remote_engine_renders_every_ingress_and_survives_a_failed_push() -> Non
     engine.num_live_replicas = 0
     asyncio.run(one_watch())
     assert engine.num_live_replicas == 1  # a failed push does not mark replicas dead
+
+
+def test_two_routers_send_a_new_prefix_to_the_same_replica() -> None:
+    """Two ingresses' routers that have seen nothing of each other: the second request
+    of a prefix goes where the first went (the rendezvous tie-break), and different
+    prefixes still spread over the replicas."""
+    import hashlib
+
+    from kvserve.cluster.policy import RoutingConfig, RoutingLogic
+
+    replicas = ["rep-a", "rep-b", "rep-c"]
+    first = RoutingLogic(RoutingConfig(policy="prefix-aware"))
+    second = RoutingLogic(RoutingConfig(policy="prefix-aware"))
+    chosen = []
+    for p in range(24):
+        keys = [hashlib.sha256(f"prefix {p} block {b}".encode()).digest()[:16] for b in range(4)]
+        a = first.choose(replicas, keys, request_id=f"a{p}")
+        first.request_finished(f"a{p}")
+        second.choose(replicas, [], request_id=f"other{p}")  # unrelated short traffic
+        second.request_finished(f"other{p}")
+        b = second.choose(replicas, keys, request_id=f"b{p}")
+        second.request_finished(f"b{p}")
+        assert b.replica == a.replica, p
+        chosen.append(a.replica)
+    assert len(set(chosen)) == len(replicas)  # new prefixes are not all on one replica
