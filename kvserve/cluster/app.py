@@ -1,6 +1,6 @@
 """The scale-out Serve application: ingress -> engine replicas, plus the metrics hub.
 
-    HTTP :port ── Serve proxy ── KVServeIngress (1, tokenize + hash, OpenAI routes)
+    HTTP :port ── Serve proxy ── KVServeIngress × K (tokenize + hash, OpenAI routes)
                                       │ DeploymentHandle + KVServeRequestRouter
                                       ▼
                         EngineReplica × N (one engine process each, T threads;
@@ -29,6 +29,7 @@ from kvserve.cluster.replica import EngineReplica
 from kvserve.cluster.router import KVServeRequestRouter
 
 APP_NAME = "kvserve"
+MAX_INGRESS_REPLICAS = 64
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class ClusterOptions:
 
     The size: ``num_replicas`` (fixed, >= 2) or ``autoscaling`` (then
     ``num_replicas`` must be None: ``Autoscaling.initial_replicas`` is the start).
+    ``ingress_replicas``: copies of the HTTP ingress behind Serve's proxy (1 to
+    ``MAX_INGRESS_REPLICAS``; more than one refuses a default ``--seed``).
     ``graceful_shutdown_timeout_s``: how long a replica that is scaled away (or
     replaced) lets its in-flight requests finish before Serve kills it.
     ValueError names the bad flag."""
@@ -55,6 +58,7 @@ class ClusterOptions:
     http_options: dict[str, Any] = field(default_factory=dict)
     autoscaling: Autoscaling | None = None
     graceful_shutdown_timeout_s: float = 30.0
+    ingress_replicas: int = 1
     max_ongoing_requests: int = 256
     stats_period_s: float = 0.5
     health_check_period_s: float = 1.0
@@ -89,6 +93,18 @@ class ClusterOptions:
             raise ValueError(
                 f"invalid --min-healthy-replicas {m!r}: use 1 to --replicas "
                 f"({self.num_replicas}), or leave it out for all of them"
+            )
+        k = self.ingress_replicas
+        if not isinstance(k, int) or not 1 <= k <= MAX_INGRESS_REPLICAS:
+            raise ValueError(
+                f"invalid --ingress-replicas {k!r}: use 1 to {MAX_INGRESS_REPLICAS} (each is "
+                "one process behind Ray Serve's proxy)"
+            )
+        if k > 1 and self.http_options.get("default_seed") is not None:
+            raise ValueError(
+                "--seed cannot be combined with --ingress-replicas > 1: each ingress would "
+                "seed the requests it happens to receive, so a run would not repeat; seed "
+                'requests in their body ("seed") or use one ingress'
             )
         if not self.graceful_shutdown_timeout_s >= 0:
             raise ValueError(
@@ -161,7 +177,7 @@ def build_application(opts: ClusterOptions) -> Any:
     ingress = deployment(
         KVServeIngress,
         name="KVServeIngress",
-        num_replicas=1,
+        num_replicas=opts.ingress_replicas,
         max_ongoing_requests=4096,
         ray_actor_options={"num_cpus": 0},
     ).bind(

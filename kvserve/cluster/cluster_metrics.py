@@ -1,5 +1,6 @@
 """``/metrics`` of the scale-out endpoint: every replica's ``kvserve:*`` series with
-a ``replica`` label, and the router's own series.
+a ``replica`` label, and the router's own series with an ``ingress`` label (one set
+per ingress replica, ``--ingress-replicas``; each ingress routes its own requests).
 
 Router series (``RouterMetrics``):
 - ``kvserve:router_decisions_total{policy, reason}``: one per routed request; reasons
@@ -108,20 +109,27 @@ class _Families:
 
 def label_replicas(texts: Mapping[str, str]) -> bytes:
     """Merge replicas' Prometheus texts into one, every sample labelled
-    ``replica="<name>"``; families of the same name are merged (the text format
-    allows each name once). Raises ValueError when a text does not parse."""
+    ``replica="<name>"`` (:func:`label_texts`)."""
+    return label_texts(texts, "replica")
+
+
+def label_texts(texts: Mapping[str, str], label: str) -> bytes:
+    """Merge Prometheus texts into one, every sample of ``texts[name]`` labelled
+    ``<label>="<name>"``; families of the same name are merged (the text format
+    allows each name once). Raises ValueError (naming the source) when a text does
+    not parse. Rule: no text may already carry ``label`` (it would be overwritten)."""
     merged: dict[str, Metric] = {}
-    for replica, text in sorted(texts.items()):
+    for name, text in sorted(texts.items()):
         try:
             families = list(text_string_to_metric_families(text))
         except Exception as e:  # the parser raises bare ValueError/TypeError/KeyError
-            raise ValueError(f"replica {replica}: /metrics text does not parse: {e}") from e
+            raise ValueError(f"{label} {name}: /metrics text does not parse: {e}") from e
         for family in families:
             out = merged.get(family.name)
             if out is None:
                 out = merged[family.name] = Metric(family.name, family.documentation, family.type)
             for s in family.samples:
-                labels = {**s.labels, "replica": replica}
+                labels = {**s.labels, label: name}
                 out.samples.append(Sample(s.name, labels, s.value, s.timestamp, s.exemplar))
     registry = CollectorRegistry()
     registry.register(_Families(list(merged.values())))

@@ -8,6 +8,15 @@ metrics push, start time, constructor seconds and step-time fit source; and
 ``router``: the replicas the request router holds state for). The tokenizer runs here, so every prompt is tokenized and hashed once.
 ``GET /health`` is 503 while fewer than ``min_healthy_replicas`` replicas are alive
 (a killed replica's actor leaves the list at the next watch, every 0.5 s).
+
+With ``--ingress-replicas K`` Ray Serve's proxy spreads connections over K copies of
+this deployment. Each routes its own requests with its own router; the routers agree
+on where prefixes live because every replica's routing report (every 0.5 s) carries
+the block keys its cache holds, which correct each router's prefix index, so a
+prefix routed by one ingress is known to the others within a report period.
+``/metrics`` on any ingress lists every ingress's router series (``ingress`` label),
+and ``/cluster/replicas`` names the ingress that answered (``ingress``; its
+``router`` list is that ingress's).
 """
 
 from __future__ import annotations
@@ -43,7 +52,12 @@ class KVServeIngress:
         facts: EngineFacts = await engine.info.remote()
         tokenizer = load_tokenizer(model or DEFAULT_MODEL_NAME)
         self.client = RemoteEngine(
-            engine, hub, facts, tokenizer, min_healthy_replicas=min_healthy_replicas
+            engine,
+            hub,
+            facts,
+            tokenizer,
+            min_healthy_replicas=min_healthy_replicas,
+            ingress_id=serve.get_replica_context().replica_id.unique_id,
         )
         # /health: 503 while fewer than min_healthy_replicas replicas are alive.
         self._watch = asyncio.get_running_loop().create_task(self.client.watch_replicas())
@@ -80,6 +94,7 @@ class KVServeIngress:
                     for r, v in sorted(snap.items())
                 ],
                 "router": sorted(known_replicas()),
+                "ingress": client.ingress_id,
             }
 
         return app

@@ -6,8 +6,10 @@ actor handle); the ingress reads them all (``snapshot``). A replica is left out 
 soon as its actor is dead — each snapshot pings every replica's actor
 (``__ray_ready__``, answered by Ray itself), and a dead actor fails that call at
 once — or when it stopped pushing for ``stale_after_s`` seconds (hung, scaled away).
-Runs as a Serve deployment of one replica; it holds nothing that cannot be rebuilt by
-the next push.
+Each ingress replica pushes its router's text the same way (``push_ingress``, every
+replica watch, 0.5 s), so ``/metrics`` on any ingress shows every ingress's routing
+series (``ingress_texts``). Runs as a Serve deployment of one replica; it holds
+nothing that cannot be rebuilt by the next push.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class MetricsHub:
         self._actors: dict[str, Any] = {}
         self._meta: dict[str, dict[str, Any]] = {}
         self._dead: set[str] = set()
+        self._ingress: dict[str, tuple[float, str]] = {}
 
     def push(
         self,
@@ -50,6 +53,17 @@ class MetricsHub:
             self._actors[replica] = actor
         if meta is not None:
             self._meta[replica] = dict(meta)
+
+    def push_ingress(self, ingress: str, text: str) -> None:
+        """The latest router text of one ingress replica (kept ``stale_after_s``)."""
+        self._ingress[ingress] = (time.monotonic(), text)
+
+    def ingress_texts(self) -> dict[str, str]:
+        """{ingress: router text} of every ingress heard from in ``stale_after_s``."""
+        now = time.monotonic()
+        for name in [n for n, (t, _) in self._ingress.items() if now - t > self.stale_after_s]:
+            del self._ingress[name]
+        return {name: text for name, (_, text) in self._ingress.items()}
 
     async def snapshot(self) -> dict[str, dict[str, Any]]:
         """{replica: {"pid", "age_s", "text", "meta"}} for every live replica heard from

@@ -5,7 +5,10 @@
                    n = the request's full blocks; matched(r) = its leading blocks that
                    r probably holds (PrefixIndex); the highest score wins, ties go to
                    the shorter queue, then to the replica caching fewer blocks (new
-                   prefixes spread the cache footprint evenly), then round robin.
+                   prefixes spread the cache footprint evenly), then to the replica
+                   the leading block hashes to (rendezvous hashing: routers in
+                   different ingresses that see the same reports pick the same
+                   replica for a new prefix); requests without a full block rotate.
     round-robin    each replica in turn.
     least-loaded   the shortest queue; ties round robin.
 
@@ -26,6 +29,7 @@ loop); every :meth:`RoutingLogic.choose` with a ``request_id`` is matched by one
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -125,6 +129,16 @@ class Decision:
         return self.matched_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
+def _rendezvous(candidates: Sequence[str], key: bytes) -> list[str]:
+    """``candidates`` by highest random weight for ``key`` (rendezvous hashing): the
+    same order in every process, and removing one replica moves only its keys."""
+    return sorted(
+        candidates,
+        key=lambda r: hashlib.blake2b(key + r.encode(), digest_size=8).digest(),
+        reverse=True,
+    )
+
+
 class RoutingLogic:
     """One router's state: the prefix index, in-flight counts, last reports."""
 
@@ -205,8 +219,15 @@ class RoutingLogic:
         if num_seqs < 1:
             raise ValueError(f"invalid num_seqs={num_seqs!r}: a request has at least 1 sequence")
         n = len(keys)
-        order = self._rotation(candidates)
         policy = self.config.policy
+        # Ties of the prefix-aware score (no replica known to hold the prefix, equal
+        # loads) go to the replica the leading block hashes to, so every router (one
+        # per ingress) sends a new prefix to the same replica before any report says
+        # where it lives; requests without a full block rotate.
+        if policy == "prefix-aware" and keys:
+            order = _rendezvous(candidates, keys[0])
+        else:
+            order = self._rotation(candidates)
         scores: dict[str, float] = {}
         matched = {r: 0 for r in candidates}
         if policy == "round-robin":

@@ -33,7 +33,7 @@ from typing import Any
 
 from ray.exceptions import RayError
 
-from kvserve.cluster.cluster_metrics import RouterMetrics, label_replicas
+from kvserve.cluster.cluster_metrics import RouterMetrics, label_replicas, label_texts
 from kvserve.cluster.prefix_index import block_key
 from kvserve.cluster.protocol import Accepted, EngineFacts, Refused, RoutedRequest
 from kvserve.engine.async_engine import (
@@ -169,7 +169,9 @@ class RemoteStream:
 
 class RemoteEngine:
     """See the module docstring. ``handle``: the engine deployment's handle;
-    ``hub``: the metrics hub's handle; ``facts``: from a replica's ``info()``."""
+    ``hub``: the metrics hub's handle; ``facts``: from a replica's ``info()``;
+    ``ingress_id``: this ingress replica's name, the ``ingress`` label of its router
+    series in ``/metrics`` (unique per ingress replica)."""
 
     def __init__(
         self,
@@ -181,6 +183,7 @@ class RemoteEngine:
         max_attempts: int = 5,
         retry_timeout_s: float = 30.0,
         min_healthy_replicas: int = 1,
+        ingress_id: str = "0",
     ) -> None:
         if facts.hash_algo != "sha256" and facts.enable_prefix_caching:
             raise ValueError(
@@ -196,6 +199,7 @@ class RemoteEngine:
         self.vocab_size = facts.vocab_size
         self.max_num_seqs = facts.max_num_seqs
         self.router_metrics = RouterMetrics()
+        self.ingress_id = ingress_id
         self.max_attempts = max_attempts
         self.retry_timeout_s = retry_timeout_s
         self._accepting = True
@@ -226,6 +230,13 @@ class RemoteEngine:
             except Exception:  # the hub restarting: keep the last count a moment
                 logger.warning("replica watch: the metrics hub did not answer", exc_info=True)
                 self.num_live_replicas = 0
+            else:
+                try:  # other ingresses' /metrics show this router's series
+                    await self._push_router_text()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    logger.warning("replica watch: router series not pushed", exc_info=True)
             await asyncio.sleep(period_s)
 
     def start(self) -> None:
@@ -370,13 +381,23 @@ class RemoteEngine:
         self.router_metrics.set_num_excluded(len(gone))
         return snap
 
-    async def render_metrics(self) -> bytes:
+    async def _push_router_text(self) -> str:
+        """This ingress's router series, brought up to date and pushed to the hub."""
         from kvserve.cluster.routing_state import chosen_counts
 
-        snap = await self.snapshot_replicas()
         self.router_metrics.sync_chosen(chosen_counts())
+        text = self.router_metrics.render().decode()
+        await self._hub.push_ingress.remote(self.ingress_id, text)
+        return text
+
+    async def render_metrics(self) -> bytes:
+        """Every replica's series (``replica`` label) and every ingress's router series
+        (``ingress`` label; this one's fresh, the others' as last pushed, <= 0.5 s old)."""
+        snap = await self.snapshot_replicas()
+        own = await self._push_router_text()
+        routers = {**await self._hub.ingress_texts.remote(), self.ingress_id: own}
         replicas = label_replicas({r: v["text"] for r, v in snap.items()})
-        return replicas + self.router_metrics.render()
+        return replicas + label_texts(routers, "ingress")
 
 
 def _refusal_error(refused: Refused) -> Exception:

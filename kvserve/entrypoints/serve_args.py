@@ -234,6 +234,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "exceed this fraction on average (default 0.8; docs/scale-out.md#autoscaling)",
     )
     scale.add_argument(
+        "--ingress-replicas",
+        type=int,
+        default=1,
+        help="with --replicas or autoscaling: HTTP ingress processes behind Ray Serve's "
+        "proxy (default 1); each tokenizes and routes its own requests, and all share "
+        "where prefixes live through the replicas' reports (docs/scale-out.md)",
+    )
+    scale.add_argument(
         "--routing",
         default="prefix-aware",
         choices=["prefix-aware", "round-robin", "least-loaded"],

@@ -72,6 +72,13 @@ def run(args: argparse.Namespace) -> int:
         from kvserve.entrypoints.serve_replicas import run_replicas
 
         return run_replicas(args, api_key)
+    if args.ingress_replicas != 1:
+        print(
+            "kvserve serve: --ingress-replicas needs --replicas N (or --min-replicas/"
+            "--max-replicas): one process serves HTTP itself",
+            file=sys.stderr,
+        )
+        return 2
     t0 = time.perf_counter()
     try:
         http_options = http_options_from_args(args)

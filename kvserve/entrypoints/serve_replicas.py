@@ -120,6 +120,7 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             api_key=api_key,
             max_queue_len=args.max_queue_len,
             min_healthy_replicas=args.min_healthy_replicas,
+            ingress_replicas=args.ingress_replicas,
             http_options={**http_options_from_args(args), **ingress_options(args)},
         )
     except (ValueError, TypeError) as e:

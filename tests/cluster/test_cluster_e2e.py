@@ -1,5 +1,7 @@
-"""``kvserve serve --replicas 2`` end to end: a local Ray cluster on 127.0.0.1, two
-engine replicas of one thread each on the default model, real HTTP.
+"""``kvserve serve --replicas 2 --ingress-replicas 2`` end to end: a local Ray cluster
+on 127.0.0.1, two engine replicas of one thread each on the default model, two HTTP
+ingresses behind Serve's proxy (each routes the requests it receives; they learn where
+prefixes live from the replicas' reports), real HTTP.
 
 One prefix-aware cluster serves the module (started once); prefix-aware against
 round-robin on the engine's own KV managers is tests/cluster/test_router_logic.py
@@ -38,7 +40,8 @@ pytestmark = [
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "TOKENIZERS_PARALLELISM": "false"}
 CLUSTER_ARGS = [
-    "--replicas", "2", "--threads-per-replica", "1", "--num-kv-blocks", "512",
+    "--replicas", "2", "--ingress-replicas", "2", "--threads-per-replica", "1",
+    "--num-kv-blocks", "512",
     "--max-model-len", "2048", "--no-access-log",
     "--max-step-ms", "0",  # no step-time calibration in each (re)started replica
     # a replica stopping (teardown, replacement) drains for at most 5 s, not 30: the
@@ -118,15 +121,37 @@ def _hit_rate(base_url: str, seed: int) -> float:
     return (h1 - h0) / (q1 - q0)
 
 
+def _decisions_by_ingress(base_url: str) -> dict[str, float]:
+    """``router_decisions_total`` (prefix-aware, prefix_hit excluded or not) per ingress."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvserve:router_decisions_total":
+                assert s.labels["policy"] == "prefix-aware"
+                out[s.labels["ingress"]] = out.get(s.labels["ingress"], 0.0) + s.value
+    return out
+
+
 def test_prefix_aware_hit_rate(cluster: ServerProcess) -> None:
+    """Routing quality holds with two ingresses routing at once."""
+    before = _decisions_by_ingress(cluster.base_url)
     rate = _hit_rate(cluster.base_url, seed=1)
-    print(f"prefix-aware hit rate {rate:.3f}")
+    after = _decisions_by_ingress(cluster.base_url)
+    routed = {i: after[i] - before.get(i, 0.0) for i in after}
+    print(f"prefix-aware hit rate {rate:.3f} with two ingresses; routed per ingress {routed}")
     assert rate >= 0.8
+    assert len(after) == 2  # both ingresses' router series, whichever one answered
+    assert sum(routed.values()) >= NUM_PREFIXES * PER_PREFIX
     text = httpx.get(cluster.base_url + "/metrics", timeout=30).text
-    assert 'kvserve:router_decisions_total{policy="prefix-aware",reason="prefix_hit"}' in text
+    assert 'reason="prefix_hit"' in text
     assert "kvserve:router_matched_prefix_fraction_bucket" in text
     _, _, replicas = _prefix_counters(cluster.base_url)
     assert len(replicas) == 2
+    answered = {httpx.get(cluster.base_url + "/cluster/replicas").json()["ingress"]}
+    assert answered <= set(after)
 
 
 def test_openai_surface(cluster: ServerProcess) -> None:
@@ -245,6 +270,9 @@ def test_n_samples_compute_the_prompt_once_on_one_replica(cluster: ServerProcess
     queries = _series_by_replica(base, "kvserve:prefix_cache_queries_total")
     grown = {r: v - queries0.get(r, 0.0) for r, v in queries.items()}
     assert sum(grown.values()) == 200, grown  # the prompt once, not once per sample
+    # the other ingress may take the next request: it learns where the prompt now lives
+    # from the replicas' next routing reports (every 0.5 s)
+    time.sleep(1.2)
     one = httpx.post(base + "/v1/completions", json={**body, "n": 1}, timeout=120)
     assert one.status_code == 200, one.text
     assert one.json()["choices"][0]["text"] == out["choices"][0]["text"]
@@ -527,8 +555,8 @@ def _chosen(base: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(base + "/metrics").text):
         for s in family.samples:
-            if s.name == "kvserve:router_chosen_total":
-                out[s.labels["replica"]] = s.value
+            if s.name == "kvserve:router_chosen_total":  # summed over the ingresses
+                out[s.labels["replica"]] = out.get(s.labels["replica"], 0.0) + s.value
     return out
 
 
@@ -553,12 +581,15 @@ def test_dead_idle_replica_leaves_the_router_before_any_request_fails(
     victim = sorted(before)[0]
     resent0 = _series_by_replica(base, "kvserve:router_resubmitted_total").get("", 0.0)
     chosen0 = _chosen(base)
+    # replicas each ingress has seen die before (an earlier test's kill) stay counted
+    excluded0 = _series_by_replica(base, "kvserve:router_excluded_replicas").get("", 0.0)
     os.kill(before[victim], signal.SIGKILL)
     killed_at = time.monotonic()
     excluded_s = None
     while time.monotonic() - killed_at < 5:
+        # summed over the ingresses: out of every ingress's router
         excluded = _series_by_replica(base, "kvserve:router_excluded_replicas").get("", 0.0)
-        if excluded >= 1:
+        if excluded >= excluded0 + 2:
             excluded_s = time.monotonic() - killed_at
             break
         time.sleep(0.05)
