@@ -158,6 +158,7 @@ def build_application(opts: ClusterOptions) -> Any:
             "queue_weight": routing.queue_weight,
             "kv_weight": routing.kv_weight,
             "pending_ttl_s": routing.pending_ttl_s,
+            "routers": opts.ingress_replicas,
         },
         "request_routing_stats_period_s": opts.stats_period_s,
         "request_routing_stats_timeout_s": 10.0,

@@ -9,6 +9,13 @@
                    the leading block hashes to (rendezvous hashing: routers in
                    different ingresses that see the same reports pick the same
                    replica for a new prefix); requests without a full block rotate.
+                   With ``routers`` > 1 (several ingresses) a new prefix (no replica
+                   known to hold any of it) skips the load and footprint tie-breaks,
+                   which differ between routers: it goes to the first replica in
+                   rendezvous order whose queue stays within a bound of the mean
+                   (consistent hashing with bounded loads: queue + seqs <=
+                   ceil(1.25 * (total queue + seqs) / replicas), and its free KV
+                   blocks fit the request), so routers agree unless loads are skewed.
     round-robin    each replica in turn.
     least-loaded   the shortest queue; ties round robin.
 
@@ -30,6 +37,7 @@ loop); every :meth:`RoutingLogic.choose` with a ``request_id`` is matched by one
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,12 +62,15 @@ class RoutingConfig:
     """``queue_weight``: score lost per queued request (a full prefix match scores
     ~1). ``kv_weight``: score lost per block of the request that would not fit in the
     replica's free KV blocks, over the request's blocks. ``pending_ttl_s``: see
-    :class:`PrefixIndex`. ValueError names a bad field."""
+    :class:`PrefixIndex`. ``routers``: how many routers (one per ingress replica)
+    route to the same replicas; above 1, new prefixes go by bounded-load rendezvous
+    hashing (module docstring). ValueError names a bad field."""
 
     policy: Policy = "prefix-aware"
     queue_weight: float = 0.1
     kv_weight: float = 1.0
     pending_ttl_s: float = 5.0
+    routers: int = 1
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -71,6 +82,8 @@ class RoutingConfig:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value >= 0:
                 raise ValueError(f"invalid {name}={value!r}: must be a number >= 0")
+        if isinstance(self.routers, bool) or not isinstance(self.routers, int) or self.routers < 1:
+            raise ValueError(f"invalid routers={self.routers!r}: must be an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -244,6 +257,8 @@ class RoutingLogic:
                 order, key=lambda r: (-scores[r], self.queue_len(r), self.index.num_keys(r))
             )
             best_match = max(matched.values())
+            if best_match == 0 and keys and self.config.routers > 1:
+                ranked = self._bounded_rendezvous(order, ranked, needed, num_seqs)
             if best_match == 0:
                 reason = NO_PREFIX
             elif matched[ranked[0]] == best_match:
@@ -262,6 +277,21 @@ class RoutingLogic:
         if free is not None and needed > free:
             score -= c.kv_weight * (needed - free) / max(n, 1)
         return score
+
+    def _bounded_rendezvous(
+        self, order: Sequence[str], ranked: Sequence[str], needed: int, num_seqs: int
+    ) -> list[str]:
+        """``order`` (rendezvous order) keeping only replicas under the load bound
+        whose free KV fits ``needed`` blocks, then the rest as ``ranked``."""
+        loads = {r: self.queue_len(r) for r in order}
+        bound = math.ceil(1.25 * (sum(loads.values()) + num_seqs) / len(order))
+        fits = [
+            r
+            for r in order
+            if loads[r] + num_seqs <= bound
+            and ((free := self.free_blocks(r)) is None or needed <= free)
+        ]
+        return fits + [r for r in ranked if r not in fits]
 
     def _rotation(self, candidates: Sequence[str]) -> list[str]:
         """The candidates in a stable order, rotated one step per call (tie breaks)."""

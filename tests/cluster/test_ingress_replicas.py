@@ -189,3 +189,48 @@ def test_two_routers_send_a_new_prefix_to_the_same_replica() -> None:
         assert b.replica == a.replica, p
         chosen.append(a.replica)
     assert len(set(chosen)) == len(replicas)  # new prefixes are not all on one replica
+
+
+def test_with_several_routers_a_new_prefix_ignores_small_load_differences() -> None:
+    """Two routers whose views of the loads differ (one still counts a finished stream,
+    the other has pending keys of its own): with ``routers=2`` both send a new prefix
+    to its rendezvous replica while loads stay near the mean, and a skewed replica
+    (over the bound) is skipped."""
+    import hashlib
+
+    from kvserve.cluster.policy import NO_PREFIX, ReplicaReport, RoutingConfig, RoutingLogic
+
+    replicas = ["rep-a", "rep-b"]
+    keys = [hashlib.sha256(f"salted prefix block {b}".encode()).digest()[:16] for b in range(18)]
+    home = RoutingLogic(RoutingConfig(routers=2)).choose(replicas, keys).replica
+    other = next(r for r in replicas if r != home)
+
+    def stale(running: int) -> ReplicaReport:
+        return ReplicaReport(
+            epoch="e",
+            seq=1,
+            num_running=running,
+            num_waiting=0,
+            num_free_blocks=1000,
+            num_blocks=1000,
+        )
+
+    seen_busy = RoutingLogic(RoutingConfig(routers=2))
+    seen_busy.observe_report(home, stale(1))  # a stream that ended since
+    footprint = RoutingLogic(RoutingConfig(routers=2))
+    unrelated = [hashlib.sha256(f"u{b}".encode()).digest()[:16] for b in range(30)]
+    footprint.choose([home], unrelated, request_id="u")  # pending keys on home
+    footprint.request_finished("u")
+    for logic in (seen_busy, footprint):
+        d = logic.choose(replicas, keys)
+        assert d.replica == home and d.reason == NO_PREFIX
+    # one router alone keeps the load and footprint tie-breaks
+    single = RoutingLogic(RoutingConfig())
+    single.observe_report(home, stale(1))
+    assert single.choose(replicas, keys).replica == other
+    # a home replica far over the mean load is passed over
+    skewed = RoutingLogic(RoutingConfig(routers=2))
+    skewed.observe_report(home, stale(6))
+    assert skewed.choose(replicas, keys).replica == other
+    with pytest.raises(ValueError, match="routers"):
+        RoutingConfig(routers=0)
