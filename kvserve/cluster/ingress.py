@@ -8,6 +8,10 @@ metrics push, start time, constructor seconds and step-time fit source; and
 ``router``: the replicas the request router holds state for). The tokenizer runs here, so every prompt is tokenized and hashed once.
 ``GET /health`` is 503 while fewer than ``min_healthy_replicas`` replicas are alive
 (a killed replica's actor leaves the list at the next watch, every 0.5 s).
+With prefill/decode pools ``engine`` is the decode pool; ``prefill_pool`` (its
+handle) is only bound so that Serve deploys it: the decode replicas reach it over the
+KV transfer. Every replica's series and ``/cluster/replicas`` entry then carry its
+``role`` (prefill or decode), and ``kvserve:cluster_pool_replicas{role}`` counts them.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class KVServeIngress:
         max_queue_len: int | None = None,
         min_healthy_replicas: int = 1,
         http_options: dict[str, Any] | None = None,
+        prefill_pool: Any = None,
     ) -> None:
         import asyncio
 

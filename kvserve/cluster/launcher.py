@@ -1,4 +1,5 @@
-"""``kvserve serve --replicas N``: start or join a Ray cluster and run the Serve app.
+"""``kvserve serve --replicas N`` (or ``--prefill-replicas P --decode-replicas D``):
+start or join a Ray cluster and run the Serve app.
 
     local:   ray.init on this machine (every address 127.0.0.1), N replicas here
     joined:  ray.init(address=--ray-address), replicas wherever the cluster has CPUs
@@ -74,7 +75,9 @@ def run_cluster(opts: Any, *, host: str, port: int, ray_address: str | None) -> 
         start_app(opts, host, port)
         scaling = opts.autoscaling
         size = (
-            f"{opts.start_replicas} replicas"
+            f"{opts.prefill_replicas} prefill + {opts.decode_replicas} decode replicas"
+            if opts.is_pools
+            else f"{opts.start_replicas} replicas"
             if scaling is None
             else f"{opts.start_replicas} replicas (autoscaled {scaling.min_replicas} to "
             f"{scaling.max_replicas}, target {scaling.target_ongoing_requests:g} ongoing "

@@ -375,7 +375,13 @@ class RemoteEngine:
 
         snap = await self.snapshot_replicas()
         self.router_metrics.sync_chosen(chosen_counts())
-        replicas = label_replicas({r: v["text"] for r, v in snap.items()})
+        roles = {r: v["meta"]["role"] for r, v in snap.items() if v.get("meta", {}).get("role")}
+        if roles:  # prefill/decode pools
+            sizes = collections.Counter(roles.values())
+            self.router_metrics.set_pool_sizes(
+                {role: sizes[role] for role in ("prefill", "decode")}
+            )
+        replicas = label_replicas({r: v["text"] for r, v in snap.items()}, roles)
         return replicas + self.router_metrics.render()
 
 
