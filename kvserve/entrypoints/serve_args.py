@@ -245,8 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             type=_non_negative_int,
             default=None,
             help=f"disaggregated serving on Ray Serve: {role} pool size (>= 1, with "
-            f"--{'decode' if role == 'prefill' else 'prefill'}-replicas; the --kv-* tuning "
-            "flags apply; docs/scale-out.md#prefilldecode-pools)",
+            f"--{'decode' if role == 'prefill' else 'prefill'}-replicas; "
+            "docs/scale-out.md#prefilldecode-pools)",
         )
     add_engine_arguments(parser)
     add_kv_transfer_arguments(parser)
