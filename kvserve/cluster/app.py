@@ -161,6 +161,13 @@ class ClusterOptions:
         return self.num_replicas if self.autoscaling is None and self.num_replicas else 0
 
     @property
+    def most_replicas(self) -> int:
+        """Engine replicas that may run at once (``--max-replicas`` when autoscaled)."""
+        if self.autoscaling is not None:
+            return self.autoscaling.max_replicas
+        return self.total_replicas
+
+    @property
     def start_replicas(self) -> int:
         """Replicas the deployment starts with."""
         if self.autoscaling is not None:

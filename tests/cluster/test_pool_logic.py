@@ -6,6 +6,7 @@ loads at once, recompute)."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from support.kv_connector import hashed_request
 
@@ -60,7 +61,7 @@ def test_the_chooser_follows_the_prefix_then_the_load() -> None:
 
 
 def test_parse_peers_keeps_listed_addresses() -> None:
-    raw = {
+    raw: dict[str, dict[str, Any]] = {
         "b": {"kv_address": "127.0.0.1:9", "report": _report(1, []).to_stats()},
         "a": {"kv_address": "127.0.0.1:8"},
         "c": {"report": None},  # no address yet: not a peer
