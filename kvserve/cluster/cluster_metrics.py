@@ -14,6 +14,10 @@ Router series (``RouterMetrics``):
   (Ray offers the request there unless its queue is full or it is dead).
 - ``kvserve:router_excluded_replicas``: replicas heard from before that the metrics
   hub no longer lists (dead, hung), kept out of routing (gauge).
+- ``kvserve:cluster_pool_replicas{role}``: live replicas per pool (prefill, decode),
+  with prefill/decode pools only (gauge).
+
+With pools, every replica's samples also carry ``role`` (:func:`label_replicas`).
 """
 
 from __future__ import annotations
@@ -67,6 +71,17 @@ class RouterMetrics:
             "Replicas no longer listed by the metrics hub (dead, hung), kept out of routing.",
             registry=self.registry,
         )
+        self._pools = Gauge(
+            "kvserve:cluster_pool_replicas",
+            "Live replicas per prefill/decode pool.",
+            ["role"],
+            registry=self.registry,
+        )
+
+    def set_pool_sizes(self, sizes: Mapping[str, int]) -> None:
+        """Live replicas per role (roles not given keep their last value)."""
+        for role, n in sizes.items():
+            self._pools.labels(role).set(n)
 
     def observe(self, decision: Decision) -> None:
         self._decisions.labels(decision.policy, decision.reason).inc()
@@ -107,17 +122,25 @@ class _Families:
         return iter(())
 
 
-def label_replicas(texts: Mapping[str, str]) -> bytes:
+def label_replicas(texts: Mapping[str, str], roles: Mapping[str, str] | None = None) -> bytes:
     """Merge replicas' Prometheus texts into one, every sample labelled
-    ``replica="<name>"`` (:func:`label_texts`)."""
-    return label_texts(texts, "replica")
+    ``replica="<name>"`` (and ``role="<role>"`` for the replicas ``roles`` names;
+    :func:`label_texts`)."""
+    roles = roles or {}
+    return label_texts(texts, "replica", {r: {"role": role} for r, role in roles.items()})
 
 
-def label_texts(texts: Mapping[str, str], label: str) -> bytes:
+def label_texts(
+    texts: Mapping[str, str],
+    label: str,
+    extra: Mapping[str, Mapping[str, str]] | None = None,
+) -> bytes:
     """Merge Prometheus texts into one, every sample of ``texts[name]`` labelled
-    ``<label>="<name>"``; families of the same name are merged (the text format
-    allows each name once). Raises ValueError (naming the source) when a text does
-    not parse. Rule: no text may already carry ``label`` (it would be overwritten)."""
+    ``<label>="<name>"`` plus ``extra[name]``'s labels; families of the same name are
+    merged (the text format allows each name once). Raises ValueError (naming the
+    source) when a text does not parse. Rule: no text may already carry ``label`` or
+    an ``extra`` label (it would be overwritten)."""
+    extra = extra or {}
     merged: dict[str, Metric] = {}
     for name, text in sorted(texts.items()):
         try:
@@ -129,7 +152,7 @@ def label_texts(texts: Mapping[str, str], label: str) -> bytes:
             if out is None:
                 out = merged[family.name] = Metric(family.name, family.documentation, family.type)
             for s in family.samples:
-                labels = {**s.labels, label: name}
+                labels = {**s.labels, label: name, **extra.get(name, {})}
                 out.samples.append(Sample(s.name, labels, s.value, s.timestamp, s.exemplar))
     registry = CollectorRegistry()
     registry.register(_Families(list(merged.values())))

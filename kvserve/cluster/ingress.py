@@ -17,6 +17,11 @@ prefix routed by one ingress is known to the others within a report period.
 ``/metrics`` on any ingress lists every ingress's router series (``ingress`` label),
 and ``/cluster/replicas`` names the ingress that answered (``ingress``; its
 ``router`` list is that ingress's).
+
+With prefill/decode pools ``engine`` is the decode pool; ``prefill_pool`` (its
+handle) is only bound so that Serve deploys it: the decode replicas reach it over the
+KV transfer. Every replica's series and ``/cluster/replicas`` entry then carry its
+``role`` (prefill or decode), and ``kvserve:cluster_pool_replicas{role}`` counts them.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class KVServeIngress:
         max_queue_len: int | None = None,
         min_healthy_replicas: int = 1,
         http_options: dict[str, Any] | None = None,
+        prefill_pool: Any = None,
     ) -> None:
         import asyncio
 

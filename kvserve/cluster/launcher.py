@@ -1,6 +1,8 @@
-"""``kvserve serve --replicas N``: start or join a Ray cluster and run the Serve app.
+"""``kvserve serve --replicas N`` (or ``--prefill-replicas P --decode-replicas D``):
+start or join a Ray cluster and run the Serve app.
 
-    local:   ray.init on this machine (every address 127.0.0.1), N replicas here
+    local:   ray.init on this machine (every address 127.0.0.1), N replicas here (Ray
+             gets max(cores, replicas x threads) CPUs: more replicas than cores share them)
     joined:  ray.init(address=--ray-address), replicas wherever the cluster has CPUs
 
 The endpoint (Serve's HTTP proxy) listens on ``--host:--port``. ``serve.run`` returns
@@ -63,10 +65,26 @@ def stop_app() -> None:
         ray.shutdown()
 
 
+def local_cpus(opts: Any) -> int:
+    """Ray CPUs of a local cluster: this machine's cores, or more when the replicas
+    ask for more (each reserves ``--threads-per-replica``; they then share cores, with
+    a warning, rather than wait forever for CPUs Ray does not have)."""
+    cores = os.cpu_count() or 1
+    needed = opts.most_replicas * opts.threads_per_replica
+    if needed > cores:
+        logger.warning(
+            "%d replicas x %d threads on %d cores: the replicas share cores",
+            opts.most_replicas,
+            opts.threads_per_replica,
+            cores,
+        )
+    return max(cores, needed)
+
+
 def run_cluster(opts: Any, *, host: str, port: int, ray_address: str | None) -> int:
     """Run until SIGTERM/SIGINT. Returns the exit status."""
     stop = threading.Event()
-    start_ray(ray_address)
+    start_ray(ray_address, None if ray_address else local_cpus(opts))
     # After ray.init, which installs its own SIGTERM handler in the driver.
     handled = (signal.SIGINT, signal.SIGTERM)
     original = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in handled}
@@ -74,7 +92,9 @@ def run_cluster(opts: Any, *, host: str, port: int, ray_address: str | None) -> 
         start_app(opts, host, port)
         scaling = opts.autoscaling
         size = (
-            f"{opts.start_replicas} replicas"
+            f"{opts.prefill_replicas} prefill + {opts.decode_replicas} decode replicas"
+            if opts.is_pools
+            else f"{opts.start_replicas} replicas"
             if scaling is None
             else f"{opts.start_replicas} replicas (autoscaled {scaling.min_replicas} to "
             f"{scaling.max_replicas}, target {scaling.target_ongoing_requests:g} ongoing "

@@ -10,6 +10,10 @@ Each ingress replica pushes its router's text the same way (``push_ingress``, ev
 replica watch, 0.5 s), so ``/metrics`` on any ingress shows every ingress's routing
 series (``ingress_texts``). Runs as a Serve deployment of one replica; it holds
 nothing that cannot be rebuilt by the next push.
+
+It is also the directory of a prefill/decode pool: prefill replicas push a ``peer``
+entry (their KV-transfer address and routing report) and decode replicas read the
+live ones with ``prefill_peers`` (``pool_peers``), so no address is typed by hand.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class MetricsHub:
         self._latest: dict[str, tuple[int, float, str]] = {}
         self._actors: dict[str, Any] = {}
         self._meta: dict[str, dict[str, Any]] = {}
+        self._peers: dict[str, dict[str, Any]] = {}
         self._dead: set[str] = set()
         self._ingress: dict[str, tuple[float, str]] = {}
 
@@ -43,9 +48,11 @@ class MetricsHub:
         text: str,
         actor: Any = None,
         meta: dict[str, Any] | None = None,
+        peer: dict[str, Any] | None = None,
     ) -> None:
         """``meta``: plain facts of the replica for ``/cluster/replicas`` (its start
-        time, constructor time, step-time fit source), kept until the next push."""
+        time, constructor time, step-time fit source), kept until the next push.
+        ``peer``: a prefill replica's ``{"kv_address", "report"}``."""
         if replica in self._dead:
             return  # a push that was in flight when its actor died
         self._latest[replica] = (pid, time.monotonic(), text)
@@ -53,6 +60,18 @@ class MetricsHub:
             self._actors[replica] = actor
         if meta is not None:
             self._meta[replica] = dict(meta)
+        if peer is not None:
+            self._peers[replica] = dict(peer)
+
+    def prefill_peers(self) -> dict[str, dict[str, Any]]:
+        """{replica: {"kv_address", "report"}} of every prefill replica heard from
+        within ``stale_after_s`` and not found dead (by a snapshot's ping)."""
+        now = time.monotonic()
+        return {
+            r: peer
+            for r, peer in self._peers.items()
+            if r in self._latest and now - self._latest[r][1] <= self.stale_after_s
+        }
 
     def push_ingress(self, ingress: str, text: str) -> None:
         """The latest router text of one ingress replica (kept ``stale_after_s``)."""
@@ -107,3 +126,4 @@ class MetricsHub:
         self._latest.pop(replica, None)
         self._actors.pop(replica, None)
         self._meta.pop(replica, None)
+        self._peers.pop(replica, None)

@@ -391,12 +391,19 @@ class RemoteEngine:
         return text
 
     async def render_metrics(self) -> bytes:
-        """Every replica's series (``replica`` label) and every ingress's router series
-        (``ingress`` label; this one's fresh, the others' as last pushed, <= 0.5 s old)."""
+        """Every replica's series (``replica`` label, and ``role`` with pools) and every
+        ingress's router series (``ingress`` label; this one's fresh, the others' as
+        last pushed, <= 0.5 s old)."""
         snap = await self.snapshot_replicas()
+        roles = {r: v["meta"]["role"] for r, v in snap.items() if v.get("meta", {}).get("role")}
+        if roles:  # prefill/decode pools
+            sizes = collections.Counter(roles.values())
+            self.router_metrics.set_pool_sizes(
+                {role: sizes[role] for role in ("prefill", "decode")}
+            )
         own = await self._push_router_text()
         routers = {**await self._hub.ingress_texts.remote(), self.ingress_id: own}
-        replicas = label_replicas({r: v["text"] for r, v in snap.items()})
+        replicas = label_replicas({r: v["text"] for r, v in snap.items()}, roles)
         return replicas + label_texts(routers, "ingress")
 
 

@@ -17,6 +17,11 @@ KV cache, scheduler) driven by an :class:`AsyncEngine`, and ``torch`` limited to
   policy (``scaling_policy``), when the deployment autoscales.
 - ``check_health()``: raises once the engine thread died, so Ray restarts us.
 
+With ``kv`` (the decode pool of ``--prefill-replicas P --decode-replicas D``) the
+engine has a decode connector: prompts are prefilled on the prefill replicas the hub
+lists (``pool_peers``: read every ``PEER_POLL_S``, chosen by prefix and load), and
+locally when none is alive or one fails (``--kv-load-failure-policy recompute``).
+
 A background task pushes this replica's Prometheus text to the metrics hub every
 ``metrics_push_s`` seconds. Rules: the constructor runs on the replica's event loop
 (Serve's async ``__init__``), which is also the loop the engine's streams use.
@@ -33,19 +38,25 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvserve.cluster.policy import ReplicaReport
+from kvserve.cluster.policy import ReplicaReport, RoutingConfig
+from kvserve.cluster.pool_peers import DECODE, PrefillChooser, build_pool_engine, parse_peers
 from kvserve.cluster.prefix_index import block_key, pack_keys
 from kvserve.cluster.protocol import Accepted, EngineFacts, Refused, RoutedRequest
 from kvserve.cluster.scaling_policy import KV_USAGE, WAITING
 from kvserve.engine.outputs import RequestDelta
+from kvserve.kv_transfer.config import KVTransferConfig
 from kvserve.request import RequestError
 
 logger = logging.getLogger("kvserve.cluster.replica")
 
+PEER_POLL_S = 0.5  # a decode replica reads the prefill pool from the hub this often
+
 
 class EngineReplica:
     """See the module docstring. ``engine_options``: flat engine options
-    (``kvserve.engine.args``); ``hub``: a handle to :class:`MetricsHub` or None."""
+    (``kvserve.engine.args``); ``hub``: a handle to :class:`MetricsHub` or None;
+    ``kv``: the pool's ``--kv-*`` options for a decode replica (needs ``hub``),
+    ``routing``: how it picks prefill replicas."""
 
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self,
@@ -53,6 +64,8 @@ class EngineReplica:
         threads: int,
         hub: Any = None,
         metrics_push_s: float = 1.0,
+        kv: KVTransferConfig | None = None,
+        routing: RoutingConfig | None = None,
     ) -> None:
         started_at = time.time()  # the constructor begins (the actor process is up)
         t0 = time.monotonic()
@@ -69,7 +82,16 @@ class EngineReplica:
         self.epoch = uuid.uuid4().hex
         self._seq = 0
         config = build_engine_config(**engine_options)
-        self.engine = run_in_scratch_thread(lambda: EngineCore(config))
+        self._chooser: PrefillChooser | None = None
+        if kv is None:
+            self.engine = run_in_scratch_thread(lambda: EngineCore(config))
+        else:
+            if hub is None:
+                raise ValueError("a decode replica finds its prefill peers through the hub")
+            chooser = self._chooser = PrefillChooser(routing)
+            self.engine = run_in_scratch_thread(
+                lambda: build_pool_engine(config, kv, DECODE, chooser=chooser)
+            )
         self.async_engine = AsyncEngine(self.engine)
         self.async_engine.start()
         cache = self.engine.config.cache
@@ -101,11 +123,13 @@ class EngineReplica:
             "startup_s": round(time.monotonic() - t0, 3),
             "step_fit": "off" if cost is None else cost.source,
         }
+        if kv is not None:
+            self.meta["role"] = DECODE
+        loop = asyncio.get_running_loop()
         self._push_task = (
-            asyncio.get_running_loop().create_task(self._push_metrics(metrics_push_s))
-            if hub is not None
-            else None
+            loop.create_task(self._push_metrics(metrics_push_s)) if hub is not None else None
         )
+        self._peer_task = loop.create_task(self._watch_prefill_pool()) if kv is not None else None
         logger.info(
             "replica %s (pid %d): %s, %d KV blocks, %d threads, ready in %.2f s, step-time fit: %s",
             self.name,
@@ -184,14 +208,34 @@ class EngineReplica:
         }
 
     def check_health(self) -> None:
-        if not self.async_engine.is_healthy:
+        # is_running, not is_healthy: a decode replica serves (prefilling locally)
+        # while no prefill replica is up, so it must not be restarted for that
+        if not self.async_engine.is_running:
             raise RuntimeError(f"replica {self.name}: the engine is not running")
 
     async def __del__(self) -> None:
-        if self._push_task is not None:
-            self._push_task.cancel()
+        for task in (self._push_task, self._peer_task):
+            if task is not None:
+                task.cancel()
         with contextlib.suppress(Exception):
             await self.async_engine.shutdown()
+
+    # ------------------------------------------------------------------ prefill pool
+    async def _watch_prefill_pool(self) -> None:
+        """Keep the decode connector's peers and the chooser's reports current."""
+        from kvserve.kv_transfer.decode_connector import DecodeConnector  # torch: not at import
+
+        connector = self.engine.kv_connector
+        assert isinstance(connector, DecodeConnector) and self._chooser is not None
+        while True:
+            try:
+                peers = parse_peers(await self._hub.prefill_peers.remote())
+                connector.set_peers(self._chooser.update(peers))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the hub restarting: keep the last list a moment
+                logger.warning("replica %s: prefill pool read failed", self.name, exc_info=True)
+            await asyncio.sleep(PEER_POLL_S)
 
     # ------------------------------------------------------------------ metrics
     async def _push_metrics(self, period_s: float) -> None:

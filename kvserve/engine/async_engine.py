@@ -107,17 +107,22 @@ class AsyncEngine(EngineLoop):
         self._thread.start()
 
     @property
-    def is_healthy(self) -> bool:
-        """False once shutting down, after the engine thread died, or while its KV
-        connector is not ready (a decode worker whose prefill peer has not answered
-        yet)."""
-        connector = self.engine.kv_connector
+    def is_running(self) -> bool:
+        """False once shutting down or after the engine thread died (whatever its KV
+        connector's readiness: a decode replica of a Ray pool serves, prefilling
+        locally, before any prefill replica is up)."""
         return (
             self._dead is None
             and self._accepting
             and (self._thread is None or self._thread.is_alive())
-            and (connector is None or connector.is_ready)
         )
+
+    @property
+    def is_healthy(self) -> bool:
+        """:attr:`is_running`, and its KV connector is ready (False for a decode
+        worker whose prefill peer has not answered yet)."""
+        connector = self.engine.kv_connector
+        return self.is_running and (connector is None or connector.is_ready)
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop accepting requests, let in-flight ones finish for up to ``drain_timeout_s``

@@ -252,8 +252,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             f"--{role}-replicas",
             type=_non_negative_int,
             default=None,
-            help=f"{role} pool size for disaggregated serving: not available yet (the "
-            "prefill/decode roles have not landed; the flag is refused)",
+            help=f"disaggregated serving on Ray Serve: {role} pool size (>= 1, with "
+            f"--{'decode' if role == 'prefill' else 'prefill'}-replicas; "
+            "docs/scale-out.md#prefilldecode-pools)",
         )
     add_engine_arguments(parser)
     add_kv_transfer_arguments(parser)

@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ingress_replicas != 1:
         print(
             "kvserve serve: --ingress-replicas needs --replicas N (or --min-replicas/"
-            "--max-replicas): one process serves HTTP itself",
+            "--max-replicas, or --prefill-replicas/--decode-replicas): one process serves "
+            "HTTP itself",
             file=sys.stderr,
         )
         return 2

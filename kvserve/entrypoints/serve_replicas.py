@@ -15,6 +15,7 @@ from typing import Any
 
 from kvserve.engine.args import build_engine_config
 from kvserve.entrypoints.serve_args import engine_options_from_args, http_options_from_args
+from kvserve.kv_transfer.factory import kv_transfer_config_from_args
 
 
 def ingress_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -32,8 +33,10 @@ def ingress_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
-    """``--replicas N`` or ``--min-replicas M --max-replicas X`` (autoscaled,
-    ``cluster/autoscaling.py``): the Ray Serve app (``kvserve.cluster``, imported only here).
+    """``--replicas N``, ``--min-replicas M --max-replicas X`` (autoscaled,
+    ``cluster/autoscaling.py``) or ``--prefill-replicas P --decode-replicas D``
+    (prefill/decode pools; the ``--kv-*`` tuning flags apply to them): the Ray Serve
+    app (``kvserve.cluster``, imported only here).
 
     Returns the exit status: 2 (with the fix on stderr) for flags the cluster cannot
     honour, a bad model or a missing Ray; otherwise what the cluster returns."""
@@ -43,14 +46,6 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             "kvserve serve: --min-replicas/--max-replicas cannot be combined with "
             "--prefill-replicas/--decode-replicas: autoscaling covers identical engine "
             "replicas only; drop one",
-            file=sys.stderr,
-        )
-        return 2
-    if disaggregated:
-        print(
-            "kvserve serve: --prefill-replicas/--decode-replicas are not available yet: the "
-            "disaggregated prefill and decode roles (--kv-role) have not landed in this build; "
-            "use --replicas N for N identical engine replicas",
             file=sys.stderr,
         )
         return 2
@@ -68,19 +63,30 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
         return 2
     try:
         options, notices = engine_options_from_args(args)
-        scaling = autoscaling_from_flags(
-            replicas=args.replicas,
-            min_replicas=args.min_replicas,
-            max_replicas=args.max_replicas,
-            target_ongoing_requests=args.target_ongoing_requests,
-            upscale_delay_s=args.upscale_delay,
-            downscale_delay_s=args.downscale_delay,
-            look_back_s=args.autoscale_look_back,
-            target_kv_usage=args.target_kv_usage,
-            max_num_seqs=build_engine_config(**options).scheduler.max_num_seqs,
+        if disaggregated and args.replicas is not None:
+            raise ValueError(
+                "--replicas cannot be combined with --prefill-replicas/--decode-replicas: "
+                "the pools are the deployment's size; drop --replicas"
+            )
+        scaling = (
+            None
+            if disaggregated
+            else autoscaling_from_flags(
+                replicas=args.replicas,
+                min_replicas=args.min_replicas,
+                max_replicas=args.max_replicas,
+                target_ongoing_requests=args.target_ongoing_requests,
+                upscale_delay_s=args.upscale_delay,
+                downscale_delay_s=args.downscale_delay,
+                look_back_s=args.autoscale_look_back,
+                target_kv_usage=args.target_kv_usage,
+                max_num_seqs=build_engine_config(**options).scheduler.max_num_seqs,
+            )
         )
         # threads: this machine's cores over the most replicas that may run at once
         n = args.replicas if scaling is None else scaling.max_replicas
+        if disaggregated:
+            n = (args.prefill_replicas or 0) + (args.decode_replicas or 0)
         threads = args.threads_per_replica or max(1, (os.cpu_count() or 1) // max(n or 1, 1))
         for notice in notices:
             print(f"kvserve serve: {notice}", file=sys.stderr)
@@ -122,6 +128,9 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             min_healthy_replicas=args.min_healthy_replicas,
             ingress_replicas=args.ingress_replicas,
             http_options={**http_options_from_args(args), **ingress_options(args)},
+            prefill_replicas=args.prefill_replicas,
+            decode_replicas=args.decode_replicas,
+            kv_transfer=kv_transfer_config_from_args(args),
         )
     except (ValueError, TypeError) as e:
         print(f"kvserve serve: {e}", file=sys.stderr)

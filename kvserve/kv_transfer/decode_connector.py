@@ -19,6 +19,11 @@ Per remote prefill (all under one lock; the transport thread only records)::
                                          (recompute) or end with the error (fail)
     abort       request_finished -> "cancel" sent, state dropped, blocks freed
 
+The peer is the least-loaded alive one, or the one a ``peer_chooser`` picks among the
+alive ones (a Ray pool: by the prefix it probably holds, and load). The peers may
+change while it runs (:meth:`DecodeConnector.set_peers`): a request whose peer was
+taken out fails its load at once (recompute or fail, as for a silent peer).
+
 Prompts whose uncached full-block part is under ``remote_min_tokens`` stay local.
 The last ``1..B`` prompt tokens are always computed locally: they include the token
 whose logits give the first output, and a partial block has no hash to check.
@@ -32,7 +37,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -64,6 +69,17 @@ TORCH_DTYPES = {
     "int8": torch.int8,  # 8-bit KV formats (kvserve.model.kernels.kv8)
     "fp8_e4m3": torch.uint8,
 }
+
+
+class PeerChooser(Protocol):
+    """Picks the prefill peer of a remote prefill. Rules: ``choose`` gets the request
+    and the alive peers (never empty) and returns one of them; every ``choose`` is
+    matched by one ``finished(req_id)`` when that load ends (any outcome). Both are
+    called on the engine thread with the connector's lock held: never call back."""
+
+    def choose(self, request: Request, alive: list[str]) -> str: ...
+
+    def finished(self, req_id: str) -> None: ...
 
 
 @dataclass
@@ -100,8 +116,10 @@ class DecodeConnector:
         stats: TransferStats | None = None,
         clock: Callable[[], float] = time.time,
         ping: bool = True,
+        peer_chooser: PeerChooser | None = None,
     ) -> None:
         self.config = config
+        self.peer_chooser = peer_chooser
         self.transport = transport
         self.block_size = block_size
         self.kv_dtype = kv_dtype
@@ -131,11 +149,28 @@ class DecodeConnector:
         self._closed.set()
         self.transport.close()
 
+    def set_peers(self, addresses: list[str]) -> None:
+        """Use exactly these prefill peers from now on (any thread). A new peer is used
+        once it answers a ping; a request whose peer is dropped fails its load at the
+        next step. The transport must be a :class:`~kvserve.kv_transfer.tcp.DealerTransport`
+        (or have its ``set_peers``)."""
+        set_transport_peers = getattr(self.transport, "set_peers", None)
+        if set_transport_peers is None:
+            raise TypeError(f"{type(self.transport).__name__} has a fixed peer list")
+        with self._lock:
+            if addresses == self.peers.addresses:
+                return
+            self.peers.set_addresses(list(addresses))
+        set_transport_peers(list(addresses))
+        self._wake()
+
     def _ping_loop(self) -> None:
         seq = 0
         while not self._closed.wait(PING_INTERVAL_S if seq else 0.0):
             seq += 1
-            for peer in self.peers.addresses:
+            with self._lock:
+                addresses = self.peers.addresses
+            for peer in addresses:
                 self.transport.send(peer, Ping(seq))
             self._wake()
 
@@ -162,7 +197,7 @@ class DecodeConnector:
         if n < self.config.kv_remote_min_tokens:
             return 0
         with self._lock:
-            alive = self.peers.choose() is not None
+            alive = bool(self.peers.alive())
         if not alive and self.config.kv_load_failure_policy == "recompute":
             self.stats.failed()  # unreachable: prefill locally
             logger.warning("no prefill peer alive; prefilling %s locally", request.req_id)
@@ -179,7 +214,7 @@ class DecodeConnector:
         num = num_external_tokens // bs
         now = self.clock()
         with self._lock:
-            peer = self.peers.choose()
+            peer = self._choose_peer(request)
             remote = _Remote(
                 req_id=request.req_id,
                 peer=peer or "",
@@ -208,6 +243,20 @@ class DecodeConnector:
             ),
         )
 
+    def _choose_peer(self, request: Request) -> str | None:
+        """The peer for ``request`` (lock held), or None when no peer is alive."""
+        if self.peer_chooser is None:
+            return self.peers.choose()
+        alive = self.peers.alive()
+        return self.peer_chooser.choose(request, alive) if alive else None
+
+    def _ended(self, remote: _Remote) -> None:
+        """The remote prefill ended (lock held)."""
+        if remote.peer:
+            self.peers.ended(remote.peer)
+            if self.peer_chooser is not None:
+                self.peer_chooser.finished(remote.req_id)
+
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata | None:
         loads: list[BlockLoad] = []
         with self._lock:
@@ -229,8 +278,7 @@ class DecodeConnector:
                 if result is None:
                     continue
                 del self._remote[req_id]
-                if remote.peer:
-                    self.peers.ended(remote.peer)
+                self._ended(remote)
                 out.append(result)
             self.stats.set_in_flight(len(self._remote))
         return out
@@ -280,8 +328,8 @@ class DecodeConnector:
         with self._lock:
             remote = self._remote.pop(request.req_id, None)
             self.stats.set_in_flight(len(self._remote))
-            if remote is not None and remote.peer:
-                self.peers.ended(remote.peer)
+            if remote is not None:
+                self._ended(remote)
         if remote is not None and remote.peer:
             self.transport.send(remote.peer, Cancel(request.req_id))
         return False

@@ -3,7 +3,8 @@
 A peer is alive while it answered a ping within ``stale_s``; one that stops
 answering is skipped, one that answers again is used again. :meth:`PeerTable.choose`
 picks the alive peer with the least work: its last reported load plus the requests
-this decode worker sent it since (ties: the peer used longest ago).
+this decode worker sent it since (ties: the peer used longest ago). The set of peers
+may change (:meth:`PeerTable.set_addresses`): a peer taken out is not alive.
 """
 
 from __future__ import annotations
@@ -35,6 +36,21 @@ class PeerTable:
     def addresses(self) -> list[str]:
         return list(self._peers)
 
+    def set_addresses(self, addresses: list[str]) -> None:
+        """Use exactly ``addresses`` from now on: new ones start not alive (until they
+        answer a ping), peers not listed are forgotten."""
+        self._peers = {a: self._peers.get(a) or _Peer(a) for a in addresses}
+
+    def alive(self) -> list[str]:
+        """The alive peers' addresses."""
+        return [a for a in self._peers if self.is_alive(a)]
+
+    def load(self, address: str) -> int:
+        """The peer's last reported load plus what this worker sent it since (0 for
+        an unknown peer)."""
+        peer = self._peers.get(address)
+        return 0 if peer is None else peer.reported_load + peer.in_flight
+
     def pong(self, address: str, load: int) -> None:
         peer = self._peers.get(address)
         if peer is not None:
@@ -60,8 +76,11 @@ class PeerTable:
         return best.address
 
     def started(self, address: str) -> None:
-        self._peers[address].in_flight += 1
+        peer = self._peers.get(address)
+        if peer is not None:
+            peer.in_flight += 1
 
     def ended(self, address: str) -> None:
-        peer = self._peers[address]
-        peer.in_flight = max(0, peer.in_flight - 1)
+        peer = self._peers.get(address)
+        if peer is not None:  # a peer taken out keeps no count
+            peer.in_flight = max(0, peer.in_flight - 1)

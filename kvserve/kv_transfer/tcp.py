@@ -3,7 +3,10 @@
 - A prefill worker binds one ROUTER socket on ``--kv-address``
   (:class:`RouterTransport`); a peer's name is its ZeroMQ identity (hex).
 - A decode worker connects one DEALER socket per prefill peer
-  (:class:`DealerTransport`); a peer's name is its ``HOST:PORT``.
+  (:class:`DealerTransport`); a peer's name is its ``HOST:PORT``. The peer list may
+  change while it runs (:meth:`DealerTransport.set_peers`: the prefill pool of a Ray
+  deployment, whose replicas come and go).
+- Port 0 binds a free port (:attr:`RouterTransport.address` tells which).
 
 Each transport owns its sockets on one I/O thread (ZeroMQ sockets are not thread
 safe): ``send`` only queues, the thread polls the sockets and the queue. Messages
@@ -56,6 +59,9 @@ class _ZmqTransport:
             self._ctx.term()
 
     # subclass hooks ---------------------------------------------------------
+    def _update_sockets(self, poller: zmq.Poller) -> None:
+        """On the I/O thread, before each poll: open or close sockets asked for."""
+
     def _sockets(self) -> list[zmq.Socket]:  # type: ignore[type-arg]
         raise NotImplementedError
 
@@ -72,6 +78,7 @@ class _ZmqTransport:
             poller.register(sock, zmq.POLLIN)
         try:
             while not self._closed.is_set():
+                self._update_sockets(poller)
                 self._drain_outbox()
                 for sock, _ in poller.poll(_POLL_MS):
                     while True:
@@ -116,7 +123,8 @@ class _ZmqTransport:
 
 
 class RouterTransport(_ZmqTransport):
-    """Prefill side: binds ``tcp://HOST:PORT``; replies go to the sender's identity."""
+    """Prefill side: binds ``tcp://HOST:PORT`` (port 0: a free one); replies go to the
+    sender's identity. ``address``: the ``HOST:PORT`` it listens on."""
 
     def __init__(self, host: str, port: int) -> None:
         super().__init__("kv-router")
@@ -125,7 +133,11 @@ class RouterTransport(_ZmqTransport):
         self._sock.setsockopt(zmq.SNDHWM, _HWM)
         self._sock.setsockopt(zmq.RCVHWM, _HWM)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.bind(f"tcp://{host}:{port}")
+        if port == 0:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            self._sock.bind(f"tcp://{host}:{port}")
+        self.address = f"{host}:{port}"
         self._thread.start()
 
     def _sockets(self) -> list[zmq.Socket]:  # type: ignore[type-arg]
@@ -145,24 +157,57 @@ class RouterTransport(_ZmqTransport):
 
 
 class DealerTransport(_ZmqTransport):
-    """Decode side: one DEALER per peer address ``HOST:PORT``."""
+    """Decode side: one DEALER per peer address ``HOST:PORT``. Rules: :meth:`set_peers`
+    may be called from any thread; a message to a peer not (or no longer) in the list
+    is dropped, as on a real network."""
 
     def __init__(self, peers: list[str]) -> None:
         super().__init__("kv-dealer")
         self._by_peer: dict[str, zmq.Socket] = {}  # type: ignore[type-arg]
         self._peer_of: dict[zmq.Socket, str] = {}  # type: ignore[type-arg]
+        self._wanted: list[str] | None = None  # set_peers' latest list, for the I/O thread
+        self._wanted_lock = threading.Lock()
         for peer in peers:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.SNDHWM, _HWM)
-            sock.setsockopt(zmq.RCVHWM, _HWM)
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            sock.connect(f"tcp://{peer}")
-            self._by_peer[peer] = sock
-            self._peer_of[sock] = peer
+            self._open(peer)
         self._thread.start()
+
+    @property
+    def peers(self) -> list[str]:
+        """The peers sockets are open for (the I/O thread's view)."""
+        return list(self._by_peer)
+
+    def set_peers(self, peers: list[str]) -> None:
+        """Connect to exactly ``peers`` from now on (new ones are connected, dropped ones
+        closed, at the I/O thread's next turn)."""
+        with self._wanted_lock:
+            self._wanted = list(peers)
+
+    def _open(self, peer: str) -> zmq.Socket:  # type: ignore[type-arg]
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDHWM, _HWM)
+        sock.setsockopt(zmq.RCVHWM, _HWM)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.connect(f"tcp://{peer}")
+        self._by_peer[peer] = sock
+        self._peer_of[sock] = peer
+        return sock
+
+    def _update_sockets(self, poller: zmq.Poller) -> None:
+        with self._wanted_lock:
+            wanted, self._wanted = self._wanted, None
+        if wanted is None:
+            return
+        for peer in [p for p in self._by_peer if p not in wanted]:
+            sock = self._by_peer.pop(peer)
+            del self._peer_of[sock]
+            poller.unregister(sock)
+            sock.close(linger=0)
+        for peer in wanted:
+            if peer not in self._by_peer:
+                poller.register(self._open(peer), zmq.POLLIN)
 
     def _sockets(self) -> list[zmq.Socket]:  # type: ignore[type-arg]
         return list(self._by_peer.values())

@@ -29,12 +29,47 @@ def test_single_process_server_never_imports_ray() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-def test_disaggregated_pools_are_refused_with_the_reason(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prefill-replicas", "1"], "need both --prefill-replicas and --decode-replicas"),
+        (["--prefill-replicas", "0", "--decode-replicas", "1"], "invalid --prefill-replicas 0"),
+        (
+            ["--prefill-replicas", "1", "--decode-replicas", "1", "--replicas", "2"],
+            "cannot be combined with --prefill-replicas",
+        ),
+        (
+            ["--prefill-replicas", "1", "--decode-replicas", "1", "--kv-address", "x:1"],
+            "set per replica",
+        ),
+        (
+            ["--prefill-replicas", "1", "--decode-replicas", "1", "--kv-transfer-timeout", "0"],
+            "--kv-transfer-timeout",
+        ),
+        (
+            ["--prefill-replicas", "1", "--decode-replicas", "1", "--min-healthy-replicas", "3"],
+            "use 1 to --prefill-replicas + --decode-replicas (2)",
+        ),
+    ],
+)
+def test_bad_pool_options_fail_before_ray_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert _run(["--prefill-replicas", "1", "--decode-replicas", "1"]) == 2
-    err = capsys.readouterr().err
-    assert "not available yet" in err and "--replicas N" in err
+    assert _run(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_pool_replicas_carry_their_role() -> None:
+    text = (
+        "# HELP kvserve:num_requests_running Running.\n"
+        "# TYPE kvserve:num_requests_running gauge\n"
+        'kvserve:num_requests_running{model_name="m"} 1.0\n'
+    )
+    merged = label_replicas({"p": text, "d": text}, {"p": "prefill", "d": "decode"}).decode()
+    assert 'replica="p",role="prefill"' in merged and 'replica="d",role="decode"' in merged
+    metrics = RouterMetrics()
+    metrics.set_pool_sizes({"prefill": 1, "decode": 2})
+    assert 'kvserve:cluster_pool_replicas{role="decode"} 2.0' in metrics.render().decode()
 
 
 @pytest.mark.parametrize(
