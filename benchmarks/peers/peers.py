@@ -37,10 +37,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvserve.bench.process import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "smollm2-135m-instruct"
@@ -367,21 +368,6 @@ def _server_command(
     raise SystemExit(f"unknown engine {engine!r}: kvserve, vllm or llamacpp")
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return time.monotonic() - t0
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {timeout_s:.0f} s")
-
-
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -523,7 +509,7 @@ def run_targets(
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            ready = _wait_ready(proc, port, timeout_s=900)
+            ready = wait_healthy(f"http://127.0.0.1:{port}", proc, 900, poll_s=0.5)
             print(f"[{tag}] ready after {ready:.1f} s", flush=True)
             (lay.results / f"startup_{tag}.txt").write_text(f"{ready:.1f}\n")
             _bench(lay, f"warm_{tag}", tokenizer, port, WARMUP)
