@@ -266,9 +266,9 @@ void pack_v_pairs(const Args& a, const int64_t* bt, int h, int64_t keys, uint32_
 //     first), cp = exp(mp - m), l = fma(l, cs, lp * cp), acc = fma(acc, cs, accp * cp)); P.V in key order (fp32 FMAs; P rounded to bf16 and V in key
 //     pairs for the dot variant, pairs at even positions: block_size must be even);
 //   - the row finished as finish_row does (1 / l, the lse merge).
-// The dot variant is chosen as the paged kernel chooses it (use_bf16_dot there:
-// AMD CPUs with AVX512_BF16, KVSERVE_BF16_DOT=fma|dp overrides). Keep the two in
-// step: tests/model/test_attention_invariance.py compares them bit for bit.
+// The dot variant is the paged kernel's choice, one function for both
+// (kvs::use_bf16_dot, kvs_common.h: AMD CPUs with AVX512_BF16, KVSERVE_BF16_DOT=fma|dp
+// overrides): tests/model/test_attention_invariance.py compares them bit for bit.
 // Work (none of it changes a row's arithmetic): a part takes two passes over its keys
 // per tile, scores (with the running max) and then exp + sum + P . V's operand (bf16
 // pairs written in place over the scores); tasks go KV head by KV head, longest rows
@@ -335,16 +335,6 @@ inline void exp512_nonpos_maskz_n(const __mmask16* keep, __m512* x) {
   for (int i = 0; i < N; ++i) p[i] = _mm512_fmadd_ps(p[i], x[i], _mm512_set1_ps(1.0f));
 #pragma GCC unroll 16
   for (int i = 0; i < N; ++i) x[i] = _mm512_maskz_scalef_ps(keep[i], p[i], nn[i]);
-}
-
-inline bool inv_bf16_dot() {  // as paged_attention.cpp's use_bf16_dot
-  static const bool v = [] {
-    const char* e = std::getenv("KVSERVE_BF16_DOT");
-    if (e != nullptr && std::strcmp(e, "fma") == 0) return false;
-    if (e != nullptr && std::strcmp(e, "dp") == 0) return true;
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_is("amd");
-  }();
-  return v;
 }
 
 // the head dim that unit (dv, lane) of a score chain multiplies: natural order for
@@ -957,7 +947,7 @@ template <typename T, int D>
 void dispatch_inv(const Args& a, int64_t num_seqs, int num_threads, int seg) {
 #if defined(KVS_PF_HAVE_DP)
   if constexpr (std::is_same_v<T, bf16_t>) {
-    if (inv_bf16_dot()) return run_all<V512, T, D, true, true>(a, num_seqs, num_threads, seg);
+    if (kvs::use_bf16_dot()) return run_all<V512, T, D, true, true>(a, num_seqs, num_threads, seg);
   }
 #endif
   run_all<V512, T, D, false, true>(a, num_seqs, num_threads, seg);
