@@ -299,18 +299,15 @@ def _server_command(
     lay: Layout, engine: str, fmt: str, port: int, kv_flags: str
 ) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
+    # what both OpenAI-compatible servers (kvserve, vLLM) are told: where, which dtype
+    listen_dtype = ["--host", "127.0.0.1", "--port", str(port), "--dtype", fmt]
     if engine == "kvserve":
         if fmt not in ("bfloat16", "float32"):
             raise SystemExit(f"kvserve formats: bfloat16, float32 (got {fmt!r})")
         cmd = [
             str(REPO / ".venv" / "bin" / "kvserve"),
             "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            fmt,
+            *listen_dtype,
             *shlex.split(kv_flags),
         ]
         return cmd, env
@@ -326,12 +323,7 @@ def _server_command(
             _model_folder(),
             "--served-model-name",
             MODEL_NAME,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            fmt,
+            *listen_dtype,
             "--max-model-len",
             "4096",
             "--max-num-batched-tokens",
