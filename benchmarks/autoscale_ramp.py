@@ -19,26 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvserve.bench.process import free_port, stop_process, wait_healthy  # noqa: E402
 from kvserve.bench.ramp import run_ramp  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> int:
@@ -61,7 +52,7 @@ def main() -> int:
     p.add_argument("--log", default=None, help="the server's log (default: a temp file)")
     args = p.parse_args()
 
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -88,20 +79,11 @@ def main() -> int:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                print(log_path.read_text()[-3000:], file=sys.stderr)
-                return 1
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                print("server not healthy after 300 s", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        try:
+            wait_healthy(base, proc, 300, poll_s=0.5, log_tail=lambda: log_path.read_text()[-3000:])
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 1
         print(f"autoscaled endpoint up in {time.monotonic() - t0:.1f} s ({log_path})")
         result = run_ramp(
             base,
@@ -111,12 +93,7 @@ def main() -> int:
             trickle_tokens=args.trickle_tokens,
         )
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout_s=60)
     summary = result.summary()
     summary["flags"] = {k: v for k, v in vars(args).items() if k not in ("json", "log")}
     print(json.dumps(summary, indent=1))

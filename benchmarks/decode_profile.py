@@ -15,26 +15,18 @@ time (meaningful with ``--threads 1`` on a loaded machine), ``wall`` the wall cl
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import random
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-PARTS = (
-    "schedule",
-    "prepare_inputs",
-    "forward",
-    "logits",
-    "sample",
-    "update_from_output",
-    "detokenize",
-)
+from kvserve.bench.timing import ENGINE_STEP_PARTS, time_engine_step
+
+PARTS = tuple(p for p in ENGINE_STEP_PARTS if p != "update_states")
 
 
 def main() -> None:
@@ -53,7 +45,6 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from kvserve.config import EngineConfig, ModelConfig
-    from kvserve.engine import detokenizer as detok_mod
     from kvserve.engine.engine_core import EngineCore
     from kvserve.request import SamplingParams
 
@@ -64,30 +55,9 @@ def main() -> None:
     engine = EngineCore(EngineConfig(model=model_cfg))
     acc: dict[str, float] = defaultdict(float)
 
-    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def wrapper(*a: Any, **k: Any) -> Any:
-            t0 = clock()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[name] += clock() - t0
-
-        return wrapper
-
-    sched = engine.scheduler
     runner: Any = engine.runner  # the ModelRunner (the engine types it by its protocol)
     model = runner.model
-    sched.schedule = timed("schedule", sched.schedule)  # type: ignore[method-assign]
-    sched.update_from_output = timed("update_from_output", sched.update_from_output)  # type: ignore[method-assign]
-    batch = runner.input_batch
-    batch.prepare_inputs = timed("prepare_inputs", batch.prepare_inputs)  # type: ignore[method-assign]
-    model.forward = timed("forward", model.forward)  # type: ignore[method-assign]
-    model.compute_logits = timed("logits", model.compute_logits)  # type: ignore[method-assign]
-    sampler = runner.sampler
-    runner.sampler = timed("sample", sampler)  # type: ignore[assignment]
-    cls = detok_mod.IncrementalDetokenizer
-    cls.update = timed("detokenize", cls.update)  # type: ignore[method-assign]
+    time_engine_step(engine, acc, clock=clock, parts=PARTS)
 
     fused = model._fused_decode
     variants = ["fused", "loop"] if args.ab and fused is not None else ["default"]

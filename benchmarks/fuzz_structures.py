@@ -30,17 +30,16 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvserve.bench.process import free_port, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -199,14 +198,8 @@ def gen_case(rng: random.Random) -> tuple[str, str, dict[str, Any]]:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--host", "127.0.0.1",
         "--port", str(port), "--max-model-len", "1024", "--num-kv-blocks", "512",
@@ -216,41 +209,12 @@ def start_server(extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url)
+    try:
+        wait_healthy(url, proc, 300, poll_s=0.5)
+    except BaseException:
+        stop_process(proc)
+        raise
     return proc, url
-
-
-def wait_healthy(
-    proc: subprocess.Popen[bytes],
-    url: str,
-    *,
-    poll_s: float = 0.5,
-    exited: Callable[[], str] | None = None,
-) -> None:
-    """Wait up to 300 s for ``url``'s /health to answer 200; RuntimeError (the server
-    killed) when it does not, or when the server exits first (``exited()``: why)."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(exited() if exited else f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(poll_s)
-    proc.kill()
-    raise RuntimeError("server not healthy after 300 s")
-
-
-def stop_server(proc: subprocess.Popen[bytes] | None, timeout_s: float = 30) -> None:
-    """SIGTERM (a graceful stop), then kill past ``timeout_s``; None: nothing to stop."""
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -354,7 +318,7 @@ def main() -> int:
     try:
         result = asyncio.run(run(url, args.cases, args.seed, args.max_seconds, headers, proc))
     finally:
-        stop_server(proc)
+        stop_process(proc)
     print(json.dumps(result, indent=None if args.json else 2))
     return 1 if result["crashed"] or result["5xx"] or result["transport_errors"] else 0
 

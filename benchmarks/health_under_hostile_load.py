@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,20 +36,13 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fuzz_structures import stop_server, wait_healthy  # noqa: E402
+from kvserve.bench.process import free_port, stop_process, wait_healthy
 
 HOSTILE = "{% for a in range(4000) %}{% for b in range(4000) %}{% endfor %}{% endfor %}x"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(repo: Path, args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(repo))
     env.pop("KVSERVE_API_KEY", None)
     cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(port)]
@@ -59,7 +51,11 @@ def _start(repo: Path, args: list[str], log: Path) -> tuple[subprocess.Popen[byt
             [*cmd, *args], cwd=repo, stdout=f, stderr=subprocess.STDOUT, env=env
         )
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, poll_s=0.3, exited=lambda: f"server exited: {log.read_text()[-2000:]}")
+    try:
+        wait_healthy(url, proc, 300, poll_s=0.3, log_tail=lambda: log.read_text()[-2000:])
+    except BaseException:
+        stop_process(proc)
+        raise
     return proc, url
 
 
@@ -164,7 +160,7 @@ def main() -> int:
     try:
         out = run(url, args.legacy, args.body_mb, args.window_s)
     finally:
-        stop_server(proc, timeout_s=60)
+        stop_process(proc, timeout_s=60)
     print(json.dumps(out, indent=2))
     return 0
 

@@ -31,7 +31,9 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from fuzz_structures import percentile, start_server, stop_server  # noqa: E402
+from fuzz_structures import percentile, start_server  # noqa: E402
+
+from kvserve.bench.process import stop_process  # noqa: E402
 
 HARD_SCHEMA: dict[str, Any] = {
     "$defs": {
@@ -185,7 +187,7 @@ def main() -> int:
     try:
         result = asyncio.run(run(url, args.sockets, min(args.seconds, 300), args.drip))
     finally:
-        stop_server(proc)
+        stop_process(proc)
     result["server_alive_at_end"] = proc is None or proc.returncode in (0, None)
     print(json.dumps(result, indent=2))
     return 1 if result["normal_client_failure_count"] else 0

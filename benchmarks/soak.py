@@ -21,8 +21,6 @@ import csv
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,16 +29,12 @@ from typing import Any
 
 import httpx
 
+from kvserve.bench.process import free_port, stop_process, wait_healthy
+
 WORDS = (  # noqa: SIM905 (reads as a sentence)
     "river mountain engine cache token stream batch prefix block server memory request "
     "history science music garden ocean planet window letter market winter summer"
 ).split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 DRAIN_S = 60.0
@@ -241,27 +235,14 @@ def main() -> int:
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + args.startup_timeout_s
-        while True:
-            if proc.poll() is not None:
-                print(f"server exited with {proc.returncode}", file=sys.stderr)
-                return 2
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                print(f"server not healthy after {args.startup_timeout_s:.0f} s", file=sys.stderr)
-                return 2
-            time.sleep(0.5)
+        try:
+            wait_healthy(url, proc, args.startup_timeout_s, poll_s=0.5)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 2
         return asyncio.run(soak(args, url, proc.pid))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, timeout_s=60)
         log.close()
 
 

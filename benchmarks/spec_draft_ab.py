@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvserve.bench.spec_workloads import build_spec_sessions, first_turn_prompts
+from kvserve.bench.timing import wrap_attr
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.engine_core import EngineCore
 from kvserve.model.loader import load_model
@@ -33,17 +34,7 @@ COUNTS: dict[str, int] = defaultdict(int)
 
 
 def wrap(obj: Any, name: str, label: str) -> None:
-    fn = getattr(obj, name)
-
-    def timed(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        finally:
-            TIMES[label] += time.perf_counter() - t0
-            COUNTS[label] += 1
-
-    setattr(obj, name, timed)
+    wrap_attr(obj, name, TIMES, label, clock=time.perf_counter, counts=COUNTS)
 
 
 def run_once(

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kvserve.bench.spec_workloads import build_spec_sessions, first_turn_prompts
+from kvserve.bench.timing import wrap_attr
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.engine_core import EngineCore
 from kvserve.model.loader import load_model
@@ -36,17 +37,7 @@ clock = time.thread_time
 
 
 def wrap(obj: Any, name: str, label: str) -> None:
-    fn = getattr(obj, name)
-
-    def timed(*a: Any, **kw: Any) -> Any:
-        t0 = clock()
-        try:
-            return fn(*a, **kw)
-        finally:
-            TIMES[label] += clock() - t0
-            COUNTS[label] += 1
-
-    setattr(obj, name, timed)
+    wrap_attr(obj, name, TIMES, label, clock=clock, counts=COUNTS)
 
 
 def main() -> None:

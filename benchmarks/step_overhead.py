@@ -14,53 +14,18 @@ steps) and each part's share of the step. A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import functools
 import random
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
+from kvserve.bench.timing import ENGINE_STEP_PARTS, time_engine_step
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvserve.engine import detokenizer as detok_mod
 from kvserve.engine.engine_core import EngineCore
 from kvserve.request import SamplingParams
 
-PARTS = (
-    "schedule",
-    "update_states",
-    "prepare_inputs",
-    "forward",
-    "logits",
-    "sample",
-    "update_from_output",
-    "detokenize",
-)
-
-
-def _timed(acc: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            acc[name] += time.perf_counter() - t0
-
-    return wrapper
-
-
-class _TimedSampler:
-    def __init__(self, sampler: Any, acc: dict[str, float]) -> None:
-        self.sampler, self.acc = sampler, acc
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self.sampler(*args, **kwargs)
-        finally:
-            self.acc["sample"] += time.perf_counter() - t0
+PARTS = ENGINE_STEP_PARTS
 
 
 def main() -> None:
@@ -87,20 +52,7 @@ def main() -> None:
     engine = EngineCore(config)
     acc: dict[str, float] = defaultdict(float)
     runner: Any = engine.runner  # the ModelRunner (the engine types it by its protocol)
-    sched, batch = engine.scheduler, runner.input_batch
-    sched.schedule = _timed(acc, "schedule", sched.schedule)  # type: ignore[method-assign]
-    sched.update_from_output = _timed(  # type: ignore[method-assign]
-        acc, "update_from_output", sched.update_from_output
-    )
-    batch.update_states = _timed(acc, "update_states", batch.update_states)  # type: ignore[method-assign]
-    batch.prepare_inputs = _timed(acc, "prepare_inputs", batch.prepare_inputs)  # type: ignore[method-assign]
-    runner.model.forward = _timed(acc, "forward", runner.model.forward)  # type: ignore[method-assign]
-    runner.model.compute_logits = _timed(  # type: ignore[method-assign]
-        acc, "logits", runner.model.compute_logits
-    )
-    runner.sampler = _TimedSampler(runner.sampler, acc)  # type: ignore[assignment]
-    cls = detok_mod.IncrementalDetokenizer
-    cls.update = _timed(acc, "detokenize", cls.update)  # type: ignore[method-assign]
+    time_engine_step(engine, acc)
 
     rng = random.Random(0)
     params = SamplingParams(

@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -52,6 +51,8 @@ from typing import Any
 
 import httpx
 import jsonschema
+
+from kvserve.bench.process import stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "examples" / "tool_chat_template_smollm2.jinja"
@@ -507,17 +508,12 @@ def main() -> int:
     url = args.url or f"http://127.0.0.1:{args.port}"
     if args.url is None:
         proc = start_server(args.port, Path(args.log))
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                print(Path(args.log).read_text()[-3000:])
-                return 2
-            time.sleep(0.5)
+        try:
+            wait_healthy(url, proc, 600, poll_s=0.5)
+        except RuntimeError as e:
+            print(e, Path(args.log).read_text()[-3000:], sep="\n")
+            stop_process(proc)
+            return 2
     client = httpx.Client(base_url=url, timeout=900)
     model = client.get("/v1/models").json()["data"][0]["id"]
     work = cases(args.requests)
@@ -545,9 +541,7 @@ def main() -> int:
                 misses = [(o["i"], o["problem"], o["calls"]) for o in outs if not o["ok"]]
                 print(key, json.dumps(results[key]), "misses:", misses[:4], flush=True)
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+        stop_process(proc, timeout_s=60)
     print(json.dumps(results, indent=1))
     forced = [v for k, v in results.items() if not k.startswith("auto")]
     return 0 if all(v["valid"].split("/")[0] == v["valid"].split("/")[1] for v in forced) else 1

@@ -30,6 +30,8 @@ from typing import Any
 
 from agreement import PROMPTS, compare, tokenization_mismatches
 
+from kvserve.bench.process import wait_healthy
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONFIGS = ("quantization=auto", "quantization=none,dtype=float32")
 
@@ -92,21 +94,6 @@ def parse_config(spec: str) -> list[str]:
     return parts
 
 
-def _wait_health(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"llama-server not ready after {timeout_s:.0f} s")
-
-
 class LlamaServer:
     """llama-server on one GGUF file, 127.0.0.1, one slot; a context manager that stops it
     (its whole process group) on exit, also after an error."""
@@ -125,7 +112,9 @@ class LlamaServer:
             self.cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
         )
         fh.close()
-        _wait_health(self.proc, self.port, 180)
+        wait_healthy(
+            f"http://127.0.0.1:{self.port}", self.proc, 180, what="llama-server", poll_s=0.5
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:

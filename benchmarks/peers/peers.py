@@ -37,10 +37,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvserve.bench.process import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_NAME = "smollm2-135m-instruct"
@@ -298,18 +299,15 @@ def _server_command(
     lay: Layout, engine: str, fmt: str, port: int, kv_flags: str
 ) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
+    # what both OpenAI-compatible servers (kvserve, vLLM) are told: where, which dtype
+    listen_dtype = ["--host", "127.0.0.1", "--port", str(port), "--dtype", fmt]
     if engine == "kvserve":
         if fmt not in ("bfloat16", "float32"):
             raise SystemExit(f"kvserve formats: bfloat16, float32 (got {fmt!r})")
         cmd = [
             str(REPO / ".venv" / "bin" / "kvserve"),
             "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            fmt,
+            *listen_dtype,
             *shlex.split(kv_flags),
         ]
         return cmd, env
@@ -325,12 +323,7 @@ def _server_command(
             _model_folder(),
             "--served-model-name",
             MODEL_NAME,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--dtype",
-            fmt,
+            *listen_dtype,
             "--max-model-len",
             "4096",
             "--max-num-batched-tokens",
@@ -365,21 +358,6 @@ def _server_command(
         ]
         return cmd, env
     raise SystemExit(f"unknown engine {engine!r}: kvserve, vllm or llamacpp")
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], port: int, timeout_s: float) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return time.monotonic() - t0
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"server not ready after {timeout_s:.0f} s")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -534,7 +512,7 @@ def run_targets(
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            ready = _wait_ready(proc, port, timeout_s=900)
+            ready = wait_healthy(f"http://127.0.0.1:{port}", proc, 900, poll_s=0.5)
             print(f"[{tag}] ready after {ready:.1f} s", flush=True)
             (lay.results / f"startup_{tag}.txt").write_text(f"{ready:.1f}\n")
             _bench(lay, f"warm_{tag}", tokenizer, port, WARMUP)

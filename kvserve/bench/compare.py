@@ -19,22 +19,18 @@ import contextlib
 import json
 import os
 import shlex
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from kvserve.bench.disagg import scrape_metrics, transfer_figures
 from kvserve.bench.loadgen import LoadConfig, run_workload
 from kvserve.bench.metrics import SLO
 from kvserve.bench.presets import PRESETS, ComparePreset, Figure, Target, Variant, ratio
+from kvserve.bench.process import free_port, stop_process, wait_healthy
 from kvserve.bench.report import build_report, write_report
 from kvserve.bench.workloads import (
     WordVocabulary,
@@ -99,13 +95,6 @@ def format_table(
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def default_serve_command() -> list[str]:
     return [sys.executable, "-m", "kvserve.entrypoints.cli", "serve"]
 
@@ -138,35 +127,19 @@ class ServerProcess:
 
     def wait_healthy(self, timeout_s: float) -> float:
         """Seconds until /health answered 200."""
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"server exited with code {self.proc.returncode} before becoming healthy; "
-                    f"command: {shlex.join(self.command)}\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return time.monotonic() - t0
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                raise RuntimeError(
-                    f"server not healthy after {timeout_s:.0f} s; command: {shlex.join(self.command)}\n{self.log_tail()}"
-                )
-            time.sleep(0.25)
+        return wait_healthy(
+            self.base_url,
+            self.proc,
+            timeout_s,
+            poll_s=0.25,
+            log_tail=lambda: f"command: {shlex.join(self.command)}\n{self.log_tail()}",
+        )
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM, wait up to ``grace_s``, then SIGKILL. Returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = stop_process(self.proc, grace_s)
         self._log.close()
-        return self.proc.returncode
+        return code
 
     def __enter__(self) -> ServerProcess:
         return self

@@ -13,8 +13,6 @@ Figures (added to the report's summary):
 
 from __future__ import annotations
 
-import subprocess
-import time
 from typing import Any
 
 import httpx
@@ -26,24 +24,6 @@ TRANSFER_FIGURES = (
     "kv_bytes_per_token",
     "kv_nominal_bytes_per_token",
 )
-
-
-def wait_healthy(
-    base_url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float, what: str = "server"
-) -> None:
-    """Poll ``base_url``/health until it answers 200. RuntimeError when ``proc`` (the
-    ``what`` serving it, if known) exits first, TimeoutError past ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} before becoming healthy")
-        try:
-            if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} at {base_url} not healthy after {timeout_s} s")
 
 
 def scrape_metrics(base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:

@@ -8,16 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.bench.disagg import wait_healthy
+from kvserve.bench.process import free_port, wait_healthy
 from kvserve.request import SamplingParams
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _alone_signatures(
@@ -82,7 +74,7 @@ def check_disaggregated(
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     env.pop("KVSERVE_API_KEY", None)
     common = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--no-access-log"]
-    kv_port = _free_port()
+    kv_port = free_port()
     roles = {
         "prefill": ["--kv-role", "prefill", "--kv-address", f"127.0.0.1:{kv_port}"],
         "decode": [
@@ -99,7 +91,7 @@ def check_disaggregated(
     procs: dict[str, tuple[Any, str]] = {}
     try:
         for role, extra in roles.items():
-            port = _free_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--host"]
             cmd += ["127.0.0.1", "--port", str(port), *common, *extra]
             log = open(os.path.join(logs, f"{role}.log"), "wb")  # noqa: SIM115

@@ -292,27 +292,27 @@ class EngineMetrics:
             label,
             registry=reg,
         ).labels(model_name)
-        self._ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
+
+        def latency(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=reg).labels(
+                model_name
+            )
+
+        self._ttft = latency(
+            "time_to_first_token_seconds",
             "Seconds from arrival to the first generated token.",
-            label,
-            buckets=TTFT_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self._itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
+            TTFT_BUCKETS,
+        )
+        self._itl = latency(
+            "inter_token_latency_seconds",
             "Seconds between consecutive generated tokens of one request.",
-            label,
-            buckets=ITL_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
-        self._e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+            ITL_BUCKETS,
+        )
+        self._e2e = latency(
+            "e2e_request_latency_seconds",
             "Seconds from arrival to the end of a request.",
-            label,
-            buckets=E2E_BUCKETS,
-            registry=reg,
-        ).labels(model_name)
+            E2E_BUCKETS,
+        )
         self._prompt_by_source = Counter(
             PREFIX + "prompt_tokens_by_source",
             "Prompt tokens by where their KV came from: local_compute, local_cache_hit "

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvserve.engine.args import add_engine_arguments, engine_kwargs_from_args
 from kvserve.engine.request_limits import DEFAULT_MAX_PROMPTS_PER_REQUEST
-from kvserve.engine.vllm_compat import translate_vllm_options
+from kvserve.engine.vllm_compat import VLLM_OPTIONS, translate_vllm_options
 from kvserve.entrypoints.chat.tool_parsers import TOOL_PARSERS
 from kvserve.entrypoints.http_protocol import (
     DEFAULT_HEADER_TIMEOUT_S,
@@ -425,21 +425,7 @@ def engine_options_from_args(args: argparse.Namespace) -> tuple[dict[str, Any], 
             "--enable-auto-tool-choice needs --tool-call-parser NAME (hermes, llama3_json or "
             "pythonic), the format the model writes its calls in"
         )
-    vllm = {
-        name: getattr(args, name, None)
-        for name in (
-            "tensor_parallel_size",
-            "pipeline_parallel_size",
-            "data_parallel_size",
-            "gpu_memory_utilization",
-            "enforce_eager",
-            "trust_remote_code",
-            "enable_chunked_prefill",
-            "swap_space",
-            "disable_log_stats",
-            "tokenizer",
-        )
-    }
+    vllm = {name: getattr(args, name, None) for name in VLLM_OPTIONS}
     if vllm["tokenizer"] is not None and vllm["tokenizer"] == tag:
         vllm["tokenizer"] = options.get("model")
     return translate_vllm_options({**options, **vllm})

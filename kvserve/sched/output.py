@@ -112,6 +112,20 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.num_scheduled_tokens
 
+    @classmethod
+    def idle(cls, finished_req_ids: set[str] | None = None) -> SchedulerOutput:
+        """A step that schedules nothing; ``finished_req_ids``: requests the workers drop."""
+        return cls(
+            phase="idle",
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData(),
+            num_scheduled_tokens={},
+            num_scheduled_tokens_padded={},
+            scheduled_token_ids={},
+            cached_seq_len={},
+            finished_req_ids=set() if finished_req_ids is None else finished_req_ids,
+        )
+
 
 @dataclass
 class Logprobs:

@@ -29,7 +29,7 @@ from kvserve.engine.engine_core import EngineCore
 from kvserve.kv_cache.manager import cdiv
 from kvserve.request import Request, RequestError, SamplingParams
 from kvserve.sched.cost_model import CostModel, output_rows
-from kvserve.sched.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
+from kvserve.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvserve.sim.workload import VOCAB_SIZE, WorkloadRequest
 
 DEFAULT_MAX_STEPS = 100_000
@@ -255,19 +255,7 @@ def _step_record(step: int, output: SchedulerOutput, engine: EngineCore) -> dict
 
 def _idle_record(step: int, engine: EngineCore) -> dict[str, Any]:
     """The entry of a step that scheduled nothing (the engine did not call the runner)."""
-    return _step_record(
-        step,
-        SchedulerOutput(
-            phase="idle",
-            scheduled_new_reqs=[],
-            scheduled_cached_reqs=CachedRequestData(),
-            num_scheduled_tokens={},
-            num_scheduled_tokens_padded={},
-            scheduled_token_ids={},
-            cached_seq_len={},
-        ),
-        engine,
-    )
+    return _step_record(step, SchedulerOutput.idle(), engine)
 
 
 class _NoText:

@@ -210,18 +210,7 @@ class _Calibrator:
     def close(self) -> None:
         """Drop the calibration requests from the runner's input batch."""
         if self.live:
-            self.runner.execute_model(
-                SchedulerOutput(
-                    phase="idle",
-                    scheduled_new_reqs=[],
-                    scheduled_cached_reqs=CachedRequestData(),
-                    num_scheduled_tokens={},
-                    num_scheduled_tokens_padded={},
-                    scheduled_token_ids={},
-                    cached_seq_len={},
-                    finished_req_ids=self.live,
-                )
-            )
+            self.runner.execute_model(SchedulerOutput.idle(finished_req_ids=self.live))
             self.live = set()
 
 

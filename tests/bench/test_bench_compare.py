@@ -136,6 +136,19 @@ def test_server_process_not_healthy_raises_with_log(tmp_path: Path) -> None:
     assert "starting" in (tmp_path / "log.txt").read_text()
 
 
+def _fake_server_options(tmp_path: Path) -> CompareOptions:
+    """``bench compare`` against the fake server (tests/support/bench_fake_server.py),
+    results under ``tmp_path / "cmp"``, no progress bar, no plots."""
+    return CompareOptions(
+        model="fake-model",
+        output_dir=tmp_path / "cmp",
+        serve_command=[sys.executable, FAKE_SERVER],
+        startup_timeout_s=60,
+        progress=False,
+        plots=False,
+    )
+
+
 def _tiny_preset(variants: tuple[Variant, ...]) -> ComparePreset:
     return ComparePreset(
         name="tiny",
@@ -167,15 +180,7 @@ def test_run_compare_against_fake_server_subprocesses(tmp_path: Path) -> None:
             Variant("dead", ("--exit-at-once",)),
         )
     )
-    opts = CompareOptions(
-        model="fake-model",
-        output_dir=tmp_path / "cmp",
-        serve_command=[sys.executable, FAKE_SERVER],
-        startup_timeout_s=60,
-        progress=False,
-        plots=False,
-    )
-    result = run_compare(preset, opts, WordVocabulary.default())
+    result = run_compare(preset, _fake_server_options(tmp_path), WordVocabulary.default())
     values = result["values"]
     assert values["slow"]["mean_itl_ms"] > values["fast"]["mean_itl_ms"] > 0
     assert values["fast"]["prefix_cache_hit_rate"] > 0
@@ -255,15 +260,7 @@ def test_disagg_variant_starts_a_prefill_worker_beside_its_decode_worker(tmp_pat
             ),
         )
     )
-    opts = CompareOptions(
-        model="fake-model",
-        output_dir=tmp_path / "cmp",
-        serve_command=[sys.executable, FAKE_SERVER],
-        startup_timeout_s=60,
-        progress=False,
-        plots=False,
-    )
-    result = run_compare(preset, opts, WordVocabulary.default())
+    result = run_compare(preset, _fake_server_options(tmp_path), WordVocabulary.default())
     assert not result["errors"] and result["values"]["fast"]["mean_itl_ms"] > 0
     fast = json.loads((tmp_path / "cmp" / "fast" / "results.json").read_text())
     command = fast["config"]["command"]

@@ -11,7 +11,7 @@ import time
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.kv_connector import Clock, finished_loads, hashed_request, one_step
+from support.kv_connector import Clock, connector_pair, finished_loads, hashed_request, one_step
 
 from kvserve.engine.metrics import EngineMetrics
 from kvserve.kv_transfer.config import KVTransferConfig
@@ -51,19 +51,9 @@ def test_any_drop_duplicate_or_reorder_ends_cleanly(
     num_full, remainder, hit_blocks, chunk_blocks, stream, policy, fate, order_seed
 ):
     clock = Clock()
-    dec_end, pre_end = in_process_pair("decode", "prefill")
-    dcfg = KVTransferConfig(
-        kv_role="decode",
-        kv_prefill_peers=("prefill",),
-        kv_remote_min_tokens=1,
-        kv_transfer_timeout=1.0,
-        kv_load_failure_policy=policy,
+    decode, prefill, dec_end, pre_end = connector_pair(
+        clock, B, kv_dtype="float32", policy=policy, stream=stream, kv_transfer_timeout=1.0
     )
-    pcfg = KVTransferConfig(kv_role="prefill", kv_address="x:1", kv_stream_chunks=stream)
-    decode = DecodeConnector(
-        dcfg, dec_end, block_size=B, kv_dtype="float32", clock=clock, ping=False
-    )
-    prefill = PrefillConnector(pcfg, pre_end, block_size=B, clock=clock)
     to_prefill: list = []
     pre_end.set_receiver(lambda peer, msg: to_prefill.append(msg))
     # Everything the prefill side sends is held back, then delivered as `fate` says.

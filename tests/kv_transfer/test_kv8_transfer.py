@@ -8,13 +8,9 @@ from __future__ import annotations
 import time
 
 import torch
-from support.kv_connector import Clock, finished_loads, hashed_request, one_step
+from support.kv_connector import Clock, connector_pair, finished_loads, hashed_request, one_step
 
-from kvserve.kv_transfer.config import KVTransferConfig
-from kvserve.kv_transfer.decode_connector import DecodeConnector
-from kvserve.kv_transfer.prefill_connector import PrefillConnector
 from kvserve.kv_transfer.prefill_service import PrefillService
-from kvserve.kv_transfer.transport import in_process_pair
 from kvserve.kv_transfer.wire import Chunk, PrefillRequest, decode_message, encode_message
 from kvserve.model.kernels.kv8 import kv_cache_fingerprint, resolve_kv_cache_dtype
 from kvserve.request import RequestStatus
@@ -33,18 +29,9 @@ def _run(prefill_cache: torch.Tensor, decode_cache: torch.Tensor, decode_dtype: 
     """Decode asks for a 2-block prompt, the prefill side computes and pushes it
     (whatever its service would say), the decode side collects its one result."""
     clock = Clock()
-    dec_end, pre_end = in_process_pair("decode", "prefill")
-    dcfg = KVTransferConfig(
-        kv_role="decode",
-        kv_prefill_peers=("prefill",),
-        kv_remote_min_tokens=1,
-        kv_load_failure_policy="fail",
+    decode, prefill, dec_end, pre_end = connector_pair(
+        clock, B, kv_dtype=decode_dtype, policy="fail"
     )
-    pcfg = KVTransferConfig(kv_role="prefill", kv_address="x:1")
-    decode = DecodeConnector(
-        dcfg, dec_end, block_size=B, kv_dtype=decode_dtype, clock=clock, ping=False
-    )
-    prefill = PrefillConnector(pcfg, pre_end, block_size=B, clock=clock)
     asks: list = []
     pre_end.set_receiver(lambda peer, msg: asks.append(msg))
     try:

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.lora_adapters import make_adapter
-from transformers import LlamaConfig
+from support.lora_adapters import make_adapter, tiny_hf_config
 
 from kvserve.lora.adapter import load_adapter
 from kvserve.lora.config import LoRAConfig, parse_lora_module
@@ -17,14 +16,7 @@ from kvserve.lora.manager import LoRAManager
 from kvserve.lora.weights import LoRAWeights
 from kvserve.model.arch import ModelArchConfig
 
-HF = LlamaConfig(
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=64,
-)
+HF = tiny_hf_config()
 ARCH = ModelArchConfig.from_hf_config(HF)
 
 

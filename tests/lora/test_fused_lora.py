@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.fused_decode import BS, decode_meta, prefilled
 from support.lora_adapters import ATTN, make_adapter
 
 from kvserve.lora.adapter import load_adapter
 from kvserve.lora.ops import native_lora_kernel
 from kvserve.lora.weights import LoRABatch, LoRAWeights
 from kvserve.model.attention import SeqSpec, build_attention_metadata
-from kvserve.worker.model_runner import allocate_kv_cache
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
-BS = 16
 # per decode row: its slot (-1 the base; 0 all modules; 1 attention only; 2 zero B)
 ROW_SLOTS = [0, -1, 1, 2, 0, 1, -1, 0]
 
@@ -54,24 +53,9 @@ def model_with_lora(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 def _step(model, dtype: torch.dtype, lens: list[int]):  # type: ignore[no-untyped-def]
     """KV prefilled for each length, then one decode row per sequence: (kv, caches,
     ids, positions, metadata)."""
-    kv = allocate_kv_cache(model, 1 + 4 * len(lens), BS, dtype)
-    caches = list(kv.unbind(0))
-    tables = [list(range(1 + 4 * s, 5 + 4 * s)) for s in range(len(lens))]
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for s, n in enumerate(lens):
-            ids = torch.randint(100, 40000, (n,), generator=gen)
-            meta = build_attention_metadata(
-                [SeqSpec(0, n, n, 0, tables[s])], num_tokens=n, block_size=BS,
-                kv_segment_size=64, kv_dtype=dtype,
-            )  # fmt: skip
-            model(ids, torch.arange(n), caches, meta)
-    specs = [SeqSpec(j, 1, 1, n, tables[j]) for j, n in enumerate(lens)]
-    meta = build_attention_metadata(
-        specs, num_tokens=len(lens), block_size=BS, kv_segment_size=64, kv_dtype=dtype
-    )
+    kv, caches, tables = prefilled(model, dtype, lens)
     ids = torch.tensor([101 + 7 * j for j in range(len(lens))])
-    return kv, caches, ids, torch.tensor(lens), meta
+    return kv, caches, ids, torch.tensor(lens), decode_meta(lens, tables, dtype)
 
 
 def test_fused_lora_step_is_the_layer_loop(model_with_lora) -> None:  # type: ignore[no-untyped-def]

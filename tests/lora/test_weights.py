@@ -6,22 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.lora_adapters import ATTN, MLP, make_adapter
-from transformers import LlamaConfig
+from support.lora_adapters import ATTN, MLP, make_adapter, tiny_hf_config
 
 from kvserve.lora.adapter import load_adapter, module_shapes
 from kvserve.lora.ops import native_lora_kernel
 from kvserve.lora.weights import FUSED_PARTS, LoRABatch, LoRAWeights, lora_delta_torch
 from kvserve.model.arch import ModelArchConfig
 
-HF = LlamaConfig(
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=64,
-)
+HF = tiny_hf_config()
 ARCH = ModelArchConfig.from_hf_config(HF)
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.fused_decode import BS, assert_fused_is_loop, decode_meta, prefilled
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata
 from kvserve.model.llama_native import FusedDecode
 from kvserve.worker.model_runner import allocate_kv_cache
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
-
-BS = 16
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
@@ -29,53 +28,6 @@ def quant(request):  # type: ignore[no-untyped-def]
     return loaded
 
 
-def _prefilled(model, dtype: torch.dtype, lens: list[int], vocab: int = 40000):  # type: ignore[no-untyped-def]
-    kv = allocate_kv_cache(model, 1 + 4 * len(lens), BS, dtype)
-    caches = list(kv.unbind(0))
-    tables = [list(range(1 + 4 * s, 5 + 4 * s)) for s in range(len(lens))]
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for s, n in enumerate(lens):
-            ids = torch.randint(100, vocab, (n,), generator=gen)
-            meta = build_attention_metadata(
-                [SeqSpec(0, n, n, 0, tables[s])],
-                num_tokens=n,
-                block_size=BS,
-                kv_segment_size=64,
-                kv_dtype=dtype,
-            )
-            model(ids, torch.arange(n), caches, meta)
-    return kv, caches, tables
-
-
-def _decode_meta(lens: list[int], tables: list[list[int]], dtype: torch.dtype):  # type: ignore[no-untyped-def]
-    specs = [SeqSpec(j, 1, 1, n, tables[j]) for j, n in enumerate(lens)]
-    return build_attention_metadata(
-        specs, num_tokens=len(lens), block_size=BS, kv_segment_size=64, kv_dtype=dtype
-    )
-
-
-def _assert_fused_is_loop(model, kv, caches, ids, pos, meta, loop_meta=None) -> None:  # type: ignore[no-untyped-def]
-    """Run the step fused, then again from the same KV through the Python layer loop
-    (``loop_meta``: fresh metadata for it, else ``meta``): bitwise the same hidden
-    states and the same K/V rows written to the same slots."""
-    fused = model._fused_decode
-    assert fused is not None and fused.supports(meta, caches)
-    kv_before = kv.clone()
-    with torch.inference_mode():
-        out_fused = model(ids, pos, caches, meta)
-        kv_fused = kv.clone()
-        kv.copy_(kv_before)
-        model._fused_decode = None
-        try:
-            out_loop = model(ids, pos, caches, meta if loop_meta is None else loop_meta)
-        finally:
-            model._fused_decode = fused
-    assert out_fused.dtype == torch.float32 and out_fused.shape == out_loop.shape
-    assert torch.equal(out_fused, out_loop)
-    assert torch.equal(kv_fused, kv) and not torch.equal(kv_fused, kv_before)
-
-
 @pytest.mark.parametrize("lens", [[23], [17, 40, 9]])
 def test_fused_step_is_the_python_loop(quant, lens: list[int]) -> None:  # type: ignore[no-untyped-def]
     _decode_is_loop(quant, lens)
@@ -84,24 +36,24 @@ def test_fused_step_is_the_python_loop(quant, lens: list[int]) -> None:  # type:
 def _decode_is_loop(loaded, lens: list[int]) -> None:  # type: ignore[no-untyped-def]
     """One decode row per length, prefilled first: the fused step is the loop."""
     model, dtype = loaded.model, loaded.dtype
-    kv, caches, tables = _prefilled(model, dtype, lens)
+    kv, caches, tables = prefilled(model, dtype, lens)
     ids = torch.tensor([101 + 7 * j for j in range(len(lens))])
-    _assert_fused_is_loop(
-        model, kv, caches, ids, torch.tensor(lens), _decode_meta(lens, tables, dtype)
+    assert_fused_is_loop(
+        model, kv, caches, ids, torch.tensor(lens), decode_meta(lens, tables, dtype)
     )
 
 
 def test_fused_row_independent_of_batch(quant) -> None:  # type: ignore[no-untyped-def]
     model, dtype = quant.model, quant.dtype
     lens = [20, 31, 12, 45]
-    kv, caches, tables = _prefilled(model, dtype, lens)
+    kv, caches, tables = prefilled(model, dtype, lens)
     ids = torch.tensor([300, 301, 302, 303])
     snapshot = kv.clone()
     with torch.inference_mode():
-        batched = model(ids, torch.tensor(lens), caches, _decode_meta(lens, tables, dtype))
+        batched = model(ids, torch.tensor(lens), caches, decode_meta(lens, tables, dtype))
         kv.copy_(snapshot)
         alone = model(
-            ids[2:3], torch.tensor(lens[2:3]), caches, _decode_meta(lens[2:3], tables[2:3], dtype)
+            ids[2:3], torch.tensor(lens[2:3]), caches, decode_meta(lens[2:3], tables[2:3], dtype)
         )
     assert torch.equal(alone[0], batched[2])
 
@@ -110,13 +62,13 @@ def test_prefill_and_8bit_cache_keep_the_loop(quant) -> None:  # type: ignore[no
     model, dtype = quant.model, quant.dtype
     fused = model._fused_decode
     assert fused is not None
-    _, caches, tables = _prefilled(model, dtype, [20])
+    _, caches, tables = prefilled(model, dtype, [20])
     prefill = build_attention_metadata(
         [SeqSpec(0, 4, 4, 20, tables[0])], num_tokens=4, block_size=BS, kv_segment_size=64,
         kv_dtype=dtype,
     )  # fmt: skip
     assert not fused.supports(prefill, caches)
-    decode = _decode_meta([20], tables, dtype)
+    decode = decode_meta([20], tables, dtype)
     assert fused.supports(decode, caches)
     assert not fused.supports(decode, caches[:-1])  # one cache per layer
     int8 = [torch.zeros(c.shape[:-1] + (c.shape[-1] + 4,), dtype=torch.int8) for c in caches]
@@ -129,7 +81,7 @@ def test_verification_chunk_is_the_python_loop(quant) -> None:  # type: ignore[n
     model, dtype = quant.model, quant.dtype
     fused = model._fused_decode
     lens = [20, 33]
-    kv, caches, tables = _prefilled(model, dtype, lens)
+    kv, caches, tables = prefilled(model, dtype, lens)
     specs = [SeqSpec(0, 5, 5, lens[0], tables[0]), SeqSpec(5, 1, 1, lens[1], tables[1])]
 
     def meta(reach: int):  # type: ignore[no-untyped-def]
@@ -143,7 +95,7 @@ def test_verification_chunk_is_the_python_loop(quant) -> None:  # type: ignore[n
     assert fused.supports(m, caches)
     ids = torch.tensor([101, 102, 103, 104, 105, 300])
     pos = torch.tensor([20, 21, 22, 23, 24, 33])
-    _assert_fused_is_loop(model, kv, caches, ids, pos, m, loop_meta=meta(4096))
+    assert_fused_is_loop(model, kv, caches, ids, pos, m, loop_meta=meta(4096))
 
 
 def test_switch_turns_it_off(quant, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
@@ -194,16 +146,16 @@ def test_dense_rows_past_the_panels_keep_the_loop(dense) -> None:  # type: ignor
     was = model.batch_invariant  # a shared model: other tests' harnesses set the mode
     model.set_batch_invariant(False)
     try:
-        assert fused.supports(_decode_meta(lens[:limit], tables[:limit], dtype), caches)
-        assert not fused.supports(_decode_meta(lens, tables, dtype), caches)
+        assert fused.supports(decode_meta(lens[:limit], tables[:limit], dtype), caches)
+        assert not fused.supports(decode_meta(lens, tables, dtype), caches)
         if not model.batch_invariant_supported:
             return
         model.set_batch_invariant(True)
-        assert fused.supports(_decode_meta(lens, tables, dtype), caches)
+        assert fused.supports(decode_meta(lens, tables, dtype), caches)
         if dtype == torch.bfloat16:  # 5 rows: compare with the loop
-            kv, caches, tables = _prefilled(model, dtype, lens)
+            kv, caches, tables = prefilled(model, dtype, lens)
             ids, pos = torch.arange(300, 300 + len(lens)), torch.tensor(lens)
-            _assert_fused_is_loop(model, kv, caches, ids, pos, _decode_meta(lens, tables, dtype))
+            assert_fused_is_loop(model, kv, caches, ids, pos, decode_meta(lens, tables, dtype))
     finally:
         model.set_batch_invariant(was)
 
@@ -240,27 +192,25 @@ def test_qwen3_qk_norms_in_the_fused_step(dtype: str, tmp_path, default_model_di
         pytest.skip("no native panels for this dtype here")
     assert model.uses_native_layers and model._ops[0].qk_norm is not None
     lens = [23, 40, 9]
-    kv, caches, tables = _prefilled(model, loaded.dtype, lens, vocab=320)
+    kv, caches, tables = prefilled(model, loaded.dtype, lens, vocab=(100, 320))
     ids, pos = torch.tensor([5, 17, 33]), torch.tensor(lens)
-    meta = _decode_meta(lens, tables, loaded.dtype)
-    _assert_fused_is_loop(model, kv, caches, ids, pos, meta)
+    meta = decode_meta(lens, tables, loaded.dtype)
+    assert_fused_is_loop(model, kv, caches, ids, pos, meta)
     snapshot = kv.clone()
     with torch.inference_mode():  # a row's result does not depend on the batch
-        batched = model(ids, pos, caches, _decode_meta(lens, tables, loaded.dtype))
+        batched = model(ids, pos, caches, decode_meta(lens, tables, loaded.dtype))
         kv.copy_(snapshot)
-        alone = model(
-            ids[1:2], pos[1:2], caches, _decode_meta(lens[1:2], tables[1:2], loaded.dtype)
-        )
+        alone = model(ids[1:2], pos[1:2], caches, decode_meta(lens[1:2], tables[1:2], loaded.dtype))
         kv.copy_(snapshot)
     assert torch.equal(alone[0], batched[1])
     norms = [ops.qk_norm for ops in model._ops]
     with torch.inference_mode():
-        ref = model(ids, pos, caches, _decode_meta(lens, tables, loaded.dtype))
+        ref = model(ids, pos, caches, decode_meta(lens, tables, loaded.dtype))
         for ops in model._ops:  # all-ones norm weights: a different result
             ops.qk_norm = torch.ones_like(ops.qk_norm)
         model._fused_decode = FusedDecode.build(model, model.kernels)
         try:
-            other = model(ids, pos, caches, _decode_meta(lens, tables, loaded.dtype))
+            other = model(ids, pos, caches, decode_meta(lens, tables, loaded.dtype))
         finally:
             for ops, w in zip(model._ops, norms, strict=True):
                 ops.qk_norm = w

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.tiny_models import save_tiny_hf_llama
 
 from kvserve.model import loader
 from kvserve.model.loader import (
@@ -196,24 +197,8 @@ def test_gguf_of_unsupported_architecture(tmp_path: Path, monkeypatch) -> None:
         resolve_model(str(f))
 
 
-def _tiny_llama_folder(folder: Path, tokenizer_dir: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
-
-
 def test_unsupported_architecture_in_folder(tmp_path: Path, default_model_dir: Path) -> None:
-    _tiny_llama_folder(tmp_path, default_model_dir)
+    save_tiny_hf_llama(tmp_path, default_model_dir)
     config = json.loads((tmp_path / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     config["model_type"] = "gpt2"
@@ -225,7 +210,7 @@ def test_unsupported_architecture_in_folder(tmp_path: Path, default_model_dir: P
 def test_checkpoint_missing_a_tensor(tmp_path: Path, default_model_dir: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    _tiny_llama_folder(tmp_path, default_model_dir)
+    save_tiny_hf_llama(tmp_path, default_model_dir)
     weights = tmp_path / "model.safetensors"
     tensors = load_file(str(weights))
     del tensors["model.layers.0.mlp.up_proj.weight"]
@@ -254,16 +239,22 @@ def test_auto_dtype_follows_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None
     assert loader.parse_dtype("auto") == torch.float32
 
 
-def test_conversion_cache_is_keyed_by_content(tmp_path, monkeypatch, capsys) -> None:
-    """Two copies of one GGUF (other clone, other name) share one converted folder;
-    different bytes convert again; the one-time conversion says what it is doing."""
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+def _gguf_copies(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """Two files of the same bytes (another clone, another name) and one of others."""
     a = tmp_path / "clone1" / "m.gguf"
     b = tmp_path / "clone2" / "renamed.gguf"
     c = tmp_path / "other.gguf"
     for p, data in ((a, b"GGUF same"), (b, b"GGUF same"), (c, b"GGUF different")):
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
+    return a, b, c
+
+
+def test_conversion_cache_is_keyed_by_content(tmp_path, monkeypatch, capsys) -> None:
+    """Two copies of one GGUF (other clone, other name) share one converted folder;
+    different bytes convert again; the one-time conversion says what it is doing."""
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    a, b, c = _gguf_copies(tmp_path)
     calls: list[Path] = []
 
     def fake_convert(src: Path, out: Path) -> None:
@@ -284,12 +275,7 @@ def test_metadata_folder_is_keyed_by_content(tmp_path, monkeypatch) -> None:
     """The quantized run's metadata-only folder: copies of one GGUF (another clone,
     another name, a newer mtime) share one folder; different bytes get their own."""
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    a = tmp_path / "clone1" / "m.gguf"
-    b = tmp_path / "clone2" / "renamed.gguf"
-    c = tmp_path / "other.gguf"
-    for p, data in ((a, b"GGUF same"), (b, b"GGUF same"), (c, b"GGUF different")):
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
+    a, b, c = _gguf_copies(tmp_path)
     os.utime(b, ns=(1, 1))
     calls: list[Path] = []
 

@@ -7,12 +7,12 @@ a temporary folder (nothing downloaded).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from support.hf_reference import hf_greedy_batch
+from support.tiny_models import save_hf_folder
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata
 from kvserve.model.llama import LlamaForCausalLM
@@ -224,9 +224,7 @@ def make_tiny_model(arch: str, folder: Path, tokenizer_dir: Path):
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.normal_(0, 0.5)
-    hf.save_pretrained(folder)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / f, folder / f)
+    save_hf_folder(hf, folder, tokenizer_dir)
     return hf
 
 

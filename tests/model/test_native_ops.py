@@ -169,14 +169,11 @@ def test_fast_linear_routes_float32_decode_rows_to_the_panel_kernel(lk, monkeypa
     assert calls == [1, lin_mod.NATIVE_F32_MAX_M]
 
 
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 960, 576), (3, 70, 38), (8, 64, 16), (11, 40, 8)])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_linear_bf16_matches_float32(lk, rows: int, n: int, k: int, with_bias: bool) -> None:
-    """The bfloat16 panel kernel: fp32 sums of bf16 products, rounded once to bf16
-    (so within one bf16 rounding of the fp32 result); masked last panel, strided rows."""
-    if not lk.linear_bf16_available:
-        pytest.skip("build without AVX512-BF16")
-    gen = torch.Generator().manual_seed(rows * 7 + n + k)
+def _check_bf16_panels(lk, linear, rows: int, n: int, k: int, with_bias: bool, seed: int) -> None:  # type: ignore[no-untyped-def]
+    """``linear(x, panels, n, bias)`` (a bfloat16 panel kernel) on random bf16 weights
+    packed by ``pack_linear_bf16``, strided rows and an optional bias padded to the
+    panels: bf16 [rows, n] within one bf16 rounding of the float64 result."""
+    gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen) if with_bias else None
     x = torch.randn(rows, k + 6, generator=gen).bfloat16()[:, :k]
@@ -186,10 +183,20 @@ def test_linear_bf16_matches_float32(lk, rows: int, n: int, k: int, with_bias: b
     if bias is not None:
         padded = torch.zeros(panels.shape[0] * 32)
         padded[:n] = bias
-    got = lk.linear_bf16(x, panels, n, padded)
+    got = linear(x, panels, n, padded)
     expect = F.linear(x.double(), w.double(), None if bias is None else bias.double())
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), expect, atol=1e-3, rtol=8e-3)
+
+
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 960, 576), (3, 70, 38), (8, 64, 16), (11, 40, 8)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_bf16_matches_float32(lk, rows: int, n: int, k: int, with_bias: bool) -> None:
+    """The bfloat16 panel kernel: fp32 sums of bf16 products, rounded once to bf16
+    (so within one bf16 rounding of the fp32 result); masked last panel, strided rows."""
+    if not lk.linear_bf16_available:
+        pytest.skip("build without AVX512-BF16")
+    _check_bf16_panels(lk, lk.linear_bf16, rows, n, k, with_bias, seed=rows * 7 + n + k)
 
 
 @pytest.mark.parametrize(
@@ -202,19 +209,7 @@ def test_linear_bf16_amx_matches_float32(lk, rows: int, n: int, k: int, with_bia
     within one bf16 rounding of the fp32 result, like the vector panel kernel."""
     if not lk.linear_bf16_amx_available:
         pytest.skip("no AMX-BF16 here")
-    gen = torch.Generator().manual_seed(rows * 11 + n + k)
-    w = torch.randn(n, k, generator=gen).bfloat16()
-    bias = torch.randn(n, generator=gen) if with_bias else None
-    x = torch.randn(rows, k + 6, generator=gen).bfloat16()[:, :k]
-    panels = lk.pack_linear_bf16(w)
-    padded = None
-    if bias is not None:
-        padded = torch.zeros(panels.shape[0] * 32)
-        padded[:n] = bias
-    got = lk.linear_bf16_amx(x, panels, n, padded)
-    expect = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    torch.testing.assert_close(got.double(), expect, atol=1e-3, rtol=8e-3)
+    _check_bf16_panels(lk, lk.linear_bf16_amx, rows, n, k, with_bias, seed=rows * 11 + n + k)
 
 
 def test_linear_bf16_amx_rejects_k_not_a_multiple_of_32(lk) -> None:

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from model.test_attention import check_rows, native_step, random_step, seqs_and_merge, spy_calls
 from model.test_cascade_attention import _shared_prefix_specs, shared_prefix_steps
+from support.prefill import prefill_heavy_steps
 
 from kvserve.model.kernels.backend import default_backend
 from kvserve.model.kernels.prefill_amx import AMX_ENV_VAR
@@ -18,26 +19,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@st.composite
-def amx_batches(draw: st.DrawFn) -> dict:
+def amx_batches() -> st.SearchStrategy[dict]:
     """Prefill-heavy steps: long chunks over long cached prefixes, beside decodes."""
-    num_kv_heads = draw(st.sampled_from([1, 3]))
-    return dict(
-        block_size=draw(st.sampled_from([16, 32, 64])),
-        kv_segment_size=draw(st.sampled_from([0, 64, 512])),
-        num_kv_heads=num_kv_heads,
-        num_heads=num_kv_heads * draw(st.sampled_from([1, 3])),
-        head_dim=64,
-        prefills=draw(
-            st.lists(
-                st.tuples(st.integers(0, 700), st.integers(1, 150), st.integers(0, 5)),
-                min_size=1,
-                max_size=3,
-            )
-        ),
-        decodes=draw(st.lists(st.integers(0, 300), max_size=3)),
-        num_dummy=draw(st.integers(0, 2)),
-        seed=draw(st.integers(0, 2**31 - 1)),
+    return prefill_heavy_steps(
+        block_sizes=[16, 32, 64],
+        kv_heads=[1, 3],
+        group_sizes=[1, 3],
+        head_dims=[64],
+        max_cached=700,
+        max_chunk=150,
+        max_decode_context=300,
     )
 
 

@@ -17,6 +17,7 @@ from model.test_attention import (
     spy_calls,
 )
 from model.test_cascade_attention import _shared_prefix_specs, shared_prefix_steps
+from support.prefill import prefill_heavy_steps
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata, paged_attention
 from kvserve.model.kernels.backend import default_backend
@@ -35,27 +36,17 @@ _VARIANTS = [
 ]
 
 
-@st.composite
-def prefill_batches(draw: st.DrawFn) -> dict:
+def prefill_batches() -> st.SearchStrategy[dict]:
     """Prefill-heavy steps: chunks over cached prefixes (partial last blocks and
     segments, several requests per call), beside decodes; the engine's block sizes."""
-    num_kv_heads = draw(st.sampled_from([1, 2, 3]))
-    return dict(
-        block_size=draw(st.sampled_from([8, 16, 32, 64, 128])),
-        kv_segment_size=draw(st.sampled_from([0, 64, 512])),
-        num_kv_heads=num_kv_heads,
-        num_heads=num_kv_heads * draw(st.sampled_from([1, 2, 3, 4])),
-        head_dim=draw(st.sampled_from([32, 64, 128])),
-        prefills=draw(
-            st.lists(
-                st.tuples(st.integers(0, 400), st.integers(1, 90), st.integers(0, 5)),
-                min_size=1,
-                max_size=3,
-            )
-        ),
-        decodes=draw(st.lists(st.integers(0, 200), max_size=3)),
-        num_dummy=draw(st.integers(0, 2)),
-        seed=draw(st.integers(0, 2**31 - 1)),
+    return prefill_heavy_steps(
+        block_sizes=[8, 16, 32, 64, 128],
+        kv_heads=[1, 2, 3],
+        group_sizes=[1, 2, 3, 4],
+        head_dims=[32, 64, 128],
+        max_cached=400,
+        max_chunk=90,
+        max_decode_context=200,
     )
 
 

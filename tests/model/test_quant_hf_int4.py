@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.fused_decode import assert_fused_is_loop, decode_meta, prefilled
+from support.tiny_models import save_tiny_hf_llama
 
 from kvserve.model.kernels.backend import default_backend
 from kvserve.model.quant.formats import BLOCK, QuantWeight, quantize_activations
@@ -208,20 +210,9 @@ def _tiny_gptq_folder(folder: Path, tokenizer_dir: Path, method: str) -> dict[st
     """A 1-layer Llama (hidden 64) whose linears are stored int4 in ``method``'s layout;
     returns the reference dequantized weights by HF name."""
     from safetensors.torch import load_file, save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+    save_tiny_hf_llama(folder, tokenizer_dir, hidden_size=64, intermediate_size=128)
     tensors = load_file(str(folder / "model.safetensors"))
     refs: dict[str, torch.Tensor] = {}
     for name in list(tensors):
@@ -323,43 +314,15 @@ def test_act_order_decodes_in_the_fused_step(
     """An act-order GPTQ model decodes in the fused step (kvs_decode_layers gathers each
     linear's inputs into their stored column order, as ``index_select`` does; gate_up's
     fused SiLU on the gathered inputs): bitwise the Python loop's hidden states and KV."""
-    from kvserve.model.attention import SeqSpec, build_attention_metadata
     from kvserve.model.loader import load_model
-    from kvserve.worker.model_runner import allocate_kv_cache
 
     _tiny_gptq_folder(tmp_path, default_model_dir, "gptq")
     loaded = load_model(str(tmp_path), dtype=dtype)
     net, dt = loaded.model, loaded.dtype
-    fused = net._fused_decode
-    assert fused is not None, "act-order weights take the fused step"
+    assert net._fused_decode is not None, "act-order weights take the fused step"
     ops = net._ops[0]
     assert ops.qkv.parts[0].in_perm is not None and ops.gate_up.fused_silu_capable
     lens = [21, 35, 8]
-    kv = allocate_kv_cache(net, 1 + 3 * len(lens), 16, dt)
-    caches = list(kv.unbind(0))
-    tables = [list(range(1 + 3 * s, 4 + 3 * s)) for s in range(len(lens))]
-    gen = torch.Generator().manual_seed(5)
-
-    def meta(specs: list, n: int):  # type: ignore[no-untyped-def,type-arg]
-        return build_attention_metadata(
-            specs, num_tokens=n, block_size=16, kv_segment_size=64, kv_dtype=dt
-        )
-
-    with torch.inference_mode():
-        for s, n in enumerate(lens):
-            ids = torch.randint(0, 128, (n,), generator=gen)
-            net(ids, torch.arange(n), caches, meta([SeqSpec(0, n, n, 0, tables[s])], n))
-        decode = meta([SeqSpec(j, 1, 1, n, tables[j]) for j, n in enumerate(lens)], len(lens))
-        assert fused.supports(decode, caches)
-        ids, pos = torch.tensor([3, 64, 127]), torch.tensor(lens)
-        before = kv.clone()
-        out_fused = net(ids, pos, caches, decode)
-        kv_fused = kv.clone()
-        kv.copy_(before)
-        net._fused_decode = None
-        try:
-            out_loop = net(ids, pos, caches, decode)
-        finally:
-            net._fused_decode = fused
-    assert torch.equal(out_fused, out_loop)
-    assert torch.equal(kv_fused, kv) and not torch.equal(kv_fused, before)
+    kv, caches, tables = prefilled(net, dt, lens, vocab=(0, 128), blocks_per_seq=3, seed=5)
+    ids, pos = torch.tensor([3, 64, 127]), torch.tensor(lens)
+    assert_fused_is_loop(net, kv, caches, ids, pos, decode_meta(lens, tables, dt))

@@ -30,14 +30,6 @@ def _random_weight(fmt_name: str, n: int, k: int, seed: int = 0) -> QuantWeight:
     return QuantWeight.pack(u, d, m, fmt)
 
 
-@pytest.fixture(scope="module")
-def kernel():  # type: ignore[no-untyped-def]
-    k = default_backend().quant_linear
-    if k is None:
-        pytest.skip("native kernels unavailable")
-    return k
-
-
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_pack_unpack_round_trip(fmt: str) -> None:
     w = _random_weight(fmt, 40, 96)  # 40 rows: a padded last panel
@@ -159,7 +151,6 @@ def test_vector_quantizer_matches_scalar(kernel, dtype: torch.dtype) -> None:  #
 def test_fused_silu_is_linear_then_native_silu(kernel, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     """kvs_linear_quant_silu_mul gives bitwise what the linear followed by the native
     kvs_silu_mul gives, on every path, alone or in a batch (row independence)."""
-    from kvserve.model.kernels.backend import default_backend
 
     native = default_backend().norms
     assert native is not None

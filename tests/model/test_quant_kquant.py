@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.fused_decode import assert_fused_is_loop, decode_meta, prefilled
 
-from kvserve.model.kernels.backend import default_backend
 from kvserve.model.quant.formats import BLOCK, QuantWeight, quantize_activations
 from kvserve.model.quant.kquant import GGUF_BLOCK_BYTES, KQuantWeight, reference_linear_k
 from kvserve.model.quant.linear import QuantEmbedding, QuantLinear
@@ -75,14 +75,6 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     absw = w.abs().double().view(w.shape[0], -1, BLOCK).sum(-1)  # [n, nb]
     quant = 0.5 * dx.double() @ absw.T
     return quant + 1e-5 * (x.abs().double() @ w.abs().double().T) + 1e-6
-
-
-@pytest.fixture(scope="module")
-def kernel():  # type: ignore[no-untyped-def]
-    k = default_backend().quant_linear
-    if k is None:
-        pytest.skip("native kernels unavailable")
-    return k
 
 
 @pytest.fixture(scope="module")
@@ -348,43 +340,14 @@ def test_q4_k_m_mix_decodes_in_the_fused_step(kernel, dtype: torch.dtype) -> Non
     """The fused decode step (kvs_decode_layers) runs the K-quant mix as the Python loop
     does: qkv as two parts into their columns (Q4_K q/k, Q6_K v), K-quant o and down,
     the Q4_K gate_up's linear then SiLU; bitwise the loop's hidden states and KV."""
-    from kvserve.model.attention import SeqSpec, build_attention_metadata
-    from kvserve.worker.model_runner import allocate_kv_cache
-
     arch, quant, _ = _q4_k_m_model()
     net = _build(arch, quant, dtype)
-    fused = net._fused_decode
-    assert fused is not None, "the K-quant mix takes the fused step"
+    assert net._fused_decode is not None, "the K-quant mix takes the fused step"
     assert len(net._ops[0].qkv.parts) == 2 and not net._ops[0].gate_up.fused_silu_capable
     lens = [23, 40, 9]
-    kv = allocate_kv_cache(net, 1 + 4 * len(lens), 16, dtype)
-    caches = list(kv.unbind(0))
-    tables = [list(range(1 + 4 * s, 5 + 4 * s)) for s in range(len(lens))]
-    gen = torch.Generator().manual_seed(3)
-
-    def meta(specs: list, n: int):  # type: ignore[no-untyped-def,type-arg]
-        return build_attention_metadata(
-            specs, num_tokens=n, block_size=16, kv_segment_size=64, kv_dtype=dtype
-        )
-
-    with torch.inference_mode():
-        for s, n in enumerate(lens):  # prefill each request (the loop: not a decode step)
-            net(torch.randint(0, 64, (n,), generator=gen), torch.arange(n), caches,
-                meta([SeqSpec(0, n, n, 0, tables[s])], n))  # fmt: skip
-        decode = meta([SeqSpec(j, 1, 1, n, tables[j]) for j, n in enumerate(lens)], len(lens))
-        assert fused.supports(decode, caches)
-        ids, pos = torch.tensor([5, 17, 33]), torch.tensor(lens)
-        before = kv.clone()
-        out_fused = net(ids, pos, caches, decode)
-        kv_fused = kv.clone()
-        kv.copy_(before)
-        net._fused_decode = None
-        try:
-            out_loop = net(ids, pos, caches, decode)
-        finally:
-            net._fused_decode = fused
-    assert torch.equal(out_fused, out_loop)
-    assert torch.equal(kv_fused, kv) and not torch.equal(kv_fused, before)
+    kv, caches, tables = prefilled(net, dtype, lens, vocab=(0, 64), seed=3)
+    ids, pos = torch.tensor([5, 17, 33]), torch.tensor(lens)
+    assert_fused_is_loop(net, kv, caches, ids, pos, decode_meta(lens, tables, dtype))
 
 
 @pytest.mark.parametrize("type_name", K_TYPES)

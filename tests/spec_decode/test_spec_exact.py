@@ -106,6 +106,16 @@ def test_stop_token_inside_accepted_drafts_ends_the_request(loaded_model, single
     assert spec_outs == base and all(len(v) == 7 for v in spec_outs.values())
 
 
+# the default model as its own draft, 3 tokens, float32, fixed k (no gain monitor)
+SELF_DRAFT = {
+    "method": "draft_model",
+    "model": "smollm2-135m-instruct",
+    "num_speculative_tokens": 3,
+    "draft_dtype": "float32",
+    "adaptive": False,
+}
+
+
 @pytest.mark.parametrize("share_target_kv", [True, False])
 def test_draft_model_speculation_is_exact_with_its_own_kv_cache(
     loaded_model, greedy_reference, share_target_kv
@@ -115,14 +125,7 @@ def test_draft_model_speculation_is_exact_with_its_own_kv_cache(
     # Fixed k: a draft as large as the target never pays, so the gain monitor would
     # (rightly) stop it before it is exercised. Both ways of filling the draft's KV:
     # rows copied from the target's cache (the same checkpoint) or its own prefill.
-    spec = {
-        "method": "draft_model",
-        "model": "smollm2-135m-instruct",
-        "num_speculative_tokens": 3,
-        "draft_dtype": "float32",
-        "adaptive": False,
-        "share_target_kv": share_target_kv,
-    }
+    spec = {**SELF_DRAFT, "share_target_kv": share_target_kv}
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outs, engine = run(loaded_model, {"num_kv_blocks": 128}, spec, params)
     assert outs == greedy_reference
@@ -137,13 +140,7 @@ def test_sampled_draft_model_drafts_are_verified_against_their_distribution(load
     # the default model as its own draft, sampled at temperature 1: drafts sampled
     # from the draft's q (== the target's p) are accepted almost always; greedy drafts
     # would be accepted only with p(argmax). Seeded: reproducible; no KV leaks.
-    spec = {
-        "method": "draft_model",
-        "model": "smollm2-135m-instruct",
-        "num_speculative_tokens": 3,
-        "draft_dtype": "float32",
-        "adaptive": False,
-    }
+    spec = dict(SELF_DRAFT)
     params = SamplingParams(temperature=1.0, seed=77, max_tokens=24, ignore_eos=True)
     outs, engine = run(loaded_model, {"num_kv_blocks": 128}, spec, params, rounds=1)
     again, _ = run(loaded_model, {"num_kv_blocks": 128}, spec, params, rounds=1)

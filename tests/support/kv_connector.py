@@ -1,5 +1,6 @@
-"""Pieces of the KV connector tests: a settable clock, a request with its block
-hashes, one step's scheduler output for one request, and the wait for a load."""
+"""Pieces of the KV connector tests: a settable clock, a decode and a prefill
+connector joined in process, a request with its block hashes, one step's scheduler
+output for one request, and the wait for a load."""
 
 from __future__ import annotations
 
@@ -8,6 +9,41 @@ from typing import Any
 
 from kvserve.kv_cache import KVCacheManager
 from kvserve.request import Request, SamplingParams
+
+
+def connector_pair(
+    clock: Clock,
+    block_size: int,
+    *,
+    kv_dtype: str,
+    policy: str,
+    stream: bool = True,
+    **decode_options: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """(decode, prefill, decode end, prefill end): a decode connector whose one prefill
+    peer is "prefill" (remote loads from 1 token, ``policy`` on a failed load, more
+    ``decode_options`` of KVTransferConfig; no pings) and that peer's prefill connector
+    (``stream``: chunks streamed, the default), over an in-process transport pair, both on ``clock``.
+    The caller registers the caches and closes the connectors."""
+    from kvserve.kv_transfer.config import KVTransferConfig
+    from kvserve.kv_transfer.decode_connector import DecodeConnector
+    from kvserve.kv_transfer.prefill_connector import PrefillConnector
+    from kvserve.kv_transfer.transport import in_process_pair
+
+    dec_end, pre_end = in_process_pair("decode", "prefill")
+    dcfg = KVTransferConfig(
+        kv_role="decode",
+        kv_prefill_peers=("prefill",),
+        kv_remote_min_tokens=1,
+        kv_load_failure_policy=policy,
+        **decode_options,
+    )
+    pcfg = KVTransferConfig(kv_role="prefill", kv_address="x:1", kv_stream_chunks=stream)
+    decode = DecodeConnector(
+        dcfg, dec_end, block_size=block_size, kv_dtype=kv_dtype, clock=clock, ping=False
+    )
+    prefill = PrefillConnector(pcfg, pre_end, block_size=block_size, clock=clock)
+    return decode, prefill, dec_end, pre_end
 
 
 class Clock:

@@ -1,5 +1,6 @@
 """Small seeded LoRA adapters in PEFT's layout, built in a folder (nothing downloaded),
-and HF transformers models with an adapter merged into their weights."""
+HF transformers models with an adapter merged into their weights, and the small Llama
+config the unit tests build adapters for (:func:`tiny_hf_config`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,21 @@ from safetensors.torch import save_file
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 ALL = ATTN + MLP
+
+
+def tiny_hf_config() -> Any:
+    """A small Llama config for adapter unit tests: hidden 32, 2 layers, 4 heads, 2 KV
+    heads, intermediate 48, vocab 64."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
 
 
 def shapes(hf_config: Any) -> dict[str, tuple[int, int]]:

@@ -1,9 +1,13 @@
 """One request's prompt prefilled through a model in chunks over a fresh paged KV
-cache, so that later chunks read the earlier ones' pages."""
+cache, so that later chunks read the earlier ones' pages; and the hypothesis strategy
+of prefill-heavy attention steps the prefill kernels' tests draw from."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from hypothesis import strategies as st
 
 from kvserve.model.attention import SeqSpec, build_attention_metadata
 from kvserve.model.kv_cache_tensor import allocate_kv_cache
@@ -46,3 +50,40 @@ def chunked_prefill_logits(
             assert hidden_dtype is None or hidden.dtype == hidden_dtype
             out.append(model.compute_logits(hidden))
     return torch.cat(out)
+
+
+@st.composite
+def prefill_heavy_steps(
+    draw: st.DrawFn,
+    *,
+    block_sizes: list[int],
+    kv_heads: list[int],
+    group_sizes: list[int],
+    head_dims: list[int],
+    max_cached: int,
+    max_chunk: int,
+    max_decode_context: int,
+) -> dict[str, Any]:
+    """A case for ``model.test_attention.random_step``: up to 3 prefill chunks of 1 to
+    ``max_chunk`` rows over up to ``max_cached`` cached tokens (and 0-5 prior-only
+    rows), beside up to 3 decodes over up to ``max_decode_context`` tokens and up to 2
+    dummy rows; block size, KV heads, query heads per KV head and head_dim from the
+    lists; KV segment 0, 64 or 512."""
+    num_kv_heads = draw(st.sampled_from(kv_heads))
+    return dict(
+        block_size=draw(st.sampled_from(block_sizes)),
+        kv_segment_size=draw(st.sampled_from([0, 64, 512])),
+        num_kv_heads=num_kv_heads,
+        num_heads=num_kv_heads * draw(st.sampled_from(group_sizes)),
+        head_dim=draw(st.sampled_from(head_dims)),
+        prefills=draw(
+            st.lists(
+                st.tuples(st.integers(0, max_cached), st.integers(1, max_chunk), st.integers(0, 5)),
+                min_size=1,
+                max_size=3,
+            )
+        ),
+        decodes=draw(st.lists(st.integers(0, max_decode_context), max_size=3)),
+        num_dummy=draw(st.integers(0, 2)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )

@@ -1,13 +1,13 @@
 """Helpers for the server tests: a free port, a real ``kvserve serve`` subprocess, an
-in-process uvicorn thread, and /metrics parsing. Imports nothing from kvserve, so the
-conftest that uses it stays importable whatever state the engine is in."""
+in-process uvicorn thread, and /metrics parsing. Imports only ``kvserve.bench``'s
+process and metrics helpers (not the engine), so the conftest that uses it stays
+importable whatever state the engine is in."""
 
 from __future__ import annotations
 
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,15 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.disagg import scrape_metrics, wait_healthy
+from kvserve.bench.disagg import scrape_metrics
+from kvserve.bench.process import free_port, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -88,13 +83,7 @@ def serve_process(
         print(server.log()[-5000:], file=sys.stderr)
         raise
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
 
 
 @contextmanager

@@ -1,6 +1,11 @@
-"""Small random Llama models built in memory (no files), for kernel and runner tests."""
+"""Small random Llama models: built in memory (no files), for kernel and runner tests,
+or saved as HF folders (safetensors + config + the default model's tokenizer) for the
+loader tests."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig
@@ -33,3 +38,33 @@ def random_llama(
         for p in model.parameters():
             p.normal_(0.0, 0.5)
     return model
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def save_hf_folder(hf_model: Any, folder: Path, tokenizer_dir: Path) -> None:
+    """``hf_model.save_pretrained(folder)`` plus the tokenizer files of the model folder
+    ``tokenizer_dir`` (the default model's: its vocabulary must cover the model's)."""
+    hf_model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+
+
+def save_tiny_hf_llama(
+    folder: Path, tokenizer_dir: Path, *, hidden_size: int = 32, intermediate_size: int = 64
+) -> None:
+    """A 1-layer HF Llama (vocab 128, 2 heads, 1 KV head) with transformers' random
+    initialization (from torch's global generator: seed it first for fixed weights),
+    saved by :func:`save_hf_folder`."""
+    from transformers import LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    save_hf_folder(LlamaForCausalLM(cfg), folder, tokenizer_dir)

@@ -367,17 +367,12 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf) {
     // 2. exact softmax of the part per query, merged into (max, sum, acc)
     for (int m = 0; m < m_hi; ++m) {
       float* row = sc + m * PS;
-      __m512 vmax = neg_inf;
-      for (int j = 0; j < n; j += 16) {
-        const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
-        vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, k, row + j));
-      }
-      const float m_new = std::max(mx[m], _mm512_reduce_max_ps(vmax));
+      const float m_new = std::max(mx[m], part_max(row, n));
       const float corr = mx[m] == kNegInf ? 0.f : std::exp(mx[m] - m_new);
       const __m512 mn = _mm512_set1_ps(m_new);
       __m512 vsum = _mm512_setzero_ps();
       for (int j = 0; j < n; j += 16) {
-        const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+        const __mmask16 k = tail_mask16(n - j);
         const __m512 x = _mm512_mask_loadu_ps(neg_inf, k, row + j);
         const __mmask16 fin = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
         const __m512 e = _mm512_maskz_mov_ps(fin, kvs::exp512(_mm512_sub_ps(x, mn)));
@@ -644,17 +639,12 @@ void run_task_i8_avx512(const Args& a, const Task& task, std::vector<float>& buf
     // 2. exact softmax of the part per query; int16 weights (probability x V scale)
     for (int m = 0; m < m_hi; ++m) {
       float* row = sc + m * PS;
-      __m512 vmax = neg_inf;
-      for (int j = 0; j < n; j += 16) {
-        const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
-        vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, k, row + j));
-      }
-      const float m_new = std::max(mx[m], _mm512_reduce_max_ps(vmax));
+      const float m_new = std::max(mx[m], part_max(row, n));
       const float corr = mx[m] == kNegInf ? 0.f : std::exp(mx[m] - m_new);
       const __m512 mn = _mm512_set1_ps(m_new);
       __m512 vsum = _mm512_setzero_ps(), wmax = _mm512_setzero_ps();
       for (int j = 0; j < n; j += 16) {
-        const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+        const __mmask16 k = tail_mask16(n - j);
         const __m512 x = _mm512_mask_loadu_ps(neg_inf, k, row + j);
         const __mmask16 fin = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
         const __m512 e = _mm512_maskz_mov_ps(fin, kvs::exp512(_mm512_sub_ps(x, mn)));
@@ -670,7 +660,7 @@ void run_task_i8_avx512(const Args& a, const Task& task, std::vector<float>& buf
       int16_t* wr = w16 + m * PS;
       const __m512 wsv = _mm512_set1_ps(ws > 0.f ? 1.f / ws : 0.f);
       for (int j = 0; j < n; j += 16) {
-        const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+        const __mmask16 k = tail_mask16(n - j);
         const __m512i q = _mm512_maskz_cvtps_epi32(k, _mm512_mul_ps(_mm512_loadu_ps(row + j), wsv));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(wr + j), _mm512_cvtepi32_epi16(q));
       }

@@ -1,8 +1,9 @@
 // Shared by kvserve's native kernels: bf16 storage type and conversions, and the
-// AVX-512 helpers (16-lane loads/stores in either dtype, a vector exp).
+// AVX-512 helpers (16-lane loads/stores in either dtype, a vector exp, the bf16 dot choice).
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -119,6 +120,21 @@ inline __m512 exp2_nonpos_bf16(__m512 x) {
 // 2^x for any x, clamped to [-126, 126]; same precision.
 inline __m512 exp2_bf16(__m512 x) {
   return exp2_nonpos_bf16(_mm512_min_ps(x, _mm512_set1_ps(126.0f)));
+}
+
+// Whether the bfloat16 attention kernels (paged decode, invariant prefill) take Q.K and
+// P.V with vdpbf16ps instead of widened fp32 FMAs: on AMD CPUs with AVX512_BF16 (where
+// it was measured fast), unless KVSERVE_BF16_DOT=fma; KVSERVE_BF16_DOT=dp forces it
+// elsewhere. Decided once per process, the same for every kernel that asks (their
+// rows must agree bit for bit).
+inline bool use_bf16_dot() {
+  static const bool v = [] {
+    const char* e = std::getenv("KVSERVE_BF16_DOT");
+    if (e != nullptr && std::strcmp(e, "fma") == 0) return false;
+    if (e != nullptr && std::strcmp(e, "dp") == 0) return true;
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_is("amd");
+  }();
+  return v;
 }
 #endif
 

@@ -312,20 +312,9 @@ inline void accumulate_pv_n(float* acc, const float* p, int64_t ps, int mcount, 
 // and V are used as they lie: Q.K is a dot product over head-dim pairs (no widening),
 // P.V a dot product over key pairs (two V rows interleaved by one permute per 16 dims,
 // P rounded to bf16, the rounding the AMX kernel applies too). On Intel CPUs it issues
-// at ~1/4 of the FMA rate and the widened fp32 path above stays (see use_bf16_dot).
+// at ~1/4 of the FMA rate and the widened fp32 path above stays (see kvs::use_bf16_dot,
+// kvs_common.h).
 typedef uint32_t u32a __attribute__((may_alias));
-
-// vdpbf16ps on AMD CPUs (where it was measured fast), unless KVSERVE_BF16_DOT=fma;
-// KVSERVE_BF16_DOT=dp forces it elsewhere. Decided once per process.
-inline bool use_bf16_dot() {
-  static const bool v = [] {
-    const char* e = std::getenv("KVSERVE_BF16_DOT");
-    if (e != nullptr && std::strcmp(e, "fma") == 0) return false;
-    if (e != nullptr && std::strcmp(e, "dp") == 0) return true;
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_is("amd");
-  }();
-  return v;
-}
 
 // One query's 16 partial dot products with bf16 keys krow[0..nk) (zero past nk).
 template <int DV>
@@ -680,12 +669,7 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf, i
     // 2. exact softmax of the part per query, merged into the running (max, sum, acc)
     for (int m = 0; m < m_hi; ++m) {
       float* row = sc + m * PS;
-      __m512 vmax = neg_inf;
-      for (int j = 0; j < n; j += 16) {
-        const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
-        vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, k, row + j));
-      }
-      const float m_new = _mm512_reduce_max_ps(vmax);  // the part's own max
+      const float m_new = part_max(row, n);  // the part's own max
       mpart[m] = m_new;
       const __m512 mn = _mm512_set1_ps(m_new);
       __m512 vsum = _mm512_setzero_ps();
@@ -693,7 +677,7 @@ void run_task_avx512(const Args& a, const Task& task, std::vector<float>& buf, i
       bf16_t* prow = pb + m * PS;  // kDp: the probabilities go to P.V as bf16 only
 #endif
       for (int j = 0; j < n; j += 16) {
-        const __mmask16 k = static_cast<__mmask16>(n - j >= 16 ? 0xffffu : (1u << (n - j)) - 1u);
+        const __mmask16 k = tail_mask16(n - j);
         const __m512 x = _mm512_mask_loadu_ps(neg_inf, k, row + j);
         const __mmask16 fin = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
         const __m512 e = _mm512_maskz_mov_ps(fin, exp512(_mm512_sub_ps(x, mn)));
@@ -797,7 +781,7 @@ TaskFns<T> task_fns(const Args& a) {
   return f
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16_t>) {
-    if (use_bf16_dot()) {
+    if (kvs::use_bf16_dot()) {
       switch (a.head_dim) {
         case 32: KVS_FNS(2, true);
         case 64: KVS_FNS(4, true);

@@ -155,6 +155,20 @@ inline __m512 scores16(const __m512* qv, const float* krow, int nk) {
     return x;
   });
 }
+
+// Lanes [0, left) of a 16-lane step over a part's scores (all 16 when left >= 16).
+inline __mmask16 tail_mask16(int left) {
+  return static_cast<__mmask16>(left >= 16 ? 0xffffu : (1u << left) - 1u);
+}
+
+// The max of a part's scores row[0, n) (-inf for none), 16 lanes at a time.
+inline float part_max(const float* row, int n) {
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  __m512 vmax = neg_inf;
+  for (int j = 0; j < n; j += 16)
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, tail_mask16(n - j), row + j));
+  return _mm512_reduce_max_ps(vmax);
+}
 #endif
 
 }  // namespace walk

@@ -119,6 +119,45 @@ inline void row_ptrs(const Args& a, const int64_t* bt, int which, int h, int64_t
   }
 }
 
+// Q^T of one task's row tile: its L stacked query rows (row r: token r / g of the seq,
+// query head h * g + r % g; rows from m_hi on are padding, zero) as fp32 (qt) or in
+// head-dim pairs (qp, kDp), and each row's visible-key limit in lim (0 for padding).
+// Sets max_lim / min_lim to the largest / smallest limit of the tile.
+template <typename T, int D, bool kDp, int L>
+inline void load_q_tile(const Args& a, const Task& t, int m_hi, float (&qt)[kDp ? 1 : D][L],
+                        uint32_t (&qp)[kDp ? D / 2 : 1][L], int32_t (&lim)[L], int64_t& max_lim,
+                        int64_t& min_lim) {
+  const int64_t* s = a.seqs + 5 * t.seq;
+  const int64_t row_start = s[0], cached = s[3], prior_only = s[4];
+  const int g = a.num_heads / a.num_kv_heads;
+  max_lim = 0;
+  min_lim = std::numeric_limits<int64_t>::max();
+  for (int m = 0; m < L; ++m) {
+    if (m < m_hi) {
+      const int64_t r = t.r0 + m, j = r / g;
+      const int head = t.h * g + static_cast<int>(r % g);
+      const T* src = static_cast<const T*>(a.q) + batch_row(a, row_start + j) * a.q_row_stride +
+                     head * a.q_head_stride;
+      if constexpr (kDp) {
+        const u32a* s32 = reinterpret_cast<const u32a*>(src);
+        for (int p = 0; p < D / 2; ++p) qp[p][m] = s32[p];
+      } else {
+        for (int d = 0; d < D; ++d) qt[d][m] = to_f32(src[d]);
+      }
+      lim[m] = static_cast<int32_t>(prior_only ? cached : cached + j + 1);
+      max_lim = std::max<int64_t>(max_lim, lim[m]);
+    } else {
+      if constexpr (kDp) {
+        for (int p = 0; p < D / 2; ++p) qp[p][m] = 0;
+      } else {
+        for (int d = 0; d < D; ++d) qt[d][m] = 0.f;
+      }
+      lim[m] = 0;
+    }
+    min_lim = std::min<int64_t>(min_lim, lim[m]);
+  }
+}
+
 // ------------------------------------------------------------------ vector traits
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 struct V512 {
@@ -266,9 +305,9 @@ void pack_v_pairs(const Args& a, const int64_t* bt, int h, int64_t keys, uint32_
 //     first), cp = exp(mp - m), l = fma(l, cs, lp * cp), acc = fma(acc, cs, accp * cp)); P.V in key order (fp32 FMAs; P rounded to bf16 and V in key
 //     pairs for the dot variant, pairs at even positions: block_size must be even);
 //   - the row finished as finish_row does (1 / l, the lse merge).
-// The dot variant is chosen as the paged kernel chooses it (use_bf16_dot there:
-// AMD CPUs with AVX512_BF16, KVSERVE_BF16_DOT=fma|dp overrides). Keep the two in
-// step: tests/model/test_attention_invariance.py compares them bit for bit.
+// The dot variant is the paged kernel's choice, one function for both
+// (kvs::use_bf16_dot, kvs_common.h: AMD CPUs with AVX512_BF16, KVSERVE_BF16_DOT=fma|dp
+// overrides): tests/model/test_attention_invariance.py compares them bit for bit.
 // Work (none of it changes a row's arithmetic): a part takes two passes over its keys
 // per tile, scores (with the running max) and then exp + sum + P . V's operand (bf16
 // pairs written in place over the scores); tasks go KV head by KV head, longest rows
@@ -337,16 +376,6 @@ inline void exp512_nonpos_maskz_n(const __mmask16* keep, __m512* x) {
   for (int i = 0; i < N; ++i) x[i] = _mm512_maskz_scalef_ps(keep[i], p[i], nn[i]);
 }
 
-inline bool inv_bf16_dot() {  // as paged_attention.cpp's use_bf16_dot
-  static const bool v = [] {
-    const char* e = std::getenv("KVSERVE_BF16_DOT");
-    if (e != nullptr && std::strcmp(e, "fma") == 0) return false;
-    if (e != nullptr && std::strcmp(e, "dp") == 0) return true;
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_is("amd");
-  }();
-  return v;
-}
-
 // the head dim that unit (dv, lane) of a score chain multiplies: natural order for
 // float32, the paged kernel's split order for widened bfloat16
 template <typename T>
@@ -368,7 +397,7 @@ void run_task_inv(const Args& a, int seg, const Task* tasks, int ntiles, const u
   constexpr int L = 16, DV = D / 16, DB = 16, KB = 4;
   const Task& t0 = tasks[0];  // every tile: this seq and KV head
   const int64_t* s = a.seqs + 5 * t0.seq;
-  const int64_t row_start = s[0], num_tokens = s[2], cached = s[3], prior_only = s[4];
+  const int64_t row_start = s[0], num_tokens = s[2];
   const int g = a.num_heads / a.num_kv_heads;
   const int64_t m_total = num_tokens * g;
   const int64_t* bt = a.block_tables + t0.seq * a.max_blocks;
@@ -391,30 +420,9 @@ void run_task_inv(const Args& a, int seg, const Task* tasks, int ntiles, const u
     auto& qt = QT[ti];
     auto& qp = QP[ti];
     auto& lim_arr = LIM[ti];
-    int64_t max_lim = 0, min_lim = std::numeric_limits<int64_t>::max();
+    int64_t max_lim, min_lim;
+    load_q_tile<T, D, kDp, L>(a, t, m_hi, qt, qp, lim_arr, max_lim, min_lim);
     for (int m = 0; m < L; ++m) {
-      if (m < m_hi) {
-        const int64_t r = t.r0 + m, j = r / g;
-        const int head = t.h * g + static_cast<int>(r % g);
-        const T* src = static_cast<const T*>(a.q) + batch_row(a, row_start + j) * a.q_row_stride +
-                       head * a.q_head_stride;
-        if constexpr (kDp) {
-          const u32a* s32 = reinterpret_cast<const u32a*>(src);
-          for (int p = 0; p < D / 2; ++p) qp[p][m] = s32[p];
-        } else {
-          for (int d = 0; d < D; ++d) qt[d][m] = to_f32(src[d]);
-        }
-        lim_arr[m] = static_cast<int32_t>(prior_only ? cached : cached + j + 1);
-        max_lim = std::max<int64_t>(max_lim, lim_arr[m]);
-      } else {
-        if constexpr (kDp) {
-          for (int p = 0; p < D / 2; ++p) qp[p][m] = 0;
-        } else {
-          for (int d = 0; d < D; ++d) qt[d][m] = 0.f;
-        }
-        lim_arr[m] = 0;
-      }
-      min_lim = std::min<int64_t>(min_lim, lim_arr[m]);
       MXA[ti][m] = kNegInf;
       LA[ti][m] = 0.f;
     }
@@ -658,7 +666,7 @@ void run_task(const Args& a, const Task& t, const uint32_t* vp) {
   constexpr int L = V::L, KG = V::KG, DB = V::DB;
   static_assert(D % DB == 0 && D % 2 == 0, "head_dim");
   const int64_t* s = a.seqs + 5 * t.seq;
-  const int64_t row_start = s[0], num_tokens = s[2], cached = s[3], prior_only = s[4];
+  const int64_t row_start = s[0], num_tokens = s[2];
   const int g = a.num_heads / a.num_kv_heads;
   const int64_t m_total = num_tokens * g;
   const int m_hi = static_cast<int>(std::min<int64_t>(L, m_total - t.r0));
@@ -673,32 +681,8 @@ void run_task(const Args& a, const Task& t, const uint32_t* vp) {
   alignas(64) int32_t lim_arr[L];
   alignas(64) T kscr[KG][D];  // a key group copied together when blocks split it
   const T* vptr[kKC];
-  int64_t max_lim = 0, min_lim = std::numeric_limits<int64_t>::max();
-  for (int m = 0; m < L; ++m) {
-    if (m < m_hi) {
-      const int64_t r = t.r0 + m, j = r / g;
-      const int head = t.h * g + static_cast<int>(r % g);
-      const T* src = static_cast<const T*>(a.q) + batch_row(a, row_start + j) * a.q_row_stride +
-                     head * a.q_head_stride;
-      if constexpr (kDp) {
-        const u32a* s32 = reinterpret_cast<const u32a*>(src);
-        for (int p = 0; p < D / 2; ++p) qp[p][m] = s32[p];
-      } else {
-        for (int d = 0; d < D; ++d) qt[d][m] = to_f32(src[d]);
-      }
-      lim_arr[m] = static_cast<int32_t>(prior_only ? cached : cached + j + 1);
-      max_lim = std::max<int64_t>(max_lim, lim_arr[m]);
-      min_lim = std::min<int64_t>(min_lim, lim_arr[m]);
-    } else {
-      if constexpr (kDp) {
-        for (int p = 0; p < D / 2; ++p) qp[p][m] = 0;
-      } else {
-        for (int d = 0; d < D; ++d) qt[d][m] = 0.f;
-      }
-      lim_arr[m] = 0;
-      min_lim = 0;
-    }
-  }
+  int64_t max_lim, min_lim;
+  load_q_tile<T, D, kDp, L>(a, t, m_hi, qt, qp, lim_arr, max_lim, min_lim);
   for (int d = 0; d < D; ++d) V::store(obuf[d], V::zero());
   // scores in base 2: exp(s * scale - m) = 2^(s * scale * log2(e) - m / ln 2)
   const vec scale = V::set1(a.scale * 1.4426950408889634f);
@@ -957,7 +941,7 @@ template <typename T, int D>
 void dispatch_inv(const Args& a, int64_t num_seqs, int num_threads, int seg) {
 #if defined(KVS_PF_HAVE_DP)
   if constexpr (std::is_same_v<T, bf16_t>) {
-    if (inv_bf16_dot()) return run_all<V512, T, D, true, true>(a, num_seqs, num_threads, seg);
+    if (kvs::use_bf16_dot()) return run_all<V512, T, D, true, true>(a, num_seqs, num_threads, seg);
   }
 #endif
   run_all<V512, T, D, false, true>(a, num_seqs, num_threads, seg);

@@ -68,6 +68,41 @@ def paged_args(
     }
 
 
+# The trailing parameters of every paged attention kernel: the threads, then the
+# optional lse [T, H] fp32, row map and merge flag (the end of ``Args`` in the csrc).
+TAIL_PARAMS: list[tuple[str, Any]] = [
+    ("num_threads", I32),
+    ("lse", PTR),
+    ("row_map", PTR),
+    ("merge", I32),
+]
+
+
+def tail_args(
+    lse: torch.Tensor | None, row_map: torch.Tensor | None, merge: bool
+) -> dict[str, Any]:
+    """The :data:`TAIL_PARAMS` arguments of a call, on torch's thread count."""
+    return {
+        "num_threads": torch.get_num_threads(),
+        "lse": ptr(lse),
+        "row_map": ptr(row_map),
+        "merge": int(merge),
+    }
+
+
+def attention_out(
+    q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
+) -> tuple[torch.Tensor, bool]:
+    """(the output a paged attention call writes, whether it merges): ``out`` itself
+    when given (merging into it: ValueError without the ``lse`` of what it holds),
+    else a new [T, H, D] tensor in q's dtype."""
+    if out is not None:
+        if lse is None:
+            raise ValueError("merging into out needs the lse of what it holds")
+        return out, True
+    return torch.empty(q.shape, dtype=q.dtype), False
+
+
 def ptr(t: torch.Tensor | None) -> int | None:
     """A tensor's data pointer, or None (a C null pointer) for None."""
     return None if t is None else t.data_ptr()

@@ -44,7 +44,16 @@ from typing import Any
 import torch
 
 from kvserve.config import KV_CACHE_DTYPES
-from kvserve.model.kernels._ctypes import F32, I32, PAGED_PARAMS, PTR, CFunction, paged_args, ptr
+from kvserve.model.kernels._ctypes import (
+    F32,
+    I32,
+    PAGED_PARAMS,
+    TAIL_PARAMS,
+    CFunction,
+    attention_out,
+    paged_args,
+    tail_args,
+)
 
 KV8_TORCH_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.uint8}
 KV8_NAMES = {torch.int8: "int8", torch.uint8: "fp8_e4m3"}
@@ -225,10 +234,7 @@ _ATTN_PARAMS = [
     ("fmt", I32),
     ("isa", I32),
     ("row_tile", I32),
-    ("num_threads", I32),
-    ("lse", PTR),
-    ("row_map", PTR),
-    ("merge", I32),
+    *TAIL_PARAMS,
 ]
 
 
@@ -295,15 +301,11 @@ class KV8Kernel:
         ``[2, Hk, blocks, block_size, D + 4]``: q [T, H, D] float32/bfloat16 (last dim
         contiguous) -> out [T, H, D] in q's dtype. ``isa``: ``"avx512"``, ``"portable"``
         or None (``KVSERVE_KV8_ISA``, else the best here)."""
-        num_tokens, num_heads, head_dim = q.shape
+        head_dim = q.shape[2]
         row = kv_cache.shape[-1]
         if row != head_dim + SCALE_BYTES:
             raise ValueError(f"8-bit cache rows of {row} bytes do not fit head_dim {head_dim}")
-        merge = out is not None
-        if merge and lse is None:
-            raise ValueError("merging into out needs the lse of what it holds")
-        if out is None:
-            out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+        out, merge = attention_out(q, out, lse)
         name = isa if isa is not None else os.environ.get(ISA_ENV_VAR, "auto")
         if name == "avx512" and not (
             self.int8_vnni if kv_cache.dtype == torch.int8 else self.avx512
@@ -318,10 +320,7 @@ class KV8Kernel:
             fmt=_FMT[kv_cache.dtype],
             isa=code,
             row_tile=row_tile,
-            num_threads=torch.get_num_threads(),
-            lse=ptr(lse),
-            row_map=ptr(row_map),
-            merge=int(merge),
+            **tail_args(lse, row_map, merge),
         )
         return out
 

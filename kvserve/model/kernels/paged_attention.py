@@ -18,9 +18,11 @@ from kvserve.model.kernels._ctypes import (
     I64,
     PAGED_PARAMS,
     PTR,
+    TAIL_PARAMS,
     CFunction,
+    attention_out,
     paged_args,
-    ptr,
+    tail_args,
 )
 
 _PARAMS = [
@@ -29,10 +31,7 @@ _PARAMS = [
     ("scale", F32),
     ("dtype", I32),
     ("row_tile", I32),
-    ("num_threads", I32),
-    ("lse", PTR),
-    ("row_map", PTR),
-    ("merge", I32),
+    *TAIL_PARAMS,
 ]
 
 
@@ -135,22 +134,14 @@ class PagedAttention:
         tensor is returned. The kernel does not check bounds. A row's result depends
         on its own keys and the segment size only (not on the other rows or threads).
         """
-        num_tokens, num_heads, head_dim = q.shape
-        merge = out is not None
-        if merge and lse is None:
-            raise ValueError("merging into out needs the lse of what it holds")
-        if out is None:
-            out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype)
+        out, merge = attention_out(q, out, lse)
         rc = self._fn(
             **paged_args(q, out, kv_cache, seqs, block_tables),
             seg=kv_segment_size,
             scale=scale,
             dtype=DTYPE_CODES[q.dtype],
             row_tile=row_tile,
-            num_threads=torch.get_num_threads(),
-            lse=ptr(lse),
-            row_map=ptr(row_map),
-            merge=int(merge),
+            **tail_args(lse, row_map, merge),
         )
         if rc != 0:
             raise RuntimeError(f"kvs_paged_attention returned {rc} for dtype {q.dtype}")

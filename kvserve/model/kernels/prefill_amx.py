@@ -9,13 +9,12 @@ import torch
 
 from kvserve.model.kernels._ctypes import (
     F32,
-    I32,
     PAGED_PARAMS,
-    PTR,
+    TAIL_PARAMS,
     CFunction,
     flag,
     paged_args,
-    ptr,
+    tail_args,
 )
 
 # read at each use (a per-step switch): "0" keeps prefill chunks off the AMX kernel
@@ -24,10 +23,7 @@ AMX_ENV_VAR = "KVSERVE_PREFILL_AMX"
 _PARAMS = [
     *PAGED_PARAMS,
     ("scale", F32),
-    ("num_threads", I32),
-    ("lse", PTR),
-    ("row_map", PTR),
-    ("merge", I32),
+    *TAIL_PARAMS,
 ]
 
 
@@ -78,8 +74,5 @@ class PrefillAmx:
         self._fn.checked(
             **paged_args(q, out, kv_cache, seqs, block_tables),
             scale=scale,
-            num_threads=torch.get_num_threads(),
-            lse=ptr(lse),
-            row_map=ptr(row_map),
-            merge=int(merge),
+            **tail_args(lse, row_map, merge),
         )

@@ -12,10 +12,10 @@ from kvserve.model.kernels._ctypes import (
     F32,
     I32,
     PAGED_PARAMS,
-    PTR,
+    TAIL_PARAMS,
     CFunction,
     paged_args,
-    ptr,
+    tail_args,
 )
 
 # the variants of the kernel, by name -> the ``isa`` argument (0: the best usable)
@@ -29,10 +29,7 @@ _PARAMS = [
     ("scale", F32),
     ("dtype", I32),
     ("isa", I32),
-    ("num_threads", I32),
-    ("lse", PTR),
-    ("row_map", PTR),
-    ("merge", I32),
+    *TAIL_PARAMS,
 ]
 
 # kvs_prefill_attention_inv: no isa, plus seg (kv_segment_size) before scale
@@ -97,10 +94,7 @@ class PrefillVec:
             scale=scale,
             dtype=DTYPE_CODES[q.dtype],
             isa=PREFILL_VEC_ISAS.get(name, 0),
-            num_threads=torch.get_num_threads(),
-            lse=ptr(lse),
-            row_map=ptr(row_map),
-            merge=int(merge),
+            **tail_args(lse, row_map, merge),
         )
         if rc != 0:
             raise RuntimeError(f"kvs_prefill_attention_vec returned {rc} (isa {name!r})")
@@ -144,10 +138,7 @@ class PrefillVec:
             seg=kv_segment_size,
             scale=scale,
             dtype=DTYPE_CODES[q.dtype],
-            num_threads=torch.get_num_threads(),
-            lse=ptr(lse),
-            row_map=ptr(row_map),
-            merge=int(merge),
+            **tail_args(lse, row_map, merge),
         )
         if rc != 0:
             raise RuntimeError(f"kvs_prefill_attention_inv returned {rc}")
