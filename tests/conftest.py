@@ -30,6 +30,68 @@ def kvserve_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
         yield server
 
 
+# ---------------------------------------------------------------------- xdist order
+# With `--dist loadfile` (make test) a file's tests run on one worker. xdist hands out
+# files by their number of tests, most first, so the few long end-to-end files (one or
+# two tests each) came last and one worker ran them alone while the other sat idle.
+# The scheduler below hands out the costliest work first (longest processing time
+# first), from the seconds each file took in a full run (`--durations=0`, summed per
+# file, warm caches, 2 workers on 2 cores); a file not listed costs 0 and keeps xdist's
+# order after the listed ones. Refresh the figures when a file's cost changes much.
+FILE_SECONDS: dict[str, float] = {}
+
+# Files that must not run at the same time as each other: one worker runs them in turn
+# (each starts a local Ray cluster; two at once on 2 cores slow both past their
+# timeouts). A file with an `xdist_group` mark must be listed under that group name.
+SAME_WORKER: dict[str, tuple[str, ...]] = {
+    "ray-cluster": ("tests/cluster/test_autoscale_ramp.py", "tests/cluster/test_cluster_e2e.py"),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse an ``xdist_group`` mark that :data:`SAME_WORKER` does not list (the
+    scheduler groups by this table; the marks alone do nothing under loadfile)."""
+    for item in items:
+        for mark in item.iter_markers("xdist_group"):
+            group = str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+            if item.nodeid.split("::", 1)[0] not in SAME_WORKER.get(group, ()):
+                raise pytest.UsageError(
+                    f"{item.nodeid}: xdist_group {group!r} is not listed in "
+                    "tests/conftest.py SAME_WORKER"
+                )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadfile``: :func:`_costliest_first_scheduler`; else xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    return _costliest_first_scheduler(config, log)
+
+
+def _costliest_first_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's file scheduler, with two changes: the files of a :data:`SAME_WORKER`
+    group are one unit of work, and the next unit a worker gets is the costliest left
+    (:data:`FILE_SECONDS`, a group's files summed)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    group_of = {f: g for g, files in SAME_WORKER.items() for f in files}
+    cost = {g: sum(FILE_SECONDS.get(f, 0.0) for f in files) for g, files in SAME_WORKER.items()}
+
+    class CostliestFirst(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return group_of.get(path, path)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # max() keeps the first of equal costs: unlisted files stay in xdist's order
+            unit = max(self.workqueue, key=lambda u: cost.get(u, FILE_SECONDS.get(u, 0.0)))
+            self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
+
+    return CostliestFirst(config, log)
+
+
 # ---------------------------------------------------------------------- model tests
 class _ModelPool:
     """Loads of the default model by name, reused once nothing else holds them.
