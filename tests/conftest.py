@@ -38,7 +38,49 @@ def kvserve_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
 # first), from the seconds each file took in a full run (`--durations=0`, summed per
 # file, warm caches, 2 workers on 2 cores); a file not listed costs 0 and keeps xdist's
 # order after the listed ones. Refresh the figures when a file's cost changes much.
-FILE_SECONDS: dict[str, float] = {}
+FILE_SECONDS: dict[str, float] = {
+    "tests/cluster/test_autoscale_ramp.py": 150,
+    "tests/engine/test_engine_e2e.py": 124,
+    "tests/cluster/test_cluster_e2e.py": 89,
+    "tests/spec_decode/test_spec_exact.py": 67,
+    "tests/kv_transfer/test_disagg_e2e.py": 57,
+    "tests/determinism/test_default_reach.py": 56,
+    "tests/model/test_synthetic.py": 53,
+    "tests/engine/test_kv8_engine.py": 45,
+    "tests/worker/test_compiled_step.py": 45,
+    "tests/model/test_batch_invariance.py": 43,
+    "tests/entrypoints/test_server_openai.py": 38,
+    "tests/kv_offload/test_offload_engine.py": 33,
+    "tests/model/test_model_vs_hf.py": 31,
+    "tests/kv_offload/test_offload_server.py": 23,
+    "tests/lora/test_lora_engine.py": 22,
+    "tests/engine/test_request_surface.py": 21,
+    "tests/entrypoints/test_server_errors.py": 20,
+    "tests/entrypoints/test_openapi.py": 18,
+    "tests/engine/test_engine_invariance.py": 18,
+    "tests/engine/test_step_trace.py": 14,
+    "tests/entrypoints/test_hardening_round2.py": 14,
+    "tests/model/test_kv8_fidelity.py": 14,
+    "tests/entrypoints/test_server_shutdown.py": 13,
+    "tests/entrypoints/tools/test_tools_openai.py": 12,
+    "tests/entrypoints/test_http_hardening.py": 10,
+    "tests/entrypoints/tools/test_real_clients.py": 10,
+    "tests/model/test_fused_decode.py": 9,
+    "tests/entrypoints/test_kv_ceiling.py": 9,
+    "tests/entrypoints/test_lora_server.py": 9,
+    "tests/entrypoints/test_server_lifecycle.py": 8,
+    "tests/kv_cache/test_kv_properties.py": 8,
+    "tests/model/test_attention.py": 7,
+    "tests/entrypoints/chat/test_tool_stream.py": 7,
+    "tests/worker/test_step_cost.py": 7,
+    "tests/model/test_gguf_file.py": 6,
+    "tests/model/test_loader.py": 6,
+    "tests/bench/test_bench_compare.py": 6,
+    "tests/model/test_quant_hf_int4.py": 6,
+    "tests/sched/test_sched_properties.py": 6,
+    "tests/model/test_native_ops.py": 5,
+    "tests/entrypoints/test_server_fake.py": 5,
+}
 
 # Files that must not run at the same time as each other: one worker runs them in turn
 # (each starts a local Ray cluster; two at once on 2 cores slow both past their
