@@ -83,8 +83,9 @@ FILE_SECONDS: dict[str, float] = {
 }
 
 # Files that must not run at the same time as each other: one worker runs them in turn
-# (each starts a local Ray cluster; two at once on 2 cores slow both past their
-# timeouts). A file with an `xdist_group` mark must be listed under that group name.
+# (each starts a local Ray cluster of several processes, and the ramp's scaling is timed
+# against short delays). A file with an `xdist_group` mark must be listed under that
+# group name.
 SAME_WORKER: dict[str, tuple[str, ...]] = {
     "ray-cluster": ("tests/cluster/test_autoscale_ramp.py", "tests/cluster/test_cluster_e2e.py"),
 }
@@ -111,14 +112,23 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return _costliest_first_scheduler(config, log)
 
 
-def _costliest_first_scheduler(config: pytest.Config, log: Any) -> Any:
-    """xdist's file scheduler, with two changes: the files of a :data:`SAME_WORKER`
-    group are one unit of work, and the next unit a worker gets is the costliest left
-    (:data:`FILE_SECONDS`, a group's files summed)."""
+def _costliest_first_scheduler(
+    config: pytest.Config,
+    log: Any,
+    seconds: dict[str, float] | None = None,
+    groups: dict[str, tuple[str, ...]] | None = None,
+) -> Any:
+    """xdist's file scheduler, with two changes: the files of a group (``groups``,
+    default :data:`SAME_WORKER`) are one unit of work, and the next unit a worker gets
+    is the costliest left (``seconds``, default :data:`FILE_SECONDS`; a group's files
+    summed). Everything else (when a worker gets more work, shutdown) is xdist's."""
     from xdist.scheduler import LoadFileScheduling
 
-    group_of = {f: g for g, files in SAME_WORKER.items() for f in files}
-    cost = {g: sum(FILE_SECONDS.get(f, 0.0) for f in files) for g, files in SAME_WORKER.items()}
+    seconds = FILE_SECONDS if seconds is None else seconds
+    groups = SAME_WORKER if groups is None else groups
+    group_of = {f: g for g, files in groups.items() for f in files}
+    cost = {path: float(s) for path, s in seconds.items()}
+    cost.update({g: sum(seconds.get(f, 0.0) for f in files) for g, files in groups.items()})
 
     class CostliestFirst(LoadFileScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
@@ -127,7 +137,7 @@ def _costliest_first_scheduler(config: pytest.Config, log: Any) -> Any:
 
         def _assign_work_unit(self, node: Any) -> None:
             # max() keeps the first of equal costs: unlisted files stay in xdist's order
-            unit = max(self.workqueue, key=lambda u: cost.get(u, FILE_SECONDS.get(u, 0.0)))
+            unit = max(self.workqueue, key=lambda u: cost.get(u, 0.0))
             self.workqueue.move_to_end(unit, last=False)
             super()._assign_work_unit(node)
 
