@@ -38,7 +38,8 @@ class _Node:
 
 
 def _schedule(collection: list[str], seconds: dict[str, float], groups: Any) -> list[list[str]]:
-    sched = conftest._costliest_first_scheduler(_Config(), None, seconds, groups)
+    config: Any = _Config()  # the fields xdist reads, not a whole pytest.Config
+    sched = conftest._costliest_first_scheduler(config, None, seconds, groups)
     nodes = [_Node("gw0"), _Node("gw1")]
     for node in nodes:
         sched.add_node(node)
