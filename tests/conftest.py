@@ -30,6 +30,115 @@ def kvserve_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
         yield server
 
 
+# ---------------------------------------------------------------------- xdist order
+# With `--dist loadfile` (make test) a file's tests run on one worker. xdist hands out
+# files by their number of tests, most first, so the few long end-to-end files (one or
+# two tests each) came last and one worker ran them alone while the other sat idle.
+# The scheduler below hands out the costliest work first (longest processing time
+# first), from the seconds each file took in a full run (`--durations=0`, summed per
+# file, empty caches, 2 workers; 2026-12-07 on a machine shared with other runs, so
+# about twice the CI figures: only their order matters); a file not listed costs 0
+# and keeps xdist's order after the listed ones. Refresh the figures when a file's cost changes much.
+FILE_SECONDS: dict[str, float] = {
+    "tests/engine/test_engine_e2e.py": 391,
+    "tests/cluster/test_autoscale_ramp.py": 262,
+    "tests/cluster/test_cluster_e2e.py": 224,
+    "tests/kv_transfer/test_disagg_e2e.py": 192,
+    "tests/engine/test_kv8_engine.py": 186,
+    "tests/determinism/test_default_reach.py": 154,
+    "tests/engine/test_engine_invariance.py": 130,
+    "tests/worker/test_compiled_step.py": 116,
+    "tests/model/test_synthetic.py": 113,
+    "tests/spec_decode/test_spec_exact.py": 80,
+    "tests/model/test_kv8_fidelity.py": 69,
+    "tests/entrypoints/test_openapi.py": 51,
+    "tests/model/test_batch_invariance.py": 48,
+    "tests/kv_offload/test_offload_engine.py": 46,
+    "tests/model/test_attention.py": 45,
+    "tests/lora/test_lora_engine.py": 44,
+    "tests/entrypoints/test_hardening_round2.py": 44,
+    "tests/entrypoints/test_server_lifecycle.py": 43,
+    "tests/model/test_model_vs_hf.py": 40,
+    "tests/entrypoints/test_kv_ceiling.py": 31,
+    "tests/kv_offload/test_offload_server.py": 29,
+    "tests/entrypoints/test_http_hardening.py": 28,
+    "tests/engine/test_step_trace.py": 28,
+    "tests/entrypoints/test_server_openai.py": 26,
+    "tests/entrypoints/test_server_errors.py": 23,
+    "tests/kv_cache/test_kv_properties.py": 22,
+    "tests/entrypoints/tools/test_tools_openai.py": 21,
+    "tests/engine/test_request_surface.py": 21,
+    "tests/entrypoints/tools/test_real_clients.py": 18,
+    "tests/entrypoints/test_lora_server.py": 16,
+    "tests/entrypoints/test_server_shutdown.py": 14,
+    "tests/lora/test_weights.py": 14,
+    "tests/worker/test_step_cost.py": 14,
+    "tests/sched/test_sched_properties.py": 13,
+    "tests/entrypoints/chat/test_tool_stream.py": 12,
+}
+
+# Files that must not run at the same time as each other: one worker runs them in turn
+# (each starts a local Ray cluster of several processes, and the ramp's scaling is timed
+# against short delays). A file with an `xdist_group` mark must be listed under that
+# group name.
+SAME_WORKER: dict[str, tuple[str, ...]] = {
+    "ray-cluster": ("tests/cluster/test_autoscale_ramp.py", "tests/cluster/test_cluster_e2e.py"),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse an ``xdist_group`` mark that :data:`SAME_WORKER` does not list (the
+    scheduler groups by this table; the marks alone do nothing under loadfile)."""
+    for item in items:
+        for mark in item.iter_markers("xdist_group"):
+            group = str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+            if item.nodeid.split("::", 1)[0] not in SAME_WORKER.get(group, ()):
+                raise pytest.UsageError(
+                    f"{item.nodeid}: xdist_group {group!r} is not listed in "
+                    "tests/conftest.py SAME_WORKER"
+                )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadfile``: :func:`_costliest_first_scheduler`; else xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    return _costliest_first_scheduler(config, log)
+
+
+def _costliest_first_scheduler(
+    config: pytest.Config,
+    log: Any,
+    seconds: dict[str, float] | None = None,
+    groups: dict[str, tuple[str, ...]] | None = None,
+) -> Any:
+    """xdist's file scheduler, with two changes: the files of a group (``groups``,
+    default :data:`SAME_WORKER`) are one unit of work, and the next unit a worker gets
+    is the costliest left (``seconds``, default :data:`FILE_SECONDS`; a group's files
+    summed). Everything else (when a worker gets more work, shutdown) is xdist's."""
+    from xdist.scheduler import LoadFileScheduling
+
+    seconds = FILE_SECONDS if seconds is None else seconds
+    groups = SAME_WORKER if groups is None else groups
+    group_of = {f: g for g, files in groups.items() for f in files}
+    cost = {path: float(s) for path, s in seconds.items()}
+    cost.update({g: sum(seconds.get(f, 0.0) for f in files) for g, files in groups.items()})
+
+    class CostliestFirst(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return group_of.get(path, path)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # max() keeps the first of equal costs: unlisted files stay in xdist's order
+            unit = max(self.workqueue, key=lambda u: cost.get(u, 0.0))
+            self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
+
+    return CostliestFirst(config, log)
+
+
 # ---------------------------------------------------------------------- model tests
 class _ModelPool:
     """Loads of the default model by name, reused once nothing else holds them.

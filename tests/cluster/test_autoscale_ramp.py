@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.server_helpers import ServerProcess, serve_process
+from support.server_helpers import ServerProcess, cache_root_with_own, serve_process
 
 pytest.importorskip("ray.serve", reason="the 'ray' extra is not installed")
 
@@ -46,8 +46,10 @@ RAMP_ARGS = [
 def ramp_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
     tmp = tmp_path_factory.mktemp("ramp")
     # its own step-time fit store (the step-time budget is on): the first replica
-    # calibrates and stores its fit here when steady, the new one finds it
-    cache = tmp / "cache"
+    # calibrates and stores its fit here when steady, the new one finds it; the other
+    # caches are the suite's (with an empty root each replica converted the model and
+    # built the native kernels again)
+    cache = cache_root_with_own(("step_cost",), tmp)
     env = {**RAY_ENV, "KVSERVE_CACHE_DIR": str(cache)}
     with serve_process(RAMP_ARGS, tmp, timeout_s=300.0, env_overrides=env) as server:
         yield server, cache

@@ -52,6 +52,29 @@ class ServerProcess:
             raise
 
 
+# the folders under kvserve's cache root (kvserve.model.model_files.cache_dir and the
+# kernel build, packed weights, inductor and step-time stores)
+CACHE_FOLDERS = ("ext", "fingerprints", "inductor", "models", "packed", "step_cost", "synthetic")
+
+
+def cache_root_with_own(own: tuple[str, ...], tmp_dir: Path) -> Path:
+    """A ``KVSERVE_CACHE_DIR`` for a server: ``tmp_dir/cache``, whose folders named in
+    ``own`` start empty and every other cache folder links to the caller's cache (so a
+    server that needs, say, its own step-time store does not convert the model, build
+    the kernels and repack the weights again). Returns the new root."""
+    shared = Path(os.environ.get("KVSERVE_CACHE_DIR") or Path.home() / ".cache" / "kvserve")
+    root = tmp_dir / "cache"
+    root.mkdir(parents=True, exist_ok=True)
+    for name in CACHE_FOLDERS:
+        if name in own:
+            (root / name).mkdir(exist_ok=True)
+        else:
+            target = shared.expanduser() / name
+            target.mkdir(parents=True, exist_ok=True)
+            (root / name).symlink_to(target, target_is_directory=True)
+    return root
+
+
 @contextmanager
 def serve_process(
     args: list[str],
