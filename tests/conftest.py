@@ -43,6 +43,7 @@ FILE_SECONDS: dict[str, float] = {
     "tests/engine/test_engine_e2e.py": 391,
     "tests/cluster/test_autoscale_ramp.py": 262,
     "tests/cluster/test_cluster_e2e.py": 224,
+    "tests/cluster/test_pools_e2e.py": 140,
     "tests/kv_transfer/test_disagg_e2e.py": 192,
     "tests/engine/test_kv8_engine.py": 186,
     "tests/determinism/test_default_reach.py": 154,
@@ -82,7 +83,11 @@ FILE_SECONDS: dict[str, float] = {
 # against short delays). A file with an `xdist_group` mark must be listed under that
 # group name.
 SAME_WORKER: dict[str, tuple[str, ...]] = {
-    "ray-cluster": ("tests/cluster/test_autoscale_ramp.py", "tests/cluster/test_cluster_e2e.py"),
+    "ray-cluster": (
+        "tests/cluster/test_autoscale_ramp.py",
+        "tests/cluster/test_cluster_e2e.py",
+        "tests/cluster/test_pools_e2e.py",
+    ),
 }
 
 
