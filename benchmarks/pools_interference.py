@@ -109,12 +109,16 @@ async def _drive(base: str, lines: list[dict[str, Any]], arrivals: list[float]) 
     }
 
 
-def _serve(name: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+def _serve(name: str, port: int, log: Path, extra: list[str]) -> subprocess.Popen[bytes]:
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(port)]
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [*cmd, *COMMON, *CONFIGS[name]], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
+            [*cmd, *COMMON, *CONFIGS[name], *extra],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
 
 
@@ -142,6 +146,11 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8321)
     p.add_argument("--configs", default="pools,colocated")
     p.add_argument("--log-dir", default="/tmp")
+    p.add_argument(
+        "--pool-args",
+        default="",
+        help='extra flags for the pools run only, e.g. "--kv-remote-min-tokens 256"',
+    )
     args = p.parse_args()
     lines = [json.loads(x) for x in Path(args.workload).read_text().splitlines() if x.strip()]
     rng = random.Random(args.seed)
@@ -152,7 +161,8 @@ def main() -> int:
     out: dict[str, dict[str, Any]] = {}
     for name in args.configs.split(","):
         base = f"http://127.0.0.1:{args.port}"
-        proc = _serve(name, args.port, Path(args.log_dir) / f"pools_bench_{name}.log")
+        extra = args.pool_args.split() if name == "pools" else []
+        proc = _serve(name, args.port, Path(args.log_dir) / f"pools_bench_{name}.log", extra)
         try:
             t_start = time.monotonic()
             _wait_healthy(base, proc, 300)
@@ -165,7 +175,8 @@ def main() -> int:
             result = asyncio.run(_drive(base, lines, arrivals))
             result["ready_s"] = round(ready_s, 1)
             out[name] = result
-            print(json.dumps({"config": name, "rate": args.rate, **result}), flush=True)
+            row = {"config": name, "extra": " ".join(extra), "rate": args.rate, **result}
+            print(json.dumps(row), flush=True)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
