@@ -3,15 +3,28 @@ files of a SAME_WORKER group on one worker, and tables that name real files."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
-import conftest
 import pytest
 
 pytest.importorskip("xdist")
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_conftest() -> Any:
+    """tests/conftest.py by path: ``import conftest`` may give another folder's
+    conftest (pytest puts several on sys.path and in sys.modules)."""
+    spec = importlib.util.spec_from_file_location("_suite_conftest", REPO / "tests/conftest.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+conftest = _load_conftest()
 
 
 class _Config:
