@@ -32,6 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
 import peers  # noqa: E402
 
+from kvserve.bench.process import wait_healthy
+
 INTERFERENCE = peers.REPO.parent / "shared" / "peer" / "workloads" / "interference.jsonl"
 
 
@@ -78,7 +80,9 @@ def interleaved(args: argparse.Namespace) -> int:
                     cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
             )
-            peers._wait_ready(procs[-1], port, timeout_s=900)  # one start at a time
+            wait_healthy(
+                f"http://127.0.0.1:{port}", procs[-1], 900, poll_s=0.5
+            )  # one start at a time
             peers._bench(lay, f"warm_interleave{i}", tokenizer, port, peers.WARMUP)
             print(f"server {i}: {huge_pages(procs[-1].pid)}", flush=True)
         table: list[list[float]] = [[] for _ in range(args.starts)]

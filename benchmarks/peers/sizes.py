@@ -39,6 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402
 
+from kvserve.bench.process import wait_healthy
+
 REPO = peers.REPO
 NAME = "synthetic"
 WORKLOADS = ("single", "rand4", "rand8", "ttft512", "interference")
@@ -191,7 +193,7 @@ def run(lay: peers.Layout, targets: list[str], workloads: list[str], rate: str, 
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)  # fmt: skip
         try:
-            ready = peers._wait_ready(proc, port, 1800)
+            ready = wait_healthy(f"http://127.0.0.1:{port}", proc, 1800, poll_s=0.5)
             info: dict[str, object] = {"target": target, "startup_s": round(ready, 1)}
             _bench(lay, f"sizes_warm_{slug}", tok, port, shlex.split(
                 "--dataset-name random --random-input-len 64 --random-output-len 4 "

@@ -130,7 +130,7 @@ def run_replicas(args: argparse.Namespace, api_key: str | None) -> int:
             http_options={**http_options_from_args(args), **ingress_options(args)},
             prefill_replicas=args.prefill_replicas,
             decode_replicas=args.decode_replicas,
-            kv_transfer=kv_transfer_config_from_args(args),
+            kv_transfer=kv_transfer_config_from_args(args, pools=disaggregated),
         )
     except (ValueError, TypeError) as e:
         print(f"kvserve serve: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ from typing import Any
 from kvserve.kv_transfer.config import (
     DEFAULT_REMOTE_MIN_TOKENS,
     DEFAULT_TRANSFER_TIMEOUT_S,
+    POOLS_REMOTE_MIN_TOKENS,
     KVTransferConfig,
     parse_address,
 )
@@ -67,9 +68,10 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-remote-min-tokens",
         type=int,
-        default=DEFAULT_REMOTE_MIN_TOKENS,
+        default=None,
         help=f"decode worker: prefill locally when fewer uncached prompt tokens remain "
-        f"(default {DEFAULT_REMOTE_MIN_TOKENS})",
+        f"(default {DEFAULT_REMOTE_MIN_TOKENS}; with --prefill-replicas/--decode-replicas "
+        f"{POOLS_REMOTE_MIN_TOKENS}: every full block comes from the prefill pool)",
     )
     group.add_argument(
         "--kv-stream-chunks",
@@ -94,13 +96,20 @@ def add_kv_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def kv_transfer_config_from_args(args: argparse.Namespace) -> KVTransferConfig:
+def kv_transfer_config_from_args(
+    args: argparse.Namespace, *, pools: bool = False
+) -> KVTransferConfig:
+    """The ``--kv-*`` flags as a checked config; ``pools``: for prefill/decode pools
+    (an unset ``--kv-remote-min-tokens`` is then POOLS_REMOTE_MIN_TOKENS)."""
+    min_tokens = args.kv_remote_min_tokens
+    if min_tokens is None:
+        min_tokens = POOLS_REMOTE_MIN_TOKENS if pools else DEFAULT_REMOTE_MIN_TOKENS
     peers = tuple(p.strip() for p in (args.kv_prefill_peers or "").split(",") if p.strip())
     config = KVTransferConfig(
         kv_role=args.kv_role,
         kv_address=args.kv_address,
         kv_prefill_peers=peers,
-        kv_remote_min_tokens=args.kv_remote_min_tokens,
+        kv_remote_min_tokens=min_tokens,
         kv_stream_chunks=args.kv_stream_chunks,
         kv_transfer_timeout=args.kv_transfer_timeout,
         kv_load_failure_policy=args.kv_load_failure_policy,

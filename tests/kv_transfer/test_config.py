@@ -66,3 +66,15 @@ def test_worker_roles_need_hashes_stable_across_processes():
     config = KVTransferConfig(kv_role="prefill", kv_address="127.0.0.1:1")
     with pytest.raises(ValueError, match="stable sha256"):
         build_connector(config, block_size=16, kv_dtype="float32", hash_algo="builtin")
+
+
+def test_pools_send_every_full_block_unless_the_flag_is_given():
+    """--prefill-replicas/--decode-replicas: an unset --kv-remote-min-tokens means every
+    full block comes from the prefill pool; an explicit value is kept either way."""
+    parser = argparse.ArgumentParser()
+    add_kv_transfer_arguments(parser)
+    unset = parser.parse_args([])
+    assert kv_transfer_config_from_args(unset).kv_remote_min_tokens == 256
+    assert kv_transfer_config_from_args(unset, pools=True).kv_remote_min_tokens == 1
+    given = parser.parse_args(["--kv-remote-min-tokens", "256"])
+    assert kv_transfer_config_from_args(given, pools=True).kv_remote_min_tokens == 256
