@@ -236,7 +236,7 @@ def _convert_gguf_cached(gguf_path: Path, cache_name: str) -> Path:
         t0 = time.monotonic()
         _progress(
             f"converting {gguf_path.name} once into {cache_dir() / 'models' / name} "
-            "(this takes ~25 s for the default model; later starts reuse it)"
+            "(this takes ~12 s for the default model; later starts reuse it)"
         )
         convert_gguf(gguf_path, tmp)
         _progress(f"converted {gguf_path.name} in {time.monotonic() - t0:.1f} s")

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,46 @@ def _progress(msg: str) -> None:
     print(f"kvserve: {msg}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """While open, transformers parses each GGUF file once and builds gguf's tensor-name
+    map once per (architecture, layer count).
+
+    transformers reads a GGUF with ``gguf.GGUFReader`` for the tokenizer, the config
+    and the weights (2.5-4 s each on the default model: its tokenizer's 49k-entry
+    arrays become one NumPy view per element), and builds a ``TensorNameMap`` for
+    every module it walks (about 400 x 14 ms). Both results are read-only to it, so
+    one of each is shared. The patch covers the ``gguf`` module's attributes (which
+    transformers imports inside its functions) and is undone on exit; callers keep
+    conversions of one process serial (the conversion cache's file lock does).
+    """
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, int, int], Any] = {}
+    maps: dict[tuple[Any, int], Any] = {}
+
+    def reader(path: Any, mode: Any = "r") -> Any:
+        if mode != "r":
+            return real_reader(path, mode)
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    def name_map(arch: Any, n_blocks: int) -> Any:
+        if (arch, n_blocks) not in maps:
+            maps[(arch, n_blocks)] = real_map(arch, n_blocks)
+        return maps[(arch, n_blocks)]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map  # type: ignore[misc]
+
+
 def write_gguf_metadata(gguf_path: Path, out_dir: Path) -> None:
     arch = supported_gguf_architecture(gguf_path)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -87,8 +128,9 @@ def write_gguf_metadata(gguf_path: Path, out_dir: Path) -> None:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        with _gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
     except (ValueError, NotImplementedError, KeyError, OSError) as e:
         raise ValueError(f"cannot read GGUF file {str(gguf_path)!r}: {e}") from e
     finally:
@@ -156,12 +198,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     progress = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        _progress("  reading the tokenizer and chat template")
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-        _progress("  dequantizing the weights to float32 (the longest part)")
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, local_files_only=True, dtype=torch.float32
-        )
+        with _gguf_parsed_once():
+            _progress("  reading the tokenizer and chat template")
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+            _progress("  dequantizing the weights to float32 (the longest part)")
+            hf_model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, local_files_only=True, dtype=torch.float32
+            )
     except (ValueError, NotImplementedError, KeyError, OSError) as e:
         raise ValueError(
             f"cannot convert GGUF file {str(gguf_path)!r}: {e}. Supported: GGUF files of "

@@ -290,3 +290,43 @@ def test_metadata_folder_is_keyed_by_content(tmp_path, monkeypatch) -> None:
     assert calls == [a]
     assert loader.resolve_gguf_metadata(c, "other") != first
     assert calls == [a, c]
+
+
+def test_a_conversion_parses_each_gguf_once(tmp_path, monkeypatch) -> None:
+    """Inside ``_gguf_parsed_once`` every ``gguf.GGUFReader(path)`` of one unchanged file
+    is one parse, a changed file is parsed again, tensor-name maps are built once per
+    (arch, layers), and both ``gguf`` attributes are restored afterwards."""
+    import os
+
+    import gguf
+
+    from kvserve.model.model_files import _gguf_parsed_once
+
+    parses: list[str] = []
+    maps: list[tuple[object, int]] = []
+
+    class CountingReader:
+        def __init__(self, path, mode="r"):
+            parses.append(str(path))
+
+    def counting_map(arch, n_blocks):
+        maps.append((arch, n_blocks))
+        return object()
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counting_map)
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    with _gguf_parsed_once():
+        first = gguf.GGUFReader(f)
+        assert gguf.GGUFReader(str(f)) is first and len(parses) == 1
+        st = f.stat()
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        assert gguf.GGUFReader(f) is not first and len(parses) == 2  # changed: parsed again
+        gguf.GGUFReader(f, "r+")  # a writable reader is never shared
+        assert len(parses) == 3
+        m = gguf.get_tensor_name_map("llama", 30)
+        assert gguf.get_tensor_name_map("llama", 30) is m
+        gguf.get_tensor_name_map("llama", 2)
+        assert maps == [("llama", 30), ("llama", 2)]
+    assert gguf.GGUFReader is CountingReader and gguf.get_tensor_name_map is counting_map
