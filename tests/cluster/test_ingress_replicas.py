@@ -234,3 +234,23 @@ def test_with_several_routers_a_new_prefix_ignores_small_load_differences() -> N
     assert skewed.choose(replicas, keys).replica == other
     with pytest.raises(ValueError, match="routers"):
         RoutingConfig(routers=0)
+
+
+def test_only_engine_replicas_keep_serves_shutdown_wait() -> None:
+    """The hub and the ingresses (removed only when the application stops) wait 0.2 s
+    before stopping, not Serve's 2 s; engine replicas, which autoscaling removes while
+    requests may still be routed to them, keep Serve's wait and the drain timeout."""
+    pytest.importorskip("ray.serve")
+    from kvserve.cluster.app import ClusterOptions, build_application
+
+    app = build_application(ClusterOptions(num_replicas=2, threads_per_replica=1))
+    ingress = app._bound_deployment
+    bound = {ingress.name: ingress}
+    for arg in [*ingress.init_args, *ingress.init_kwargs.values()]:
+        dep = getattr(arg, "_bound_deployment", None)
+        if dep is not None:
+            bound[dep.name] = dep
+    assert set(bound) == {"KVServeIngress", "EngineReplica", "MetricsHub"}
+    waits = {n: d._deployment_config.graceful_shutdown_wait_loop_s for n, d in bound.items()}
+    assert waits == {"KVServeIngress": 0.2, "MetricsHub": 0.2, "EngineReplica": 2.0}
+    assert bound["EngineReplica"]._deployment_config.graceful_shutdown_timeout_s == 30.0
