@@ -56,10 +56,14 @@ def start_app(opts: Any, host: str, port: int) -> None:
 
 
 def stop_app() -> None:
+    """Delete the app (its replicas drain and stop), then stop Serve and disconnect."""
     import ray
     from ray import serve
 
+    from kvserve.cluster.app import APP_NAME
+
     try:
+        serve.delete(APP_NAME)
         serve.shutdown()
     finally:
         ray.shutdown()

@@ -254,3 +254,33 @@ def test_only_engine_replicas_keep_serves_shutdown_wait() -> None:
     waits = {n: d._deployment_config.graceful_shutdown_wait_loop_s for n, d in bound.items()}
     assert waits == {"KVServeIngress": 0.2, "MetricsHub": 0.2, "EngineReplica": 2.0}
     assert bound["EngineReplica"]._deployment_config.graceful_shutdown_timeout_s == 30.0
+
+
+def test_stop_deletes_the_app_before_serve_shuts_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM's stop deletes the app first (its replicas drain and stop), then shuts
+    Serve down and disconnects: ``serve.shutdown`` alone left the controller waiting
+    out its 30 s timeout ("Controller failed to shut down within 30.0s"), so every stop
+    of ``kvserve serve --replicas 2`` took 38 s here, 8 s with the delete first."""
+    pytest.importorskip("ray.serve")
+    import ray
+    from ray import serve
+
+    from kvserve.cluster.app import APP_NAME
+    from kvserve.cluster.launcher import stop_app
+
+    calls: list[str] = []
+    monkeypatch.setattr(serve, "delete", lambda name, *a, **k: calls.append(f"delete {name}"))
+    monkeypatch.setattr(serve, "shutdown", lambda *a, **k: calls.append("serve.shutdown"))
+    monkeypatch.setattr(ray, "shutdown", lambda *a, **k: calls.append("ray.shutdown"))
+    stop_app()
+    assert calls == [f"delete {APP_NAME}", "serve.shutdown", "ray.shutdown"]
+
+    def failing_delete(name: str, *a: Any, **k: Any) -> None:
+        calls.append("delete failed")
+        raise RuntimeError("controller gone")
+
+    calls.clear()
+    monkeypatch.setattr(serve, "delete", failing_delete)
+    with pytest.raises(RuntimeError):
+        stop_app()
+    assert calls == ["delete failed", "ray.shutdown"]  # still disconnects
