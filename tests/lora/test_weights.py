@@ -201,12 +201,13 @@ def test_native_row_is_bitwise_the_same_alone_and_in_a_batch(weights, dtype) -> 
         w.native = saved
 
 
-def _odd_case(wdtype: torch.dtype, xdtype: torch.dtype, seed: int = 0):  # type: ignore[no-untyped-def]
+def _odd_case(wdtype: torch.dtype, xdtype: torch.dtype, seed: int = 0, rank: int = 3):  # type: ignore[no-untyped-def]
     """Shapes off every block size: in 37 (not a multiple of 16 or 32), rank 3 (P*R = 9:
-    two blocks of 4 A rows and one), parts of 70, 5 and 21 columns (64-column blocks,
-    16-column blocks and scalar tails); 11 rows over 3 slots and the base."""
+    two blocks of 4 A rows and one; an even rank takes the bf16 pair expand), parts of
+    70, 5 and 21 columns (64-column blocks, 16-column blocks and scalar tails); 11 rows
+    over 3 slots and the base."""
     g = torch.Generator().manual_seed(seed)
-    slots, rank, in_f, offs = 3, 3, 37, [0, 70, 75, 96]
+    slots, in_f, offs = 3, 37, [0, 70, 75, 96]
     a = (torch.randn(slots, 3 * rank, in_f, generator=g) * 0.3).to(wdtype)
     bt = (torch.randn(slots, rank, offs[-1], generator=g) * 0.3).to(wdtype)
     row_slots = [2, 0, 0, -1, 1, 0, 0, 0, 0, 2, 0]
@@ -215,17 +216,19 @@ def _odd_case(wdtype: torch.dtype, xdtype: torch.dtype, seed: int = 0):  # type:
     return a, bt, row_slots, x, y, offs, rank
 
 
+@pytest.mark.parametrize("rank", [3, 4])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 def test_odd_shapes_native_and_portable_match_torch(
-    tmp_path: Path, wdtype: torch.dtype, xdtype: torch.dtype
+    tmp_path: Path, wdtype: torch.dtype, xdtype: torch.dtype, rank: int
 ) -> None:
     """Every block and tail of the tiled kernel (AVX-512 build, and the portable one)
-    against the torch reference, in every rows x weights dtype; base rows untouched."""
+    against the torch reference, in every rows x weights dtype and an odd and an even
+    rank (bf16 x bf16 with an even rank: the pair expand); base rows untouched."""
     native = native_lora_kernel()
     if native is None:
         pytest.skip("no native LoRA kernel here")
-    a, bt, row_slots, x, y, offs, rank = _odd_case(wdtype, xdtype)
+    a, bt, row_slots, x, y, offs, rank = _odd_case(wdtype, xdtype, rank=rank)
     batch = LoRABatch.from_row_slots(row_slots)
     assert batch is not None
     want = y.clone()
@@ -238,14 +241,17 @@ def test_odd_shapes_native_and_portable_match_torch(
         assert torch.equal(got[3], y[3])
 
 
+@pytest.mark.parametrize("rank", [3, 4])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_tiled_rows_are_bitwise_alone_and_in_a_batch(wdtype: torch.dtype, threads: int) -> None:
+def test_tiled_rows_are_bitwise_alone_and_in_a_batch(
+    wdtype: torch.dtype, threads: int, rank: int
+) -> None:
     """A row's delta is the same bitwise alone, in tiles of 2-4 rows and over threads."""
     native = native_lora_kernel()
     if native is None:
         pytest.skip("no native LoRA kernel here")
-    a, bt, row_slots, x, y, offs, rank = _odd_case(wdtype, torch.bfloat16, seed=1)
+    a, bt, row_slots, x, y, offs, rank = _odd_case(wdtype, torch.bfloat16, seed=1, rank=rank)
     offsets = torch.tensor(offs)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -10,7 +10,9 @@
 //
 // Rows of one slot run in tiles of up to kTile that share each load of A and Bt; the
 // shrink (x . A) is register-blocked over kTile rows x kRanks rows of A, the expand
-// (xa . Bt) over kTile rows x kCols 16-column blocks. Every (row, output) sum runs in
+// (xa . Bt) over kTile rows x kCols 16-column blocks (bf16 rows and bf16 Bt with an even
+// rank: xa rounded to bf16 and two ranks per vdpbf16ps). Weights are prefetched one
+// block ahead. Every (row, output) sum runs in
 // one fixed order whatever the tile and block sizes, so a row's result does not depend
 // on the other rows of the batch or on the thread count. Paths: AVX-512 (with
 // AVX512_BF16, bf16 rows times bf16 A use vdpbf16ps, 32 products per instruction;
@@ -32,6 +34,11 @@ using kvs::bf16_t;
 constexpr int kTile = 4;   // rows of one slot sharing each load of A and Bt
 constexpr int kRanks = 4;  // rows of A per shrink block
 constexpr int kCols = 4;   // 16-column blocks per expand block
+constexpr int kPairCols = 2;  // 32-column blocks per bf16 pair expand block
+constexpr int kMaxPairRanks = 128;  // parts x rank / 2 held for the pair expand
+// blocks ahead that the shrink and the expand prefetch the weights they read (1, 2
+// and 4 measured: 1 was fastest for decode rows, AMD EPYC Zen 4)
+constexpr int kPrefetchBlocks = 1;
 // weight elements read per thread below which another thread costs more than it
 // saves (a decode step's delta is a few hundred thousand per call)
 constexpr int64_t kWorkPerThread = 1 << 17;
@@ -77,8 +84,14 @@ inline void shrink_block_bf16(const bf16_t* const* xr, int64_t in_f, const bf16_
     const int64_t left = in_f - i;
     const __mmask32 m = left >= 32 ? ~__mmask32(0) : ((__mmask32(1) << left) - 1);
     __m512bh av[NJ];
-    for (int jj = 0; jj < NJ; ++jj)
+    for (int jj = 0; jj < NJ; ++jj) {
       av[jj] = (__m512bh)_mm512_maskz_loadu_epi16(m, a + (j + jj) * in_f + i);
+      // rows of A kPrefetchBlocks blocks on: a row is only in_f elements, a few cache
+      // lines, too short for the hardware prefetcher to ramp up on
+      if (j + jj + kPrefetchBlocks * NJ < pr)
+        _mm_prefetch(reinterpret_cast<const char*>(a + (j + jj + kPrefetchBlocks * NJ) * in_f + i),
+                     _MM_HINT_T0);
+    }
     for (int k = 0; k < N; ++k) {
       const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xr[k] + i);
       for (int jj = 0; jj < NJ; ++jj) v[k][jj] = _mm512_dpbf16_ps(v[k][jj], av[jj], xv);
@@ -124,10 +137,16 @@ inline void expand_block(T* const* yr, const W* b, int64_t out_f, const float* x
   __m512 v[N][NC];
   for (int k = 0; k < N; ++k)
     for (int cc = 0; cc < NC; ++cc) v[k][cc] = _mm512_setzero_ps();
+  // the same rows of Bt kPrefetchBlocks blocks on (rank short streams at once)
+  const int64_t ahead = c + kPrefetchBlocks * 16 * NC;
+  constexpr int kLines = static_cast<int>((16 * NC * sizeof(W) + 63) / 64);
   for (int r = 0; r < rank; ++r) {
     __m512 bv[NC];
-    for (int cc = 0; cc < NC; ++cc)
-      bv[cc] = kvs::load16(b + static_cast<int64_t>(r) * out_f + c + 16 * cc);
+    const W* br = b + static_cast<int64_t>(r) * out_f;
+    for (int cc = 0; cc < NC; ++cc) bv[cc] = kvs::load16(br + c + 16 * cc);
+    if (ahead < out_f)
+      for (int ln = 0; ln < kLines; ++ln)
+        _mm_prefetch(reinterpret_cast<const char*>(br + ahead) + 64 * ln, _MM_HINT_T0);
     for (int k = 0; k < N; ++k) {
       const __m512 xb = _mm512_set1_ps(xp[k * pr + r]);
       for (int cc = 0; cc < NC; ++cc) v[k][cc] = _mm512_fmadd_ps(xb, bv[cc], v[k][cc]);
@@ -141,16 +160,95 @@ inline void expand_block(T* const* yr, const W* b, int64_t out_f, const float* x
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// Expand block for bfloat16 rows and bfloat16 Bt with xa rounded to bfloat16 (xh:
+// the tile's xa as bf16 pairs, xh[k * pr / 2 + r / 2] = (xa[r], xa[r + 1])): columns
+// [c, c + 32 NC), two ranks per vdpbf16ps. Rows r and r + 1 of Bt are interleaved by
+// unpacklo/hi_epi16, so within each 128-bit lane the lo sums hold columns 0-3 and the
+// hi sums columns 4-7 of that lane's 8; y is split the same way and packed back.
+template <int N, int NC>
+inline void expand_block_bf16(bf16_t* const* yr, const bf16_t* b, int64_t out_f,
+                              const uint32_t* xh, int64_t pr, int rank, int64_t c) {
+  __m512 vl[N][NC], vh[N][NC];
+  for (int k = 0; k < N; ++k)
+    for (int cc = 0; cc < NC; ++cc) vl[k][cc] = vh[k][cc] = _mm512_setzero_ps();
+  const int64_t ahead = c + kPrefetchBlocks * 32 * NC;
+  for (int r = 0; r < rank; r += 2) {
+    const bf16_t* b0 = b + static_cast<int64_t>(r) * out_f;
+    const bf16_t* b1 = b0 + out_f;
+    __m512bh bl[NC], bh[NC];
+    for (int cc = 0; cc < NC; ++cc) {
+      const __m512i w0 = _mm512_loadu_si512(b0 + c + 32 * cc);
+      const __m512i w1 = _mm512_loadu_si512(b1 + c + 32 * cc);
+      bl[cc] = (__m512bh)_mm512_unpacklo_epi16(w0, w1);
+      bh[cc] = (__m512bh)_mm512_unpackhi_epi16(w0, w1);
+    }
+    if (ahead < out_f)
+      for (int ln = 0; ln < NC; ++ln) {
+        _mm_prefetch(reinterpret_cast<const char*>(b0 + ahead) + 64 * ln, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b1 + ahead) + 64 * ln, _MM_HINT_T0);
+      }
+    for (int k = 0; k < N; ++k) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xh[k * (pr / 2) + r / 2]));
+      for (int cc = 0; cc < NC; ++cc) {
+        vl[k][cc] = _mm512_dpbf16_ps(vl[k][cc], bl[cc], xb);
+        vh[k][cc] = _mm512_dpbf16_ps(vh[k][cc], bh[cc], xb);
+      }
+    }
+  }
+  const __m512i zero = _mm512_setzero_si512(), bias = _mm512_set1_epi32(0x7fff),
+                one = _mm512_set1_epi32(1);
+  auto round_hi = [&](__m512 v) {  // round to nearest even as kvs::store16, bits >> 16
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(bias, lsb)), 16);
+  };
+  for (int k = 0; k < N; ++k)
+    for (int cc = 0; cc < NC; ++cc) {
+      bf16_t* p = yr[k] + c + 32 * cc;
+      const __m512i yv = _mm512_loadu_si512(p);
+      const __m512 sl = _mm512_add_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, yv)), vl[k][cc]);
+      const __m512 sh = _mm512_add_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, yv)), vh[k][cc]);
+      _mm512_storeu_si512(p, _mm512_packus_epi32(round_hi(sl), round_hi(sh)));
+    }
+}
+#endif
+
 // One tile: N rows of one slot (row pointers xr into x, yr into y).
 template <int N, typename T, typename W>
 void lora_tile(const T* const* xr, T* const* yr, int64_t in_f, int64_t out_f, const W* As,
                const W* Bs, const int64_t* offsets, int parts, int rank, float* xf, float* xa) {
   const int64_t pr = static_cast<int64_t>(parts) * rank;
   shrink<N>(xr, in_f, As, pr, xf, xa);
+#if defined(__AVX512BF16__)
+  // bf16 rows and bf16 Bt, even rank: the expand reads xa rounded to bf16 (as the
+  // model's own dtype; vLLM's expand does the same), two ranks per instruction
+  constexpr bool kPairs = std::is_same_v<T, bf16_t> && std::is_same_v<W, bf16_t>;
+  uint32_t xh[kTile * kMaxPairRanks];
+  const bool pairs = kPairs && rank % 2 == 0 && pr <= 2 * kMaxPairRanks;
+  if (pairs)
+    for (int k = 0; k < N; ++k)
+      for (int64_t j = 0; j < pr; j += 2) {
+        bf16_t lo16, hi16;
+        kvs::from_f32(xa[k * pr + j], &lo16);
+        kvs::from_f32(xa[k * pr + j + 1], &hi16);
+        xa[k * pr + j] = kvs::to_f32(lo16);  // the tails below read the same values
+        xa[k * pr + j + 1] = kvs::to_f32(hi16);
+        xh[k * (pr / 2) + j / 2] = static_cast<uint32_t>(lo16) | (static_cast<uint32_t>(hi16) << 16);
+      }
+#endif
   for (int p = 0; p < parts; ++p) {
     const int64_t lo = offsets[p], hi = offsets[p + 1];
     const float* xp = xa + static_cast<int64_t>(p) * rank;
     int64_t c = lo;
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs)
+      if (pairs)
+        for (; c + 32 * kPairCols <= hi; c += 32 * kPairCols)
+          expand_block_bf16<N, kPairCols>(reinterpret_cast<bf16_t* const*>(yr),
+                                          reinterpret_cast<const bf16_t*>(Bs), out_f,
+                                          xh + p * (rank / 2), pr, rank, c);
+#endif
 #if defined(__AVX512F__)
     for (; c + 16 * kCols <= hi; c += 16 * kCols)
       expand_block<N, kCols>(yr, Bs, out_f, xp, pr, rank, c);
