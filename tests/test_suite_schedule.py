@@ -88,3 +88,26 @@ def test_the_tables_name_files_of_the_suite() -> None:
     listed = set(conftest.FILE_SECONDS) | {f for g in conftest.SAME_WORKER.values() for f in g}
     missing = sorted(f for f in listed if not (REPO / f).is_file())
     assert not missing, f"tests/conftest.py lists files that are gone: {missing}"
+
+
+def test_a_worker_gets_its_share_of_the_cores() -> None:
+    assert conftest.worker_threads({"PYTEST_XDIST_WORKER_COUNT": "2"}, 2) == 1
+    assert conftest.worker_threads({"PYTEST_XDIST_WORKER_COUNT": "2"}, 16) == 8
+    assert conftest.worker_threads({"PYTEST_XDIST_WORKER_COUNT": "4"}, 2) == 1
+    # the caller's setting is kept, and one process (no xdist) uses every core
+    assert (
+        conftest.worker_threads({"PYTEST_XDIST_WORKER_COUNT": "2", "OMP_NUM_THREADS": "2"}, 2)
+        is None
+    )
+    assert conftest.worker_threads({}, 2) is None
+
+
+def test_this_worker_runs_its_share() -> None:
+    """Under ``make test`` (2 workers) each worker's torch runs cores // 2 threads."""
+    import os
+
+    torch = pytest.importorskip("torch")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if count is None:
+        pytest.skip("not under xdist")
+    assert os.environ["OMP_NUM_THREADS"] == str(torch.get_num_threads())

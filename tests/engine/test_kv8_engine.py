@@ -68,15 +68,16 @@ def _same_greedy_or_near_tie(eager, compiled) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_name", ["int8", "fp8_e4m3"])
-def test_compile_with_8bit_kv_reads_the_cache_in_place(kv_name, tmp_path, monkeypatch):
+def test_compile_with_8bit_kv_reads_the_cache_in_place(
+    kv_name, small_model_dir, tmp_path, monkeypatch
+):
     """--compile with an 8-bit cache: compiled decode steps give the eager 8-bit
     engine's greedy tokens, through the one in-place operator (the compiled code calls
-    kvserve.kv8_write_and_attend and never copies a layer's cache)."""
-    from kvserve.model.loader import load_tokenizer
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cold compile
-    tok = load_tokenizer("smollm2-135m-instruct")
+    kvserve.kv8_write_and_attend and never copies a layer's cache). On the 2-layer
+    model of the default model's layout, as tests/worker/test_compiled_step.py."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a cold compile
     common = dict(
+        model=str(small_model_dir),
         dtype="float32",
         kv_cache_dtype=kv_name,
         max_model_len=256,
@@ -90,7 +91,7 @@ def test_compile_with_8bit_kv_reads_the_cache_in_place(kv_name, tmp_path, monkey
         max_step_ms=0,
         num_kv_blocks=64,
     )
-    prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):")]
+    prompts = [[5, 17, 300, 41, 9], [77, 3, 12, 900, 450, 11]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     eager = LLM(**common).generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     llm = LLM(compile=True, **common)
@@ -102,7 +103,7 @@ def test_compile_with_8bit_kv_reads_the_cache_in_place(kv_name, tmp_path, monkey
     for a, b in zip(eager, outs, strict=True):
         _same_greedy_or_near_tie(a.outputs[0], b.outputs[0])
     llm.engine.check_no_leaks()
-    code = "\n".join(p.read_text() for p in tmp_path.rglob("*.py"))
+    code = "\n".join(p.read_text() for p in (tmp_path / "inductor").rglob("*.py"))
     assert "def call(" in code and "kvserve.kv8_write_and_attend" in code
     layer_cache = llm.engine.runner.kv_caches[0]  # type: ignore[attr-defined]
     assert f"{layer_cache.numel()}L" not in code, "a compiled kernel copies a layer's cache"

@@ -68,3 +68,33 @@ def save_tiny_hf_llama(
         num_key_value_heads=1,
     )
     save_hf_folder(LlamaForCausalLM(cfg), folder, tokenizer_dir)
+
+
+def save_small_llama_like_default(folder: Path, tokenizer_dir: Path) -> None:
+    """A 2-layer HF Llama with the default model's layout at a smaller width: head_dim
+    64, 3 query heads per KV head, tied embeddings, rope theta 100000 (vocab 1024,
+    hidden 192, intermediate 512, 512 positions). Weights N(0, 0.1) after
+    ``torch.manual_seed(0)``, norms one, so greedy picks are clear. For tests whose
+    subject is the engine's code path (``--compile``), not the model: the compile of
+    a 2-layer graph takes a fraction of the 30-layer default's. Saved by
+    :func:`save_hf_folder`; prompts must use token ids below 1024."""
+    from transformers import LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=192,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.1)
+    save_hf_folder(model, folder, tokenizer_dir)
