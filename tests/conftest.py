@@ -36,46 +36,35 @@ def kvserve_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
 # two tests each) came last and one worker ran them alone while the other sat idle.
 # The scheduler below hands out the costliest work first (longest processing time
 # first), from the seconds each file took in a full run (`--durations=0`, summed per
-# file, empty caches, 2 workers; 2026-12-07 on a machine shared with other runs, so
-# about twice the CI figures: only their order matters); a file not listed costs 0
+# file, 2 workers of one thread each; 2026-12-08, AMD EPYC Zen 4, 2 cores; the two
+# --compile files measured alone after they moved to a small model): only their order
+# matters; a file not listed costs 0
 # and keeps xdist's order after the listed ones. Refresh the figures when a file's cost changes much.
 FILE_SECONDS: dict[str, float] = {
-    "tests/engine/test_engine_e2e.py": 391,
-    "tests/cluster/test_autoscale_ramp.py": 262,
-    "tests/cluster/test_cluster_e2e.py": 224,
-    "tests/cluster/test_pools_e2e.py": 140,
-    "tests/kv_transfer/test_disagg_e2e.py": 192,
-    "tests/engine/test_kv8_engine.py": 186,
-    "tests/determinism/test_default_reach.py": 154,
-    "tests/engine/test_engine_invariance.py": 130,
-    "tests/worker/test_compiled_step.py": 116,
-    "tests/model/test_synthetic.py": 113,
-    "tests/spec_decode/test_spec_exact.py": 80,
-    "tests/model/test_kv8_fidelity.py": 69,
-    "tests/entrypoints/test_openapi.py": 51,
-    "tests/model/test_batch_invariance.py": 48,
-    "tests/kv_offload/test_offload_engine.py": 46,
-    "tests/model/test_attention.py": 45,
-    "tests/lora/test_lora_engine.py": 44,
-    "tests/entrypoints/test_hardening_round2.py": 44,
-    "tests/entrypoints/test_server_lifecycle.py": 43,
-    "tests/model/test_model_vs_hf.py": 40,
-    "tests/entrypoints/test_kv_ceiling.py": 31,
-    "tests/kv_offload/test_offload_server.py": 29,
-    "tests/entrypoints/test_http_hardening.py": 28,
-    "tests/engine/test_step_trace.py": 28,
-    "tests/entrypoints/test_server_openai.py": 26,
-    "tests/entrypoints/test_server_errors.py": 23,
-    "tests/kv_cache/test_kv_properties.py": 22,
-    "tests/entrypoints/tools/test_tools_openai.py": 21,
-    "tests/engine/test_request_surface.py": 21,
-    "tests/entrypoints/tools/test_real_clients.py": 18,
-    "tests/entrypoints/test_lora_server.py": 16,
-    "tests/entrypoints/test_server_shutdown.py": 14,
-    "tests/lora/test_weights.py": 14,
-    "tests/worker/test_step_cost.py": 14,
-    "tests/sched/test_sched_properties.py": 13,
-    "tests/entrypoints/chat/test_tool_stream.py": 12,
+    "tests/cluster/test_pools_e2e.py": 124,
+    "tests/cluster/test_cluster_e2e.py": 99,
+    "tests/engine/test_engine_e2e.py": 78,
+    "tests/cluster/test_autoscale_ramp.py": 76,
+    "tests/kv_transfer/test_disagg_e2e.py": 55,
+    "tests/spec_decode/test_spec_exact.py": 52,
+    "tests/determinism/test_default_reach.py": 41,
+    "tests/model/test_batch_invariance.py": 39,
+    "tests/model/test_synthetic.py": 35,
+    "tests/model/test_model_vs_hf.py": 31,
+    "tests/engine/test_kv8_engine.py": 27,
+    "tests/worker/test_compiled_step.py": 26,
+    "tests/lora/test_lora_engine.py": 25,
+    "tests/kv_offload/test_offload_engine.py": 24,
+    "tests/entrypoints/test_server_openai.py": 18,
+    "tests/kv_offload/test_offload_server.py": 17,
+    "tests/model/test_kv8_fidelity.py": 13,
+    "tests/entrypoints/tools/test_real_clients.py": 13,
+    "tests/entrypoints/test_openapi.py": 12,
+    "tests/engine/test_engine_invariance.py": 12,
+    "tests/lora/test_weights.py": 11,
+    "tests/entrypoints/test_hardening_round2.py": 11,
+    "tests/entrypoints/test_server_shutdown.py": 11,
+    "tests/entrypoints/test_http_hardening.py": 11,
 }
 
 # Files that must not run at the same time as each other: one worker runs them in turn
