@@ -70,6 +70,15 @@ def save_tiny_hf_llama(
     save_hf_folder(LlamaForCausalLM(cfg), folder, tokenizer_dir)
 
 
+# the default model's layout (SmolLM2-135M: head_dim 64, 3 query heads per KV head,
+# tied embeddings, rope theta 100000) at 2 layers and a smaller width
+SMALL_LIKE_DEFAULT: dict[str, Any] = {
+    "vocab_size": 1024, "hidden_size": 192, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1,
+    "max_position_embeddings": 512, "rope_theta": 100000.0, "tie_word_embeddings": True,
+}  # fmt: skip
+
+
 def save_small_llama_like_default(folder: Path, tokenizer_dir: Path) -> None:
     """A 2-layer HF Llama with the default model's layout at a smaller width: head_dim
     64, 3 query heads per KV head, tied embeddings, rope theta 100000 (vocab 1024,
@@ -80,17 +89,7 @@ def save_small_llama_like_default(folder: Path, tokenizer_dir: Path) -> None:
     :func:`save_hf_folder`; prompts must use token ids below 1024."""
     from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=192,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        max_position_embeddings=512,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-    )
+    cfg = LlamaConfig(**SMALL_LIKE_DEFAULT)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
